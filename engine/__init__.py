@@ -1,1 +1,12 @@
-"""pdserve.engine."""
+"""pdserve.engine: one process's model runtime (DESIGN.md, Layout).
+
+The offline API mirrors vLLM's: ``LLM``, ``SamplingParams``, ``RequestOutput``.
+"""
+
+from pdserve.engine.llm import LLM
+from pdserve.engine.llm_engine import EngineConfig, EngineOutput, LLMEngine
+from pdserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "EngineOutput", "SamplingParams",
+           "RequestOutput", "CompletionOutput", "TokenLogprob"]

@@ -1,0 +1,53 @@
+"""Chained, process-stable block hashes for prefix caching (DESIGN.md, The KV cache).
+
+``h_i = H(h_{i-1} || token_ids of block i as int64 little-endian || extra)`` with ``H``
+SHA-256 truncated to 16 bytes, ``h_{-1}`` derived from the model name and block size, and
+``extra`` the request's ``cache_salt`` (UTF-8) where given. Only full blocks are hashed.
+The router and every worker call these functions, so the same prompt hashes the same on
+every machine (never Python's ``hash()``, which is salted per process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+BLOCK_HASH_BYTES = 16
+
+
+def root_block_hash(model_name: str, block_size: int) -> bytes:
+    """``h_{-1}``: 16 bytes derived from the served model name and the block size (tokens)."""
+    seed = f"pdserve-block-hash-v1\x00{model_name}\x00{block_size}".encode()
+    return hashlib.sha256(seed).digest()[:BLOCK_HASH_BYTES]
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """``H(parent_hash || token_ids as int64 LE || extra)``, 16 bytes."""
+    payload = np.asarray(token_ids, dtype="<i8").tobytes()
+    return hashlib.sha256(parent_hash + payload + extra).digest()[:BLOCK_HASH_BYTES]
+
+
+def hash_block_chain(
+    token_ids: Sequence[int],
+    block_size: int,
+    root_hash: bytes,
+    cache_salt: str | None = None,
+    *,
+    parent_hashes: Sequence[bytes] = (),
+) -> list[bytes]:
+    """Hashes of every full block of ``token_ids``; a trailing partial block is not hashed.
+
+    ``parent_hashes`` are already-known hashes of the leading blocks (extended, not
+    recomputed), so a growing sequence hashes each block once.
+
+    Example: 40 tokens with ``block_size=16`` give 2 hashes (tokens 0-15, 16-31).
+    """
+    extra = cache_salt.encode() if cache_salt else b""
+    hashes = list(parent_hashes)
+    parent = hashes[-1] if hashes else root_hash
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,182 @@
+"""Model and engine configuration, read from a local Hugging Face checkpoint.
+
+``ModelConfig.from_pretrained`` reads ``config.json`` directly (both the transformers 4
+``rope_scaling``/``rope_theta`` keys and the transformers 5 ``rope_parameters`` form) and
+refuses anything pdserve would compute differently from transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# architecture -> (q/k/v bias forced on, per-head q/k RMSNorm)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or a config field is outside what pdserve computes."""
+
+
+def parse_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> torch.dtype:
+    """Resolve ``"auto"`` / a name / a ``torch.dtype`` to one of float32, bfloat16, float16.
+
+    Raises:
+        ValueError: the name is not one of ``auto``, ``float32``, ``bfloat16``, ``float16``
+            (``float``, ``half``, ``bf16``, ``fp16``, ``fp32`` are accepted aliases).
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use one of {list(_DTYPES)}")
+        return dtype
+    aliases = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
+               "bf16": "bfloat16"}
+    name = aliases.get(dtype, dtype)
+    if name == "auto":
+        name = aliases.get(checkpoint_dtype or "float32", checkpoint_dtype or "float32")
+        return _DTYPES.get(name, torch.float32)
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {list(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The decoder-only transformer family pdserve runs (Llama, Mistral, Qwen2, Qwen3).
+
+    The four architectures differ only in ``qkv_bias`` (Qwen2) and ``qk_norm`` (Qwen3);
+    ``rope_type`` selects the rotary frequencies (``llama3`` scaling for Llama 3.1).
+    Lengths are in tokens.
+    """
+
+    model: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    max_model_len: int
+    dtype: torch.dtype
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_type: str = "default"
+    rope_parameters: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_pretrained(
+        cls, model: str | os.PathLike, *, dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+    ) -> "ModelConfig":
+        """Read and validate ``<model>/config.json``.
+
+        Raises:
+            FileNotFoundError: no ``config.json`` in ``model``.
+            UnsupportedModelError: unknown architecture, activation, RoPE type, an
+                active sliding window shorter than ``max_model_len``, or MLP bias.
+            ValueError: a bad ``dtype`` or ``max_model_len`` outside
+                ``[1, max_position_embeddings]``.
+        """
+        path = Path(model)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file} not found: --model must be a local "
+                                    "Hugging Face checkpoint folder")
+        raw = json.loads(config_file.read_text())
+        arch = _architecture(raw)
+        force_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+        rope = _rope_parameters(raw)
+        max_pos = int(raw.get("max_position_embeddings", 2048))
+        if max_model_len is None:
+            max_model_len = max_pos
+        if not 1 <= max_model_len <= max_pos:
+            raise ValueError(f"max_model_len={max_model_len} must be in [1, {max_pos}] "
+                             "(the checkpoint's max_position_embeddings)")
+        _check_unsupported_fields(raw, max_model_len)
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        return cls(
+            model=str(path),
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            intermediate_size=int(raw["intermediate_size"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            max_position_embeddings=max_pos,
+            max_model_len=max_model_len,
+            dtype=parse_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype")),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=force_bias or bool(raw.get("attention_bias", False)),
+            qk_norm=qk_norm,
+            rope_type=rope.get("rope_type", "default"),
+            rope_parameters=rope,
+        )
+
+
+def _architecture(raw: dict) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise UnsupportedModelError(
+        f"architectures={archs} is not supported; pdserve runs {sorted(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _rope_parameters(raw: dict) -> dict[str, Any]:
+    """Merge transformers 4 (``rope_theta`` + ``rope_scaling``) and 5 (``rope_parameters``)."""
+    rope = dict(raw.get("rope_parameters") or {})
+    if raw.get("rope_scaling"):
+        rope.update(raw["rope_scaling"])
+    if "rope_theta" in raw:
+        rope.setdefault("rope_theta", raw["rope_theta"])
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
+        )
+    rope["rope_type"] = rope_type
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1.0 is not supported")
+    return rope
+
+
+def _check_unsupported_fields(raw: dict, max_model_len: int) -> None:
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act={act!r} is not supported; supported: ['silu']")
+    if raw.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=true is not supported; supported: mlp_bias=false")
+    window = raw.get("sliding_window")
+    uses_window = raw.get("use_sliding_window", raw.get("model_type") == "mistral")
+    layer_types = raw.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        uses_window = uses_window or window is not None
+    if uses_window and window is not None and int(window) < max_model_len:
+        raise UnsupportedModelError(
+            f"sliding_window={window} is shorter than max_model_len={max_model_len}; pdserve "
+            "supports full attention only: pass max_model_len <= sliding_window"
+        )

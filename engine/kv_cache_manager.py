@@ -1,0 +1,126 @@
+"""Per-request block allocation over the block pool, with prefix-cache lookups.
+
+Worked example (``block_size=4``): a 10-token prompt whose first 8 tokens match cached
+blocks ``[7, 3]`` gets ``get_computed_blocks -> ([7, 3], 8)``; ``allocate_slots(req, 2,
+[7, 3])`` then takes one new block for tokens 8-9, so ``block_ids == [7, 3, 12]``. After
+the step, the request holds 10 computed tokens; the partial block 12 is not hashed until
+two more tokens fill it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pdserve.engine.block_hash import hash_block_chain
+from pdserve.engine.block_pool import BlockPool, KVCacheBlock, KVEvent
+from pdserve.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns which blocks each request holds.
+
+    Args:
+        num_blocks: blocks in the KV cache.
+        block_size: token slots per block.
+        root_hash: ``h_{-1}`` of the block hash chain (``block_hash.root_block_hash``).
+        enable_prefix_caching: reuse blocks across requests by hash.
+        kv_event_callback: receives the pool's ``stored`` / ``removed`` events.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, root_hash: bytes,
+                 enable_prefix_caching: bool = True,
+                 kv_event_callback: Callable[[KVEvent], None] | None = None) -> None:
+        self.block_size = block_size
+        self.root_hash = root_hash
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, kv_event_callback)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def update_block_hashes(self, request: Request) -> list[bytes]:
+        """Hash any newly full blocks of ``request.all_token_ids``; returns all hashes."""
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            request.block_hashes = hash_block_chain(
+                request.all_token_ids, self.block_size, self.root_hash, request.cache_salt,
+                parent_hashes=request.block_hashes)
+        return request.block_hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached blocks matching the request's leading full blocks.
+
+        At most ``num_tokens - 1`` tokens count as hits, so the last token is always
+        computed (its logits give the next token). Returns (blocks, number of tokens).
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVCacheBlock] = ()) -> bool:
+        """Make room for ``num_new_tokens`` beyond the request's computed (and newly hit)
+        tokens. Returns False, changing nothing, when too few blocks are free.
+        """
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = num_needed - len(blocks) - len(new_computed_blocks)
+        # Hit blocks with ref count 0 sit in the free queue: touching them uses up free slots.
+        num_reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_reclaimed:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return False
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        if num_new_blocks > 0:
+            blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+        self.cache_blocks(request, num_computed + num_new_tokens)
+        return True
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Enter the request's blocks that are full of computed tokens into the cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        if num_full == 0:
+            return
+        hashes = self.update_block_hashes(request)
+        blocks = self.req_to_blocks[request.request_id]
+        self.pool.cache_full_blocks(blocks[:num_full], hashes[:num_full])
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds (tail first, so its prefix stays longest)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.pool.free_blocks(reversed(blocks))
+
+    def detach(self, request: Request) -> list[KVCacheBlock]:
+        """Hand the request's blocks, still referenced, to the caller (e.g. a KV lease);
+        the caller must later give them back with ``release_blocks``.
+        """
+        return self.req_to_blocks.pop(request.request_id, [])
+
+    def release_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop the references taken by ``detach`` (tail first)."""
+        self.pool.free_blocks(reversed(blocks))

@@ -1,0 +1,227 @@
+"""One process's engine: scheduler + KV cache manager + model runner, stepped in a loop.
+
+``step()`` is the whole engine (nano-vllm's shape)::
+
+    out = scheduler.schedule()
+    sampled = model_runner.execute(out, kv_cache_manager)
+    scheduler.update_from_output(out, sampled)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.block_hash import root_block_hash
+from pdserve.engine.block_pool import KVEvent
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.model_runner import ModelRunner, kv_cache_block_bytes
+from pdserve.engine.request import Logprob, Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+
+_CPU_KV_CACHE_BYTES = 4 << 30  # vLLM's VLLM_CPU_KVCACHE_SPACE default: 4 GiB
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything an engine needs; flag names follow vLLM's.
+
+    Sizes: ``max_model_len``, ``max_num_batched_tokens`` in tokens; ``block_size`` in
+    tokens per block; ``kv_cache_memory_bytes`` in bytes. ``device="auto"`` takes CUDA
+    when available. ``num_threads`` caps torch's CPU threads (None leaves torch's default).
+    """
+
+    model: str
+    served_model_name: str | None = None
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    device: str = "auto"
+    num_threads: int | None = None
+    load_progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size={self.block_size} must be a power of two <= 128")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """What one step produced for one request (token counts in tokens)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprob]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def checkpoint_eos_token_ids(model_dir: str | os.PathLike) -> set[int]:
+    """EOS ids from ``generation_config.json`` and ``config.json`` (int or list)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(int(v) for v in value)
+    return ids
+
+
+class LLMEngine:
+    """Single-process engine over a local checkpoint.
+
+    Args:
+        config: the engine settings.
+        kv_event_callback: receives prefix-cache ``KVEvent``s (for the Redis index).
+        eos_token_ids: overrides the checkpoint's EOS ids.
+
+    Raises:
+        ValueError: settings that cannot work (e.g. a KV cache too small for one
+            ``max_model_len`` sequence), naming the setting.
+    """
+
+    def __init__(self, config: EngineConfig,
+                 kv_event_callback: Callable[[KVEvent], None] | None = None,
+                 eos_token_ids: Sequence[int] | None = None) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = ModelConfig.from_pretrained(
+            config.model, dtype=config.dtype, max_model_len=config.max_model_len)
+        self.served_model_name = config.served_model_name or config.model
+        self.device = resolve_device(config.device)
+        self.eos_token_ids = frozenset(
+            eos_token_ids if eos_token_ids is not None else checkpoint_eos_token_ids(config.model))
+        self.model_runner = ModelRunner(self.model_config, config.block_size, self.device,
+                                        config.seed, config.load_progress)
+        self.num_blocks = self._num_kv_blocks()
+        self.model_runner.allocate_kv_cache(self.num_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks, config.block_size,
+            root_block_hash(self.served_model_name, config.block_size),
+            config.enable_prefix_caching, kv_event_callback)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            self.model_config.max_model_len),
+            self.kv_cache_manager)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    def _num_kv_blocks(self) -> int:
+        cfg, mc = self.config, self.model_config
+        block_bytes = kv_cache_block_bytes(mc, cfg.block_size)
+        min_blocks = cdiv(mc.max_model_len, cfg.block_size)
+        if cfg.num_gpu_blocks_override is not None:
+            num_blocks = cfg.num_gpu_blocks_override
+        elif cfg.kv_cache_memory_bytes is not None:
+            num_blocks = cfg.kv_cache_memory_bytes // block_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            num_blocks = int(total * cfg.gpu_memory_utilization - (total - free)) // block_bytes
+        else:
+            useful = cfg.max_num_seqs * min_blocks
+            num_blocks = min(_CPU_KV_CACHE_BYTES // block_bytes, useful)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {cfg.block_size} tokens, fewer than "
+                f"one max_model_len={mc.max_model_len} sequence needs ({min_blocks}); raise "
+                "kv_cache_memory_bytes / gpu_memory_utilization / num_gpu_blocks_override or "
+                "lower max_model_len")
+        return int(num_blocks)
+
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                     sampling_params: SamplingParams, cache_salt: str | None = None) -> Request:
+        """Validate a prompt and build its ``Request``.
+
+        Raises:
+            ValueError: an empty prompt, a token id outside ``[0, vocab_size)``, or a prompt
+                of ``max_model_len`` tokens or more.
+        """
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is required")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"The prompt (length {len(prompt)}) is longer than the maximum "
+                             f"model length of {self.max_model_len} minus one output token")
+        room = self.max_model_len - len(prompt)
+        max_tokens = room if sampling_params.max_tokens is None else min(
+            sampling_params.max_tokens, room)
+        return Request(request_id, prompt, sampling_params, self.eos_token_ids, max_tokens,
+                       cache_salt)
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    sampling_params: SamplingParams, cache_salt: str | None = None) -> Request:
+        """Queue a request (see ``make_request`` for the errors raised)."""
+        request = self.make_request(request_id, prompt_token_ids, sampling_params, cache_salt)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request at any point and free its blocks; False if it is not here."""
+        return self.scheduler.abort_request(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[EngineOutput]:
+        """Schedule, run the model once, and report each request's new tokens."""
+        out = self.scheduler.schedule()
+        if not out.requests:
+            return []
+        sampled = self.model_runner.execute(out, self.kv_cache_manager)
+        outputs = []
+        for request in self.scheduler.update_from_output(out, sampled):
+            _, logprob = sampled[request.request_id]
+            outputs.append(EngineOutput(
+                request.request_id, [request.output_token_ids[-1]],
+                [logprob] if logprob is not None else [], request.status.finished,
+                request.status.finish_reason, request.stop_reason, request.num_prompt_tokens,
+                request.num_cached_tokens))
+        return outputs
+
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.pool.num_free_blocks
+
+    def is_idle_and_clean(self) -> bool:
+        """True when no request is held and every block is free (for leak checks)."""
+        return (not self.has_unfinished_requests()
+                and self.num_free_blocks() == self.num_blocks
+                and not self.kv_cache_manager.req_to_blocks)
+
+
+__all__ = ["EngineConfig", "EngineOutput", "LLMEngine", "RequestStatus"]

@@ -1,0 +1,123 @@
+"""Turns a ``SchedulerOutput`` into one forward pass and samples the next tokens.
+
+Per-step metadata is built with numpy over the batch, never a Python loop per token.
+Worked example (``block_size=4``): request A decodes its 7th token (``num_computed=6``,
+1 new) with blocks ``[2, 9]``; request B prefills a chunk of 3 tokens from position 4 with
+blocks ``[5, 1]``. Then ``positions = [6, 4, 5, 6]``, ``slot_mapping = [9*4+2, 1*4+0,
+1*4+1, 1*4+2] = [38, 4, 5, 6]``, the decode part is A (``seq_lens=[7]``) and the prefill
+part is B (``cu_seqlens_q=[0, 3]``, ``seq_lens=[7]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.models.llama import AttentionMetadata
+from pdserve.engine.models.loader import load_model
+from pdserve.engine.request import Logprob, Request
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import SchedulerOutput
+
+
+def kv_cache_block_bytes(config: ModelConfig, block_size: int) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    itemsize = torch.empty((), dtype=config.dtype).element_size()
+    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * itemsize
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One forward pass's flat inputs; ``requests`` in batch order (decodes first)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [N_sample] int64, last token of each sampling request
+    sampling_requests: list[Request]
+
+
+class ModelRunner:
+    """Holds the model weights and the worker's KV cache on ``device``.
+
+    ``kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` in the
+    model dtype, zero-initialised (padding reads stay finite).
+    """
+
+    def __init__(self, config: ModelConfig, block_size: int, device: torch.device,
+                 seed: int = 0, progress: bool = True) -> None:
+        self.config = config
+        self.device = device
+        self.block_size = block_size
+        self.model = load_model(config, device, progress)
+        self.kv_cache = torch.empty(0)
+        self.sampler = Sampler(seed)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache for ``num_blocks`` blocks (bytes: ``num_blocks *
+        kv_cache_block_bytes``)."""
+        c = self.config
+        self.kv_cache = torch.zeros(c.num_layers, 2, num_blocks, self.block_size,
+                                    c.num_kv_heads, c.head_dim, dtype=c.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager
+                ) -> dict[str, tuple[int, Logprob | None]]:
+        """Run the step; returns request id -> (sampled token, logprob) for every request
+        whose prompt (or recompute) is complete after this step."""
+        inputs = self.prepare_inputs(out, kv)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        if not inputs.sampling_requests:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, vocab] fp32
+        sampled = self.sampler.sample(logits, inputs.sampling_requests)
+        return {r.request_id: s for r, s in zip(inputs.sampling_requests, sampled)}
+
+    def prepare_inputs(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
+        pairs = sorted(zip(out.requests, out.num_scheduled_tokens), key=lambda p: p[1] > 1)
+        requests = [r for r, _ in pairs]
+        num_new = np.array([n for _, n in pairs], dtype=np.int64)  # [N]
+        starts = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
+        cu = np.zeros(len(requests) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu[1:])
+        num_tokens = int(cu[-1])
+        req_index = np.repeat(np.arange(len(requests)), num_new)  # [T]
+        positions = starts[req_index] + np.arange(num_tokens) - cu[:-1][req_index]
+        input_ids = np.concatenate([
+            np.asarray(r.all_token_ids[s:s + n], dtype=np.int64)
+            for r, s, n in zip(requests, starts.tolist(), num_new.tolist())])
+        block_lists = [kv.block_ids(r.request_id) for r in requests]
+        block_table = np.zeros((len(requests), max(map(len, block_lists))), dtype=np.int32)
+        for row, blocks in zip(block_table, block_lists):
+            row[:len(blocks)] = blocks
+        slot_mapping = (block_table[req_index, positions // self.block_size].astype(np.int64)
+                        * self.block_size + positions % self.block_size)
+        seq_lens = (starts + num_new).astype(np.int32)
+        num_decodes = int((num_new == 1).sum())
+        samples = np.array([s == r.num_tokens for r, s in zip(requests, seq_lens.tolist())])
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slot_mapping),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=self._to_device(block_table[:num_decodes]),
+            decode_seq_lens=self._to_device(seq_lens[:num_decodes]),
+            prefill_block_tables=self._to_device(block_table[num_decodes:]),
+            prefill_cu_seqlens_q=self._to_device((cu[num_decodes:] - cu[num_decodes]).astype(np.int32)),
+            prefill_seq_lens=self._to_device(seq_lens[num_decodes:]),
+        )
+        return StepInputs(
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
+            meta=meta,
+            logits_indices=self._to_device(cu[1:][samples] - 1),
+            sampling_requests=[r for r, s in zip(requests, samples) if s],
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor

@@ -1,0 +1,195 @@
+"""The Llama family (Llama, Llama 3.1, Mistral, Qwen2, Qwen3) as one model.
+
+The architectures differ only by config flags: ``qkv_bias`` (Qwen2), ``qk_norm``
+(Qwen3's per-head RMSNorm on q and k before RoPE), ``rope_type`` and tied embeddings.
+The model works on a flat batch of tokens from many sequences (no padding) and reads and
+writes the paged KV cache through ``AttentionMetadata``; it knows nothing of scheduling.
+q/k/v and gate/up projections are fused for fewer, larger matmuls; ``load_weights`` maps
+transformers' parameter names onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.models.layers import RMSNorm, RotaryEmbedding
+from pdserve.kernels.kv_store import store_kv
+from pdserve.kernels.paged_decode_attention import paged_decode_attention
+from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where a step's tokens sit in the paged KV cache.
+
+    The flat batch holds ``num_decode_tokens`` single-token sequences first, then the
+    prefill chunks. All tensors are on the model's device.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64 cache slot of each token.
+        num_decode_tokens: tokens (= sequences) on the decode path.
+        decode_block_tables: ``[num_decode_seqs, max_blocks]`` int32.
+        decode_seq_lens: ``[num_decode_seqs]`` int32 context lengths incl. the new token.
+        prefill_block_tables: ``[num_prefill_seqs, max_blocks]`` int32.
+        prefill_cu_seqlens_q: ``[num_prefill_seqs + 1]`` int32 chunk offsets.
+        prefill_seq_lens: ``[num_prefill_seqs]`` int32 context lengths incl. the chunk.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor
+    decode_seq_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
+    prefill_cu_seqlens_q: torch.Tensor
+    prefill_seq_lens: torch.Tensor
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``x: [T, hidden]``, ``kv_cache: [2, num_blocks, block_size, H_kv, D]`` -> ``[T, hidden]``."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        if nd == num_tokens:
+            out = paged_decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
+                                         meta.decode_seq_lens, self.scale)
+        elif nd == 0:
+            out = paged_prefill_attention(q, key_cache, value_cache, meta.prefill_block_tables,
+                                          meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
+                                          self.scale)
+        else:
+            out = torch.cat([
+                paged_decode_attention(q[:nd], key_cache, value_cache, meta.decode_block_tables,
+                                       meta.decode_seq_lens, self.scale),
+                paged_prefill_attention(q[nd:], key_cache, value_cache,
+                                        meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                                        meta.prefill_seq_lens, self.scale),
+            ])
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over a flat token batch.
+
+    ``forward(input_ids [T] int64, positions [T] int64, kv_cache [L, 2, num_blocks,
+    block_size, H_kv, D], meta)`` returns hidden states ``[T, hidden]``;
+    ``compute_logits(hidden [N, hidden])`` returns fp32 logits ``[N, vocab]``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for layer, layer_cache in zip(self.model.layers, kv_cache):
+            x = layer(x, positions, self.rotary_emb, layer_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy transformers-named tensors into the fused parameters.
+
+        Returns the names of the parameters that were written.
+
+        Raises:
+            KeyError: a checkpoint tensor with no place in this model.
+            ValueError: a tensor whose shape does not match its place.
+        """
+        params = dict(self.named_parameters())
+        q, kv = self.model.layers[0].self_attn.q_size, self.model.layers[0].self_attn.kv_size
+        inter = self.config.intermediate_size
+        shards = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
+                  "v_proj": ("qkv_proj", q + kv, kv), "gate_proj": ("gate_up_proj", 0, inter),
+                  "up_proj": ("gate_up_proj", inter, inter)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, start, size = name, 0, None
+            for shard, (fused, offset, length) in shards.items():
+                if f".{shard}." in name:
+                    target, start, size = name.replace(shard, fused), offset, length
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in "
+                               f"{self.config.architecture}")
+            dest = params[target].data if size is None else params[target].data[start:start + size]
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                                 f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(target)
+        return loaded

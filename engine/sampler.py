@@ -1,0 +1,166 @@
+"""Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws.
+
+Order of operations (vLLM's): logprobs from the raw logits; then repetition, frequency and
+presence penalties and the ``min_tokens`` ban on stop tokens; then greedy rows take the
+argmax; the rest are divided by their temperature, filtered (top-k, top-p, min-p) and drawn
+by the exponential race ``argmax(p / q), q ~ Exp(1)``, which samples from ``p`` exactly.
+A seeded row draws its ``q`` from a generator keyed by (seed, output token index), so the
+same request gives the same tokens on any worker, in any batch (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.engine.request import Logprob, Request
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, index: int) -> int:
+    """Mix a request's seed and a token index into a 63-bit generator seed (splitmix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+class Sampler:
+    """Chooses one token per row of a logits batch.
+
+    Args:
+        seed: seeds the generator used by unseeded requests.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]
+               ) -> list[tuple[int, Logprob | None]]:
+        """``logits: [N, vocab]`` fp32, row ``i`` for ``requests[i]`` -> N (token, logprob).
+
+        ``logits`` may be modified in place.
+        """
+        params = [r.sampling_params for r in requests]
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        self._apply_penalties(logits, requests)
+        self._ban_stop_tokens(logits, requests)
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        if bool(greedy.all()):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.where(greedy, logits.argmax(dim=-1), self._draw(logits, requests))
+        token_list = tokens.tolist()
+        return [(t, _logprob(raw_logprobs, i, t, p.logprobs))
+                for i, (t, p) in enumerate(zip(token_list, params))]
+
+    def _draw(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
+                             device=logits.device)
+        logits = logits / temps[:, None]
+        logits = _filter_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0 for m in min_p):
+            floor = torch.tensor(min_p, device=probs.device)[:, None] * probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        q = torch.empty_like(probs)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            noise = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+            q[unseeded] = noise.to(q.device)
+        for i, req in enumerate(requests):
+            seed = req.sampling_params.seed
+            if seed is not None:
+                gen = torch.Generator().manual_seed(position_seed(seed, req.num_output_tokens))
+                q[i] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(q.device)
+        return (probs / q).argmax(dim=-1)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        rows = [i for i, r in enumerate(requests) if _has_penalty(r)]
+        if not rows:
+            return
+        vocab = logits.shape[1]
+        sub = logits[rows]  # [R, V]
+        counts = _token_counts([requests[i].output_token_ids for i in rows], vocab, logits.device)
+        seen = counts > 0
+        prompt_seen = _token_counts([requests[i].prompt_token_ids for i in rows], vocab,
+                                    logits.device) > 0
+        rep = torch.tensor([requests[i].sampling_params.repetition_penalty for i in rows],
+                           device=logits.device)[:, None]
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen | prompt_seen, penalised, sub)
+        freq = torch.tensor([requests[i].sampling_params.frequency_penalty for i in rows],
+                            device=logits.device)[:, None]
+        pres = torch.tensor([requests[i].sampling_params.presence_penalty for i in rows],
+                            device=logits.device)[:, None]
+        sub = sub - freq * counts - pres * seen
+        logits[rows] = sub
+
+    @staticmethod
+    def _ban_stop_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        """Below ``min_tokens``, EOS and ``stop_token_ids`` cannot be chosen."""
+        for i, req in enumerate(requests):
+            params = req.sampling_params
+            if req.num_output_tokens < params.min_tokens:
+                banned = set(params.stop_token_ids)
+                if not params.ignore_eos:
+                    banned |= req.eos_token_ids
+                banned = [t for t in banned if t < logits.shape[1]]
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+
+def _has_penalty(req: Request) -> bool:
+    p = req.sampling_params
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """``[len(token_lists), vocab]`` fp32 occurrence counts."""
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    width = max((len(t) for t in token_lists), default=0)
+    if width:
+        padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+        for i, tokens in enumerate(token_lists):
+            padded[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        counts.scatter_add_(1, padded.to(device), torch.ones_like(padded, dtype=counts.dtype,
+                                                                  device=device))
+    return counts[:, :vocab]
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
+                        ) -> torch.Tensor:
+    """Set logits outside each row's top-k and top-p nucleus (Holtzman et al. 2019,
+    https://arxiv.org/abs/1904.09751) to -inf. ``top_k == 0`` and ``top_p == 1`` are off."""
+    vocab = logits.shape[1]
+    if all(k == 0 or k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+    ps = torch.tensor(top_p, device=logits.device)[:, None]
+    sorted_logits = sorted_logits.masked_fill(mass_before >= ps, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _logprob(raw: torch.Tensor | None, row: int, token: int, num_top: int | None
+             ) -> Logprob | None:
+    if raw is None or num_top is None:
+        return None
+    top: dict[int, float] = {}
+    if num_top > 0:
+        values, ids = raw[row].topk(num_top)
+        top = dict(zip(ids.tolist(), values.tolist()))
+    value = raw[row, token]
+    rank = int((raw[row] > value).sum()) + 1
+    return Logprob(token, float(value), rank, top)

@@ -1,0 +1,76 @@
+"""Sampling parameters, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to choose each generated token (vLLM's ``SamplingParams`` names).
+
+    ``temperature == 0`` is greedy. Filters apply in the order top-k, top-p, min-p to the
+    penalised, temperature-scaled logits. Penalties follow vLLM: ``repetition_penalty``
+    (CTRL, https://arxiv.org/abs/1909.05858) over prompt and output tokens,
+    ``presence_penalty`` and ``frequency_penalty`` (OpenAI API) over output tokens.
+    A ``seed`` makes sampling reproducible per token position (DESIGN.md).
+    ``logprobs`` asks for the sampled token's log-probability plus the top ``logprobs``
+    alternatives, computed from the raw model logits.
+
+    Raises:
+        ValueError: from ``__post_init__``, naming the field and the allowed range.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(self.n >= 1, "n", self.n, "must be >= 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= 0, "top_k", self.top_k, "must be -1 (off), 0 (off) or >= 1")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
+               "must be > 0")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
+               "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               self.frequency_penalty, "must be in [-2, 2]")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,
+               "must be >= 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        _check(self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS, "logprobs",
+               self.logprobs, f"must be in [0, {_MAX_LOGPROBS}]")
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed,
+               "must be in [0, 2**63)")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+               "must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the argmax token is taken (``temperature == 0``)."""
+        return self.temperature < 1e-5
+
+
+def _check(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: {rule}")

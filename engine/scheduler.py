@@ -1,0 +1,164 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+There is no prefill phase and no decode phase (vLLM v1's scheduler): each request has
+``num_computed_tokens`` catching up to ``num_tokens``, and every step hands out at most
+``max_num_batched_tokens`` tokens, running requests first (decodes before prefill
+chunks), then waiting ones in arrival order while ``max_num_seqs`` allows. When blocks run
+out, the most recently admitted running request is preempted: its blocks are freed and it
+goes back to the front of the queue to be recomputed (prefix-cache hits make that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Logprob, Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Batch limits: sequences per step, tokens per step, tokens per sequence."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work: ``num_scheduled_tokens[i]`` new tokens of ``requests[i]``."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.requests.append(request)
+        self.num_scheduled_tokens.append(num_tokens)
+
+
+class Scheduler:
+    """Decides each step which requests run and how many tokens of each."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish a request wherever it is and free its blocks; None if unknown."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.requests.pop(request.request_id, None)
+        self.kv.free(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Decodes first (stable sort keeps admission order within each group).
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._pick_victim(out, request)
+                self._preempt(victim, out)
+                if victim is request:
+                    num_new = 0
+                    break
+            if num_new:
+                out.add(request, num_new)
+                budget -= num_new
+        return budget
+
+    def _pick_victim(self, out: SchedulerOutput, request: Request) -> Request:
+        """The latest-admitted running request not yet scheduled this step (else ``request``)."""
+        scheduled = set(map(id, out.requests))
+        for candidate in reversed(self.running):
+            if candidate is not request and id(candidate) not in scheduled:
+                return candidate
+        return request
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv.free(request)
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.add(request, num_new)
+            budget -= num_new
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, tuple[int, Logprob | None]]) -> list[Request]:
+        """Advance ``num_computed_tokens``, append sampled tokens and finish stopped
+        requests. Returns the requests that got a new token this step."""
+        updated = []
+        for request, num_tokens in zip(out.requests, out.num_scheduled_tokens):
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted during the step
+            request.num_computed_tokens += num_tokens
+            if request.request_id not in sampled:
+                continue  # a prefill chunk short of the last prompt token
+            token_id, logprob = sampled[request.request_id]
+            request.append_output_token(token_id, logprob)
+            updated.append(request)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish(request, status)
+        return updated
