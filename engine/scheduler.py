@@ -58,6 +58,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -125,6 +126,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions_total += 1
         self.waiting.appendleft(request)
         out.preempted.append(request)
 

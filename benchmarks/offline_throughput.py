@@ -1,0 +1,107 @@
+"""Offline throughput: pdserve's ``LLM.generate`` against transformers' static-batch
+``generate`` on the same prompts, in the same run.
+
+Workload W1: 32 prompts of 256 random token ids, 128 output tokens each (``ignore_eos``),
+greedy, on a ~125M-parameter Llama (hidden 768, 12 layers, 12 heads, 4 KV heads,
+intermediate 2048, vocab 32000) in bf16 that this script writes itself (random weights).
+Prints output tokens per second for both and their ratio; ``--json`` writes the result.
+
+    python benchmarks/offline_throughput.py [--num-prompts 32 --input-len 256 --output-len 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def write_checkpoint(path: Path, dtype: torch.dtype) -> Path:
+    """Write the ~125M Llama benchmark checkpoint (random weights, fixed seed) once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (path / "config.json").is_file():
+        return path
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                         num_key_value_heads=4, intermediate_size=2048, vocab_size=32000,
+                         max_position_embeddings=2048, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(path)
+    return path
+
+
+def run_pdserve(model_dir: Path, prompts: list[list[int]], output_len: int, dtype: str) -> float:
+    from pdserve.engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype=dtype, max_model_len=1024, load_progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    return elapsed
+
+
+def run_transformers(model_dir: Path, prompts: list[list[int]], output_len: int,
+                     dtype: torch.dtype) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    ids = torch.tensor(prompts)
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        model.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, **{
+            **kwargs, "attention_mask": torch.ones_like(ids[:2])})
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+        elapsed = time.perf_counter() - start
+    assert out.shape[1] == ids.shape[1] + output_len
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--model-dir", type=Path, default=Path(os.environ.get(
+        "PDSERVE_CACHE_DIR", Path(tempfile.gettempdir()) / "pdserve-bench")) / "llama-125m")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--json", type=Path, help="write the result here")
+    args = parser.parse_args()
+
+    dtype = getattr(torch, args.dtype)
+    model_dir = write_checkpoint(args.model_dir, dtype)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 32000, (args.num_prompts, args.input_len), generator=gen).tolist()
+    num_output = args.num_prompts * args.output_len
+
+    ours_s = run_pdserve(model_dir, prompts, args.output_len, args.dtype)
+    result = {"workload": vars(args) | {"model_dir": str(model_dir), "json": None},
+              "machine": f"{platform.processor() or platform.machine()}, "
+                         f"{os.cpu_count()} cores, torch {torch.__version__}, "
+                         f"{torch.get_num_threads()} threads",
+              "pdserve_output_tok_s": num_output / ours_s}
+    print(f"pdserve:      {num_output / ours_s:8.1f} output tok/s ({ours_s:.1f} s)")
+    if not args.skip_transformers:
+        hf_s = run_transformers(model_dir, prompts, args.output_len, dtype)
+        result["transformers_output_tok_s"] = num_output / hf_s
+        result["ratio"] = hf_s / ours_s
+        print(f"transformers: {num_output / hf_s:8.1f} output tok/s ({hf_s:.1f} s)")
+        print(f"ratio:        {hf_s / ours_s:8.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

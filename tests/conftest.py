@@ -1,0 +1,51 @@
+"""Shared test helpers: tiny random checkpoints written by transformers itself."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=320, max_position_embeddings=512)
+
+# name -> (transformers config class, model class, extra config fields)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama31": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None, "head_dim": 16}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+}
+
+
+def write_tiny_checkpoint(path: Path, arch: str, dtype: torch.dtype = torch.float32,
+                          seed: int = 0, **overrides) -> Path:
+    """Write a tiny random checkpoint of ``arch`` with transformers' ``save_pretrained``."""
+    import transformers
+
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    config = getattr(transformers, config_cls)(**{**TINY, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(dtype).eval()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One fp32 checkpoint per supported architecture variant."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {arch: write_tiny_checkpoint(root / arch, arch) for arch in ARCHITECTURES}
+
+
+def random_prompts(lengths, vocab_size: int = TINY["vocab_size"], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]

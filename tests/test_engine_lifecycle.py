@@ -1,0 +1,184 @@
+"""Engine behaviour end to end on a tiny checkpoint: prefix caching, aborts, block
+accounting, sampling options, and refusals of what the engine cannot run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.config import ModelConfig, UnsupportedModelError
+
+from conftest import random_prompts, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoints):
+    return LLM(str(tiny_checkpoints["llama"]), dtype="float32", max_model_len=256,
+               max_num_batched_tokens=64, load_progress=False)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def test_shared_prefix_hits_cache_and_gives_same_output(llm):
+    prefix = random_prompts([64], seed=1)[0]
+    first = llm.generate([prefix + [1, 2, 3]], GREEDY)[0]
+    second = llm.generate([prefix + [1, 2, 3]], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 64  # 4 full blocks of 16; the last token recomputed
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.engine.kv_cache_manager.pool.reset_prefix_cache()
+    cold = llm.generate([prefix + [1, 2, 3]], GREEDY)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.engine.is_idle_and_clean()
+
+
+def test_aborts_in_prefill_and_decode_free_every_block(llm):
+    engine = llm.engine
+    engine.add_request("long", random_prompts([200])[0], GREEDY)  # 4 chunks of 64
+    engine.add_request("short", [5, 6, 7], GREEDY)
+    engine.step()
+    assert engine.scheduler.requests["long"].num_computed_tokens < 200  # mid-prefill
+    assert engine.abort_request("long")
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.requests["short"].num_output_tokens >= 2  # mid-decode
+    assert engine.abort_request("short")
+    engine.add_request("queued", [1, 2], GREEDY)
+    assert engine.abort_request("queued")
+    assert not engine.abort_request("never-added")
+    assert engine.is_idle_and_clean()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    prompts = random_prompts([5, 30, 9], seed=3)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=16,
+                            ignore_eos=True)
+    together = llm.generate(prompts, seeded)
+    alone = llm.generate([prompts[1]], seeded)[0]
+    assert alone.outputs[0].token_ids == together[1].outputs[0].token_ids
+    other_seed = llm.generate([prompts[1]], SamplingParams(
+        temperature=0.8, top_p=0.9, top_k=50, seed=99, max_tokens=16, ignore_eos=True))[0]
+    assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_top_k_one_is_greedy_and_n_gives_distinct_samples(llm):
+    prompt = random_prompts([11], seed=4)
+    greedy = llm.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    top1 = llm.generate(prompt, SamplingParams(temperature=1.5, top_k=1, max_tokens=12,
+                                               ignore_eos=True))[0].outputs[0].token_ids
+    assert top1 == greedy
+    many = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12,
+                                               ignore_eos=True))[0]
+    assert [c.index for c in many.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in many.outputs}) == 3
+
+
+def test_stop_tokens_min_tokens_and_eos(tiny_checkpoints):
+    greedy = LLM(str(tiny_checkpoints["llama"]), dtype="float32", max_model_len=256,
+                 load_progress=False)
+    prompt = random_prompts([6], seed=5)
+    tokens = greedy.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    stop = tokens[4]
+    first = tokens.index(stop)
+    out = greedy.generate(prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                 stop_token_ids=[stop]))[0].outputs[0]
+    assert out.token_ids == tokens[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    # min_tokens bans the stop token until enough tokens exist.
+    banned = greedy.generate(prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=12,
+                                                    stop_token_ids=[stop]))[0].outputs[0]
+    assert len(banned.token_ids) == 12 and stop not in banned.token_ids
+    # EOS (from the checkpoint's generation_config) stops unless ignore_eos.
+    eos_engine = LLMEngine(EngineConfig(str(tiny_checkpoints["llama"]), dtype="float32",
+                                        max_model_len=256, load_progress=False),
+                           eos_token_ids=[tokens[2]])
+    eos_engine.add_request("r", prompt[0], SamplingParams(temperature=0, max_tokens=12))
+    finished = []
+    while eos_engine.has_unfinished_requests():
+        finished += [o for o in eos_engine.step() if o.finished]
+    assert finished[0].finish_reason == "stop"
+
+
+def test_penalties_change_the_distribution(llm):
+    prompt = random_prompts([8], seed=6)
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    penalised = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                    repetition_penalty=2.0,
+                                                    frequency_penalty=2.0))
+    tokens = penalised[0].outputs[0].token_ids
+    assert tokens != plain[0].outputs[0].token_ids
+    assert len(set(tokens)) == len(tokens)  # strong penalties forbid repeats here
+
+
+def test_logprobs_ranks_and_cumulative(llm):
+    out = llm.generate(random_prompts([7], seed=8), SamplingParams(
+        temperature=0, max_tokens=5, ignore_eos=True, logprobs=2))[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for token, position in zip(out.token_ids, out.logprobs):
+        assert position[token].rank == 1  # greedy takes the most likely token
+        assert len(position) == 2
+    assert out.cumulative_logprob == pytest.approx(
+        sum(p[t].logprob for t, p in zip(out.token_ids, out.logprobs)))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("min_p", 2.0),
+    ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
+    ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21), ("n", 0), ("seed", -1),
+])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_bad_prompts_are_refused(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[5, 100000]], GREEDY)
+    with pytest.raises(ValueError, match="maximum model length of 256"):
+        llm.generate([[1] * 300], GREEDY)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["text needs a tokenizer"], GREEDY)
+    assert llm.engine.is_idle_and_clean()
+
+
+def test_max_tokens_capped_by_max_model_len(tiny_checkpoints):
+    small = LLM(str(tiny_checkpoints["llama"]), dtype="float32", max_model_len=32,
+                load_progress=False)
+    out = small.generate([[1] * 28], SamplingParams(temperature=0, max_tokens=100,
+                                                    ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_unsupported_checkpoints_are_refused(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "m", "mistral", sliding_window=64)
+    with pytest.raises(UnsupportedModelError, match="sliding_window=64"):
+        ModelConfig.from_pretrained(path, max_model_len=128)
+    assert ModelConfig.from_pretrained(path, max_model_len=64).max_model_len == 64
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
+        ModelConfig.from_pretrained(path)
+    with pytest.raises(FileNotFoundError):
+        ModelConfig.from_pretrained(tmp_path / "missing")
+
+
+def test_kv_cache_too_small_is_refused(tiny_checkpoints):
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        LLM(str(tiny_checkpoints["llama"]), max_model_len=256, num_gpu_blocks_override=4,
+            load_progress=False)
+
+
+def test_dtype_aliases_and_errors():
+    from pdserve.engine.config import parse_dtype
+
+    assert parse_dtype("auto", "bfloat16") is torch.bfloat16
+    assert parse_dtype("half", None) is torch.float16
+    with pytest.raises(ValueError, match="dtype"):
+        parse_dtype("int8", None)
