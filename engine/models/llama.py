@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.layers import RMSNorm, RotaryEmbedding
+from pdserve.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 from pdserve.kernels.kv_store import store_kv
 from pdserve.kernels.paged_decode_attention import paged_decode_attention
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
@@ -66,9 +66,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``x: [T, hidden]``, ``kv_cache: [2, num_blocks, block_size, H_kv, D]`` -> ``[T, hidden]``."""
+        """``x: [T, hidden]``, ``rope``: the step's ``[T, 1, D]`` cos and sin,
+        ``kv_cache: [2, num_blocks, block_size, H_kv, D]`` -> ``[T, hidden]``."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
@@ -76,7 +77,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, k, *rope)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
@@ -118,8 +119,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -151,8 +152,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary_emb.cos_sin(positions, x.dtype)
         for layer, layer_cache in zip(self.model.layers, kv_cache):
-            x = layer(x, positions, self.rotary_emb, layer_cache, meta)
+            x = layer(x, rope, layer_cache, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

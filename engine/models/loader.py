@@ -11,6 +11,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.models.layers import pack_linears_for_cpu
 from pdserve.engine.models.llama import LlamaForCausalLM
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -90,4 +91,6 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = True
     missing = expected - seen
     if missing:
         raise ValueError(f"checkpoint {config.model} lacks tensors: {sorted(missing)[:8]}")
+    if device.type == "cpu":
+        pack_linears_for_cpu(model)
     return model.eval()
