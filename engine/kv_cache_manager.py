@@ -39,6 +39,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching, kv_event_callback)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Blocks of finished prefill requests kept for a decode worker to pull.
+        self.held: dict[str, list[KVCacheBlock]] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -78,9 +80,13 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVCacheBlock] = ()) -> bool:
+                       new_computed_blocks: Sequence[KVCacheBlock] = (),
+                       cache: bool = True) -> bool:
         """Make room for ``num_new_tokens`` beyond the request's computed (and newly hit)
         tokens. Returns False, changing nothing, when too few blocks are free.
+
+        With ``cache=False`` the new blocks are not entered into the prefix cache (their
+        KV is still arriving from another worker; ``cache_blocks`` enters them later).
         """
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -96,7 +102,8 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         if num_new_blocks > 0:
             blocks.extend(self.pool.get_new_blocks(num_new_blocks))
-        self.cache_blocks(request, num_computed + num_new_tokens)
+        if cache:
+            self.cache_blocks(request, num_computed + num_new_tokens)
         return True
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -115,12 +122,18 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.pool.free_blocks(reversed(blocks))
 
-    def detach(self, request: Request) -> list[KVCacheBlock]:
-        """Hand the request's blocks, still referenced, to the caller (e.g. a KV lease);
-        the caller must later give them back with ``release_blocks``.
-        """
-        return self.req_to_blocks.pop(request.request_id, [])
+    def hold(self, request: Request) -> None:
+        """Keep a finished request's blocks referenced (pinned) until ``release_held``."""
+        self.held[request.request_id] = self.req_to_blocks.pop(request.request_id, [])
 
-    def release_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Drop the references taken by ``detach`` (tail first)."""
+    def held_block_ids(self, request_id: str) -> list[int] | None:
+        blocks = self.held.get(request_id)
+        return None if blocks is None else [b.block_id for b in blocks]
+
+    def release_held(self, request_id: str) -> bool:
+        """Unpin held blocks (they stay in the prefix cache); False if none are held."""
+        blocks = self.held.pop(request_id, None)
+        if blocks is None:
+            return False
         self.pool.free_blocks(reversed(blocks))
+        return True

@@ -63,6 +63,18 @@ class EngineConfig:
 
 
 @dataclass(slots=True)
+class KVTransferAllocation:
+    """Where a decode worker puts pulled KV: prompt block ``block_indices[i]`` (its
+    position in the prompt's block list) goes into local block ``block_ids[i]``.
+    ``num_cached_tokens`` prompt tokens were already cached here and are not pulled."""
+
+    request_id: str
+    block_indices: list[int]
+    block_ids: list[int]
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
 class EngineOutput:
     """What one step produced for one request (token counts in tokens)."""
 
@@ -185,11 +197,56 @@ class LLMEngine:
                        cache_salt)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    sampling_params: SamplingParams, cache_salt: str | None = None) -> Request:
-        """Queue a request (see ``make_request`` for the errors raised)."""
+                    sampling_params: SamplingParams, cache_salt: str | None = None,
+                    remote_decode: bool = False) -> Request:
+        """Queue a request (see ``make_request`` for the errors raised).
+
+        ``remote_decode=True`` (prefill workers): the request ends after its first token
+        with status ``FINISHED_REMOTE_DECODE`` (unless that token already finishes it) and
+        its blocks stay held until ``release_held``.
+        """
         request = self.make_request(request_id, prompt_token_ids, sampling_params, cache_salt)
+        request.remote_decode = remote_decode
         self.scheduler.add_request(request)
         return request
+
+    def add_kv_transfer_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                                first_token: int, sampling_params: SamplingParams,
+                                cache_salt: str | None = None,
+                                first_logprob: Logprob | None = None) -> KVTransferAllocation | None:
+        """Decode workers: admit a request prefilled elsewhere, whose first token is known.
+
+        Allocates its blocks, reusing locally cached ones; returns which of the prompt's
+        blocks to pull and into which local block ids, or None when too few blocks are
+        free now (retry after a step). Call ``finish_kv_transfer`` when the pull ends.
+
+        Raises:
+            ValueError: as ``make_request``, or a reused ``request_id``.
+        """
+        request = self.make_request(request_id, prompt_token_ids, sampling_params, cache_salt)
+        request.append_output_token(int(first_token), first_logprob)
+        if not self.scheduler.add_kv_transfer_request(request):
+            return None
+        block_size = self.config.block_size
+        first_missing = request.num_cached_tokens // block_size
+        block_ids = self.kv_cache_manager.block_ids(request_id)
+        return KVTransferAllocation(
+            request_id, list(range(first_missing, cdiv(request.num_prompt_tokens, block_size))),
+            block_ids[first_missing:], request.num_cached_tokens)
+
+    def finish_kv_transfer(self, request_id: str, ok: bool) -> bool:
+        """The pull for ``request_id`` ended (``ok``: all blocks arrived). True if the
+        request goes on to decode."""
+        request = self.scheduler.finish_kv_transfer(request_id, ok)
+        return request is not None and request.status == RequestStatus.WAITING
+
+    def held_block_ids(self, request_id: str) -> list[int] | None:
+        """Block ids a finished prefill request still holds, or None."""
+        return self.kv_cache_manager.held_block_ids(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """Unpin a finished prefill request's blocks (into the prefix cache)."""
+        return self.kv_cache_manager.release_held(request_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request at any point and free its blocks; False if it is not here."""
@@ -221,7 +278,9 @@ class LLMEngine:
         """True when no request is held and every block is free (for leak checks)."""
         return (not self.has_unfinished_requests()
                 and self.num_free_blocks() == self.num_blocks
-                and not self.kv_cache_manager.req_to_blocks)
+                and not self.kv_cache_manager.req_to_blocks
+                and not self.kv_cache_manager.held
+                and not self.scheduler.waiting_for_kv)
 
 
-__all__ = ["EngineConfig", "EngineOutput", "LLMEngine", "RequestStatus"]
+__all__ = ["EngineConfig", "EngineOutput", "KVTransferAllocation", "LLMEngine", "RequestStatus"]

@@ -25,11 +25,13 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # Prefill done here, first token sampled; decoding continues on a decode worker.
+    FINISHED_REMOTE_DECODE = enum.auto()
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_REMOTE_DECODE)
 
     @property
     def finish_reason(self) -> str | None:
@@ -55,6 +57,8 @@ class Request:
 
     ``max_tokens`` is the resolved output budget (``SamplingParams.max_tokens`` capped by
     ``max_model_len``); ``stop_reason`` holds the stop token id that ended it, if any.
+    ``remote_decode`` marks a prefill worker's request: it ends after its first token
+    (unless that token already finishes it) and its blocks stay held for the decode worker.
     """
 
     request_id: str
@@ -73,6 +77,7 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | None = None
+    remote_decode: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -108,4 +113,6 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        if self.remote_decode:
+            return RequestStatus.FINISHED_REMOTE_DECODE
         return None

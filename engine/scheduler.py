@@ -58,6 +58,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Decode side: requests whose prompt KV is being pulled into their blocks.
+        self.waiting_for_kv: dict[str, Request] = {}
         self.num_preemptions_total = 0
 
     @property
@@ -78,13 +80,60 @@ class Scheduler:
         return request
 
     def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request. Its blocks are freed, except: a prefill worker's request keeps
+        them held for the decode worker, and a request whose KV is still arriving keeps
+        them until ``finish_kv_transfer`` (the transfer writes into them)."""
+        in_transfer = request.status == RequestStatus.WAITING_FOR_KV
         request.status = status
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.requests.pop(request.request_id, None)
-        self.kv.free(request)
+        if in_transfer:
+            return
+        if request.remote_decode and status != RequestStatus.FINISHED_ABORTED:
+            self.kv.hold(request)
+        else:
+            self.kv.free(request)
+
+    def add_kv_transfer_request(self, request: Request) -> bool:
+        """Allocate blocks for a request whose prompt KV comes from a prefill worker.
+
+        Blocks already cached here (matching hashes) are reused; the rest are allocated
+        uncached and the request waits in ``WAITING_FOR_KV``. Returns False, adding
+        nothing, when too few blocks are free (the caller retries later).
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        hits, num_hit = self.kv.get_computed_blocks(request)
+        if not self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit, hits,
+                                      cache=False):
+            return False
+        request.num_cached_tokens = num_hit
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.requests[request.request_id] = request
+        self.waiting_for_kv[request.request_id] = request
+        return True
+
+    def finish_kv_transfer(self, request_id: str, ok: bool) -> Request | None:
+        """The pull for ``request_id`` ended. On success the prompt counts as computed and
+        the request queues to decode; on failure, or if it was aborted meanwhile, it ends
+        and its blocks are freed. Returns the request, or None if unknown."""
+        request = self.waiting_for_kv.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status != RequestStatus.WAITING_FOR_KV or not ok:
+            if request.status == RequestStatus.WAITING_FOR_KV:
+                self.requests.pop(request_id, None)
+                request.status = RequestStatus.FINISHED_ABORTED
+            self.kv.free(request)
+            return request
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_blocks(request, request.num_prompt_tokens)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        return request
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -133,12 +182,16 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            imported = request.num_computed_tokens  # > 0 only for KV pulled from a prefill
+            if imported:
+                hits, num_hit_tokens = [], imported
+            else:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
-            if request.num_preemptions == 0:
+            if request.num_preemptions == 0 and not imported:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING

@@ -1,0 +1,120 @@
+"""The ``pdserve`` command line.
+
+    pdserve make-demo-model DIR          write the small demo checkpoint
+    pdserve generate [--model DIR] --prompt TEXT [--prompt TEXT ...]
+
+Engine flags follow vLLM's names (``--model``, ``--dtype``, ``--max-model-len``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine (vLLM's names)."""
+    parser.add_argument("--model", help="local Hugging Face checkpoint folder "
+                        "(default: the demo model, written on first use)")
+    parser.add_argument("--served-model-name", help="model name clients use (default: --model)")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
+    parser.add_argument("--max-model-len", type=int, help="tokens per sequence (prompt + output)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="per-step token budget (chunked prefill)")
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false")
+    parser.add_argument("--num-gpu-blocks-override", type=int)
+    parser.add_argument("--kv-cache-memory-bytes", type=int)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--num-threads", type=int, help="torch CPU threads for this engine")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """``EngineConfig`` keyword arguments from parsed engine flags (model resolved)."""
+    from pdserve.engine.demo_model import ensure_demo_model
+
+    return dict(
+        served_model_name=args.served_model_name, dtype=args.dtype,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, device=args.device,
+        num_threads=args.num_threads, model=args.model or str(ensure_demo_model()))
+
+
+def cmd_make_demo_model(args: argparse.Namespace) -> int:
+    from pdserve.engine.demo_model import make_demo_model
+
+    path = make_demo_model(args.path, overwrite=args.overwrite)
+    print(f"demo model written to {path}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.engine import LLM, SamplingParams
+
+    kwargs = engine_kwargs(args)
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed,
+                            ignore_eos=args.ignore_eos)
+    prompts = args.prompt
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        completion = output.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": completion.text,
+                              "token_ids": completion.token_ids,
+                              "finish_reason": completion.finish_reason}))
+        else:
+            print(f"{prompt!r} -> {completion.text!r} ({completion.finish_reason})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("make-demo-model", help="write the small demo checkpoint")
+    demo.add_argument("path", help="output folder")
+    demo.add_argument("--overwrite", action="store_true")
+    demo.set_defaults(func=cmd_make_demo_model)
+
+    gen = sub.add_parser("generate", help="generate offline from prompts")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
