@@ -1,0 +1,199 @@
+"""An ``LLMEngine`` stepped in its own thread, driven from asyncio (the shape of vLLM's
+``AsyncLLM``, minus the extra process).
+
+All engine calls run on the engine thread, between steps, so the engine needs no locks:
+``call(fn)`` queues ``fn(engine)`` and awaits its result. ``generate`` streams one
+request's ``EngineOutput``s. A step that raises fails the requests in flight (their
+streams raise ``EngineError``) and the loop goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from pdserve.engine.llm_engine import EngineOutput, LLMEngine
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_IDLE_WAIT_S = 0.05
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request; the request has been aborted."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+class AsyncEngine:
+    """Owns ``engine`` and the thread that steps it.
+
+    Args:
+        engine: the engine; only the engine thread touches it once ``start`` is called.
+        name: the thread's name (for logs).
+    """
+
+    def __init__(self, engine: LLMEngine, name: str = "engine") -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.step_listeners: list[Callable[[LLMEngine], None]] = []
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread (requests in flight are aborted); waits at most ``timeout_s``."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    async def call(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result.
+
+        Raises:
+            EngineDeadError: the engine thread is not running.
+            TimeoutError: no result within ``timeout_s`` seconds.
+            Exception: whatever ``fn`` raised.
+        """
+        if not self.alive:
+            raise EngineDeadError("the engine thread is not running")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._commands.put((fn, loop, future))
+        self._wake.set()
+        return await asyncio.wait_for(future, timeout_s)
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        """Register the queue that receives ``request_id``'s outputs (call in the loop)."""
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def stream_outputs(self, request_id: str, stream: asyncio.Queue,
+                             timeout_s: float | None = None) -> AsyncIterator[EngineOutput]:
+        """Yield outputs from ``stream`` until one is finished; aborts the request in the
+        engine if the consumer stops early (a cancelled RPC, a closed connection).
+
+        Raises:
+            EngineError: the engine failed this request.
+            TimeoutError: no output for ``timeout_s`` seconds (then the request is aborted).
+        """
+        finished = False
+        try:
+            while True:
+                item = await asyncio.wait_for(stream.get(), timeout_s)
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self.close_stream(request_id)
+            if not finished and self.alive:
+                await asyncio.shield(self.call(lambda e: e.abort_request(request_id)))
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params,
+                       cache_salt: str | None = None, remote_decode: bool = False,
+                       timeout_s: float | None = None) -> AsyncIterator[EngineOutput]:
+        """Add a request and stream its outputs (see ``LLMEngine.add_request``)."""
+        stream = self.open_stream(request_id)
+        try:
+            await self.call(lambda e: e.add_request(request_id, prompt_token_ids,
+                                                    sampling_params, cache_salt, remote_decode))
+        except BaseException:
+            self.close_stream(request_id)
+            raise
+        outputs = self.stream_outputs(request_id, stream, timeout_s)
+        try:
+            async for output in outputs:
+                yield output
+        finally:
+            await outputs.aclose()  # runs its clean-up now, not at garbage collection
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request wherever it is; its stream ends with ``finish_reason="abort"``."""
+        aborted = await self.call(lambda e: e.abort_request(request_id))
+        entry = self._streams.get(request_id)
+        if aborted and entry is not None:
+            loop, stream = entry
+            stream.put_nowait(_aborted_output(request_id))
+        return aborted
+
+    # The engine thread.
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._run_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
+                logger.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            for output in outputs:
+                self._deliver(output.request_id, output)
+            for listener in self.step_listeners:
+                listener(self.engine)
+        self._fail_all(EngineDeadError("the engine is shutting down"))
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, loop, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result: Any = fn(self.engine)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, stream = entry
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self.engine.scheduler.requests):
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, EngineError(f"request {request_id} failed: {exc}"))
+
+
+def _aborted_output(request_id: str) -> EngineOutput:
+    return EngineOutput(request_id, [], [], True, "abort", None, 0, 0)
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

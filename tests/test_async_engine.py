@@ -1,0 +1,82 @@
+"""The engine thread: concurrent streams, aborts, early consumer exit, failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+
+from conftest import random_prompts
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_checkpoints):
+    engine = LLMEngine(EngineConfig(str(tiny_checkpoints["llama"]), dtype="float32",
+                                    max_model_len=256, load_progress=False))
+    runner = AsyncEngine(engine)
+    runner.start()
+    yield runner
+    runner.shutdown()
+
+
+async def collect(runner, request_id, prompt, params=PARAMS):
+    tokens = []
+    async for out in runner.generate(request_id, prompt, params, timeout_s=30):
+        tokens += out.new_token_ids
+        last = out
+    return tokens, last
+
+
+def test_concurrent_streams_match_sequential(async_engine):
+    prompts = random_prompts([5, 20, 33], seed=21)
+
+    async def main():
+        together = await asyncio.gather(*(collect(async_engine, f"c{i}", p)
+                                          for i, p in enumerate(prompts)))
+        alone = [await collect(async_engine, f"s{i}", p) for i, p in enumerate(prompts)]
+        return together, alone
+
+    together, alone = asyncio.run(main())
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    assert all(last.finish_reason == "length" for _, last in together)
+    assert async_engine.engine.is_idle_and_clean()
+
+
+def test_abort_and_early_exit_free_blocks(async_engine):
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        stream = async_engine.generate("abort-me", [1, 2, 3], long, timeout_s=30)
+        first = await stream.__anext__()
+        assert not first.finished
+        assert await async_engine.abort("abort-me")
+        rest = [o async for o in stream]
+        assert rest[-1].finish_reason == "abort"
+
+        early = async_engine.generate("leave-early", [4, 5, 6], long, timeout_s=30)
+        await early.__anext__()
+        await early.aclose()  # the consumer goes away: the request is aborted
+        return await async_engine.call(lambda e: e.is_idle_and_clean())
+
+    assert asyncio.run(main())
+
+
+def test_bad_request_raises_and_dead_engine_refuses(tiny_checkpoints):
+    engine = LLMEngine(EngineConfig(str(tiny_checkpoints["llama"]), dtype="float32",
+                                    max_model_len=64, load_progress=False))
+    runner = AsyncEngine(engine)
+    runner.start()
+
+    async def main():
+        with pytest.raises(ValueError, match="maximum model length"):
+            await collect(runner, "big", [1] * 100)
+        runner.shutdown()
+        with pytest.raises(EngineDeadError):
+            await collect(runner, "late", [1, 2])
+
+    asyncio.run(main())
