@@ -9,17 +9,6 @@ from __future__ import annotations
 import torch
 
 
-def _gather_context(
-    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
-) -> torch.Tensor:
-    """Gather each sequence's first ``max_len`` slots: ``[num_seqs, max_len, H_kv, D]``."""
-    block_size = cache.shape[1]
-    num_blocks_needed = (max_len + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks_needed].long()  # [S, nb]
-    ctx = cache[tables]  # [S, nb, block_size, H_kv, D]
-    return ctx.flatten(1, 2)[:, :max_len]
-
-
 def paged_decode_attention_ref(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -46,19 +35,31 @@ def paged_decode_attention_ref(
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return query.new_empty(query.shape)
-    num_kv_heads = key_cache.shape[2]
-    max_len = int(seq_lens.max())
-    k = _gather_context(key_cache, block_tables, max_len)  # [S, L, H_kv, D]
-    v = _gather_context(value_cache, block_tables, max_len)
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    q = query.view(num_seqs, num_kv_heads, group, head_dim).float()  # [S, H_kv, G, D]
-    scores = torch.einsum("skgd,slkd->skgl", q, k.float()) * scale  # [S, H_kv, G, L]
-    positions = torch.arange(max_len, device=query.device)
+    blocks_per_seq = -(-int(seq_lens.max()) // block_size)
+    ctx_len = blocks_per_seq * block_size  # L: the longest context, rounded up to blocks
+    block_ids = block_tables[:, :blocks_per_seq].reshape(-1).long()
+    # Gather whole blocks (one contiguous row each): [S, L, H_kv, D].
+    k = key_cache.reshape(num_blocks, -1).index_select(0, block_ids)
+    v = value_cache.reshape(num_blocks, -1).index_select(0, block_ids)
+    k = k.view(num_seqs, ctx_len * num_kv_heads, head_dim).to(query.dtype)
+    v = v.view(num_seqs, ctx_len, num_kv_heads * head_dim).to(query.dtype)
+    # NOTE: one batched matmul scores every (slot, kv head) against every query head, and
+    # the pairs where query head h belongs to kv head h // group are kept (a diagonal).
+    # The extra products are cheap next to the strided copies a per-group layout needs.
+    every = torch.matmul(k, query.transpose(1, 2)).float()  # [S, L*H_kv, H]
+    every = every.view(num_seqs, ctx_len, num_kv_heads, num_kv_heads, group)
+    scores = torch.diagonal(every, dim1=2, dim2=3)  # [S, L, G, H_kv]
+    scores = scores.permute(0, 3, 2, 1).reshape(num_seqs, num_heads, ctx_len) * scale
+    positions = torch.arange(ctx_len, device=query.device)
     pad = positions[None, :] >= seq_lens[:, None].to(positions.device)  # [S, L]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("skgl,slkd->skgd", probs, v.float())  # [S, H_kv, G, D]
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    scores.masked_fill_(pad[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [S, H, L]
+    every_out = torch.matmul(probs, v)  # [S, H, H_kv*D]
+    every_out = every_out.view(num_seqs, num_kv_heads, group, num_kv_heads, head_dim)
+    out = torch.diagonal(every_out, dim1=1, dim2=3)  # [S, G, D, H_kv]
+    return out.permute(0, 3, 1, 2).reshape(num_seqs, num_heads, head_dim)
 
 
 def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):

@@ -48,18 +48,21 @@ def paged_prefill_attention_ref(
             continue
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = block_tables[s, :num_blocks].long()
-        k = key_cache[blocks].flatten(0, 1)[:seq_len]  # [L, H_kv, D]
-        v = value_cache[blocks].flatten(0, 1)[:seq_len]
+        k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]  # [L, H_kv, D]
+        v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
         q = query[start:end].transpose(0, 1)  # [H, q_len, D]
         k = k.transpose(0, 1).to(q.dtype)  # [H_kv, L, D]
         v = v.transpose(0, 1).to(q.dtype)
-        if num_heads != num_kv_heads:
-            k = k.repeat_interleave(num_heads // num_kv_heads, dim=0)  # [H, L, D]
-            v = v.repeat_interleave(num_heads // num_kv_heads, dim=0)
-        # Query i (absolute position seq_len - q_len + i) sees keys j <= that position.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        gqa = num_heads != num_kv_heads
+        if seq_len == q_len:  # no cached prefix: plain causal attention
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=gqa)
+        else:
+            # Query i (absolute position seq_len - q_len + i) sees keys j <= that position.
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=gqa)
         out[start:end] = o.transpose(0, 1)
     return out
 
