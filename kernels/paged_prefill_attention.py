@@ -50,9 +50,10 @@ def paged_prefill_attention_ref(
         blocks = block_tables[s, :num_blocks].long()
         k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]  # [L, H_kv, D]
         v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
-        q = query[start:end].transpose(0, 1)  # [H, q_len, D]
-        k = k.transpose(0, 1).to(q.dtype)  # [H_kv, L, D]
-        v = v.transpose(0, 1).to(q.dtype)
+        # NOTE: 4-D inputs take torch's CPU flash-attention kernel; 3-D ones the slow math path.
+        q = query[start:end].transpose(0, 1)[None]  # [1, H, q_len, D]
+        k = k.transpose(0, 1).to(q.dtype)[None]  # [1, H_kv, L, D]
+        v = v.transpose(0, 1).to(q.dtype)[None]
         gqa = num_heads != num_kv_heads
         if seq_len == q_len:  # no cached prefix: plain causal attention
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
@@ -63,7 +64,7 @@ def paged_prefill_attention_ref(
             mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
     return out
 
 

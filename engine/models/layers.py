@@ -27,8 +27,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # mean(x^2) as one fused fp32 reduction: ||x||^2 / dim.
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+        inv_rms = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(self.eps))
+        return self.weight * (x.float() * inv_rms).to(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
