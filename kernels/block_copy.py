@@ -8,6 +8,22 @@ CPU tensors the references.
 from __future__ import annotations
 
 import torch
+from pdserve.kernels._triton_utils import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_contiguous,
+    check_shape,
+    check_tensor,
+    jit,
+    require_triton,
+    tl,
+    use_triton,
+)
+
+# NOTE: elements per program. One block of one layer's K (or V) is
+# block_size * num_kv_heads * head_dim elements (16 * 8 * 128 = 16384), so a program copies
+# 8 KiB of fp16 at a time and a block row takes a few programs.
+_CHUNK = 4096
 
 
 def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -34,11 +50,112 @@ def scatter_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor, src: tor
     kv_cache.index_copy_(2, block_ids.to(kv_cache.device, torch.long), src.to(kv_cache.dtype))
 
 
+@jit
+def _copy_blocks_kernel(
+    src_ptr, dst_ptr, block_ids_ptr,
+    src_blocks, dst_blocks,  # blocks per (layer, K/V) plane in src and in dst
+    ROW: tl.constexpr,  # elements per block: block_size * num_kv_heads * head_dim
+    CHUNK: tl.constexpr,
+    GATHER: tl.constexpr,  # True: src block block_ids[i] -> dst block i; False: the reverse
+):
+    """One program copies ``CHUNK`` elements of block ``i`` of one (layer, K/V) plane."""
+    plane = tl.program_id(0).to(tl.int64)  # layer * 2 + (0 for K, 1 for V)
+    i = tl.program_id(1)
+    chunk = tl.program_id(2)
+    block_id = tl.load(block_ids_ptr + i).to(tl.int64)
+    if GATHER:
+        src_block, dst_block = block_id, i.to(tl.int64)
+    else:
+        src_block, dst_block = i.to(tl.int64), block_id
+    offsets = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = offsets < ROW
+    src = src_ptr + (plane * src_blocks + src_block) * ROW + offsets
+    dst = dst_ptr + (plane * dst_blocks + dst_block) * ROW + offsets
+    values = tl.load(src, mask=mask)
+    tl.store(dst, values.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_cache_and_ids(op: str, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    require_triton(op)
+    check_tensor("kv_cache", kv_cache, 6, FLOAT_DTYPES)
+    check_contiguous("kv_cache", kv_cache)
+    if not isinstance(block_ids, torch.Tensor) or block_ids.dim() != 1:
+        raise ValueError(f"block_ids: expected a 1-D tensor, got {block_ids!r}")
+    if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex:
+        raise ValueError(f"block_ids: expected an integer dtype, got {block_ids.dtype}")
+
+
+def _launch(src, dst, block_ids, src_blocks, dst_blocks, gather: bool) -> None:
+    num_layers, two, _, *block_shape = src.shape
+    row = block_shape[0] * block_shape[1] * block_shape[2]
+    chunk = min(_CHUNK, 1 << (row - 1).bit_length())
+    grid = (num_layers * two, block_ids.shape[0], cdiv(row, chunk))
+    _copy_blocks_kernel[grid](
+        src, dst, block_ids, src_blocks, dst_blocks, ROW=row, CHUNK=chunk, GATHER=gather
+    )
+
+
+def gather_blocks_triton(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """``gather_blocks_ref`` as one Triton copy kernel; same contract.
+
+    ``block_ids`` may be on another device (it is moved, as in the reference); ids are not
+    range-checked.
+
+    Raises:
+        ValueError: naming ``kv_cache`` (not 6-D, not contiguous, not fp16/bf16/fp32) or
+            ``block_ids`` (not a 1-D integer tensor).
+        RuntimeError: triton is not installed.
+    """
+    _check_cache_and_ids("gather_blocks_triton", kv_cache, block_ids)
+    num_layers, two, num_blocks, *block_shape = kv_cache.shape
+    n = block_ids.shape[0]
+    out = kv_cache.new_empty((num_layers, two, n, *block_shape))
+    if n == 0 or out.numel() == 0:
+        return out
+    block_ids = block_ids.to(kv_cache.device, torch.int64)
+    _launch(kv_cache, out, block_ids, num_blocks, n, gather=True)
+    return out
+
+
+def scatter_blocks_triton(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor
+) -> None:
+    """``scatter_blocks_ref`` as one Triton copy kernel; same contract (``src`` is cast to
+    the cache dtype). Ids must be distinct; they are not range-checked.
+
+    Raises:
+        ValueError: naming ``kv_cache``, ``block_ids`` or ``src`` (wrong shape, dtype,
+            device, or not contiguous).
+        RuntimeError: triton is not installed.
+    """
+    _check_cache_and_ids("scatter_blocks_triton", kv_cache, block_ids)
+    num_layers, two, num_blocks, *block_shape = kv_cache.shape
+    n = block_ids.shape[0]
+    check_tensor("src", src, 6, FLOAT_DTYPES, kv_cache.device)
+    check_shape("src", src, (num_layers, two, n, *block_shape))
+    check_contiguous("src", src)
+    if n == 0 or src.numel() == 0:
+        return
+    block_ids = block_ids.to(kv_cache.device, torch.int64)
+    _launch(src, kv_cache, block_ids, n, num_blocks, gather=False)
+
+
 def gather_blocks(kv_cache, block_ids):
-    """Dispatching entry point; see ``gather_blocks_ref``."""
+    """Dispatching entry point; see ``gather_blocks_ref``.
+
+    CUDA caches go to ``gather_blocks_triton``, others to the reference.
+    """
+    if use_triton(kv_cache):
+        return gather_blocks_triton(kv_cache, block_ids)
     return gather_blocks_ref(kv_cache, block_ids)
 
 
 def scatter_blocks(kv_cache, block_ids, src) -> None:
-    """Dispatching entry point; see ``scatter_blocks_ref``."""
-    scatter_blocks_ref(kv_cache, block_ids, src)
+    """Dispatching entry point; see ``scatter_blocks_ref``.
+
+    CUDA caches go to ``scatter_blocks_triton``, others to the reference.
+    """
+    if use_triton(kv_cache):
+        scatter_blocks_triton(kv_cache, block_ids, src)
+    else:
+        scatter_blocks_ref(kv_cache, block_ids, src)

@@ -7,6 +7,20 @@
 from __future__ import annotations
 
 import torch
+from pdserve.kernels._triton_utils import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    cdiv,
+    check_contiguous,
+    check_inner_contiguous,
+    check_shape,
+    check_tensor,
+    jit,
+    next_power_of_2,
+    require_triton,
+    tl,
+    use_triton,
+)
 
 
 def store_kv_ref(
@@ -36,6 +50,78 @@ def store_kv_ref(
     )
 
 
+@jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    key_stride, value_stride,  # elements between consecutive tokens' rows
+    ROW: tl.constexpr,  # num_kv_heads * head_dim: one token's elements
+    BLOCK: tl.constexpr,  # elements per program, a power of two
+):
+    """One program copies ``BLOCK`` elements of one token's K and V row to its slot."""
+    token = tl.program_id(0)
+    chunk = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < ROW
+    row = token.to(tl.int64)
+    key = tl.load(key_ptr + row * key_stride + offsets, mask=mask)
+    value = tl.load(value_ptr + row * value_stride + offsets, mask=mask)
+    key = key.to(key_cache_ptr.dtype.element_ty)
+    value = value.to(value_cache_ptr.dtype.element_ty)
+    tl.store(key_cache_ptr + slot * ROW + offsets, key, mask=mask)
+    tl.store(value_cache_ptr + slot * ROW + offsets, value, mask=mask)
+
+
+def store_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``store_kv_ref`` as one Triton kernel (after nano-vllm's ``store_kvcache``).
+
+    Same contract; ``key``/``value`` may have any token stride (a view into a fused QKV
+    projection) but each token's ``[num_kv_heads, head_dim]`` row must be packed.
+    Slot ids are not range-checked (a slot past the cache writes out of bounds).
+
+    Raises:
+        ValueError: naming the argument whose shape, dtype, device or strides are wrong.
+        RuntimeError: triton is not installed.
+    """
+    require_triton("store_kv_triton")
+    device = key_cache.device
+    check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES)
+    check_tensor("value_cache", value_cache, 4, (key_cache.dtype,), device)
+    check_shape("value_cache", value_cache, key_cache.shape)
+    check_contiguous("key_cache", key_cache)
+    check_contiguous("value_cache", value_cache)
+    check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES, device)
+    num_tokens = slot_mapping.shape[0]
+    row_shape = tuple(key_cache.shape[2:])  # (num_kv_heads, head_dim)
+    for name, tensor in (("key", key), ("value", value)):
+        check_tensor(name, tensor, 3, FLOAT_DTYPES, device)
+        check_shape(name, tensor, (num_tokens, *row_shape))
+        check_inner_contiguous(name, tensor, 2)
+    if num_tokens == 0:
+        return
+    row = row_shape[0] * row_shape[1]
+    block = min(next_power_of_2(row), 4096)
+    grid = (num_tokens, cdiv(row, block))
+    _store_kv_kernel[grid](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), value.stride(0), ROW=row, BLOCK=block,
+    )
+
+
 def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Dispatching entry point; see ``store_kv_ref`` for the contract."""
-    store_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+    """Dispatching entry point; see ``store_kv_ref`` for the contract.
+
+    CUDA tensors go to ``store_kv_triton``, others to ``store_kv_ref``.
+    """
+    if use_triton(key_cache):
+        store_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        store_kv_ref(key, value, key_cache, value_cache, slot_mapping)
