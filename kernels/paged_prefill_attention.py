@@ -7,8 +7,26 @@ paged cache after its ``seq_len - q_len`` earlier (computed or prefix-cached) to
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+from pdserve.kernels._triton_utils import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_contiguous,
+    check_inner_contiguous,
+    check_shape,
+    check_tensor,
+    dot_options,
+    jit,
+    next_power_of_2,
+    require_triton,
+    tl,
+    use_triton,
+)
+
+LOG2E = math.log2(math.e)
 
 
 def paged_prefill_attention_ref(
@@ -68,10 +86,200 @@ def paged_prefill_attention_ref(
     return out
 
 
+@jit
+def _prefill_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
+    seq_lens_ptr, out_ptr,
+    scale_log2,  # softmax scale * log2(e): scores are kept in base 2
+    num_seqs,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bts,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: ``BLOCK_Q`` query tokens of one chunk times the ``GROUP`` query heads
+    of one kv head (``BLOCK_Q * GROUP_PAD`` rows), over its causal span of paged keys."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # Find the sequence that owns query tile `tile`: sequence s owns the tiles from
+    # cu_seqlens_q[s] // BLOCK_Q + s on (see _num_query_tiles), so binary-search for the
+    # last s whose first tile is <= tile.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    local_tile = tile - (q_start // BLOCK_Q + seq)
+    if local_tile * BLOCK_Q >= q_len:  # a spare tile of this sequence
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len  # tokens cached before this chunk
+
+    r = tl.arange(0, BLOCK_Q * GROUP_PAD)  # row r: query token r // GROUP_PAD, head r % ..
+    q_idx = local_tile * BLOCK_Q + r // GROUP_PAD  # [BLOCK_M] token index in the chunk
+    g = r % GROUP_PAD
+    head = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = (d < HEAD_DIM)[None, :]
+    row_mask = ((q_idx < q_len) & (g < GROUP))[:, None] & d_mask  # [BLOCK_M, HEAD_DIM_PAD]
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = prefix_len + q_idx  # [BLOCK_M] absolute positions; key j is seen iff j <= q_pos
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    # Keys past the tile's last query are never seen.
+    kv_end = tl.minimum(seq_len, prefix_len + (local_tile + 1) * BLOCK_Q)
+    for kv_start in range(0, kv_end, BLOCK_N):
+        pos = kv_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        valid = pos < kv_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+        k_off = block * stride_kb + slot * stride_ks + kv_head * stride_kh
+        v_off = block * stride_vb + slot * stride_vs + kv_head * stride_vh
+        kv_mask = valid[:, None] & d_mask
+        k = tl.load(key_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
+        scores = tl.where(seen, scores, float("-inf"))
+        # NOTE: every row sees key 0 in the first tile, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def _num_query_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Query tiles to launch without reading ``cu_seqlens_q`` on the host (no device sync).
+
+    Sequence ``s`` owns tiles ``cu[s] // block_q + s`` up to (not including)
+    ``cu[s + 1] // block_q + s + 1``: ``cu[s+1] // block_q - cu[s] // block_q + 1`` tiles,
+    never fewer than ``ceil(q_len / block_q)``. Worked example, block_q = 4, chunks of 6
+    and 3 tokens (cu = [0, 6, 9]): sequence 0 owns tiles 0, 1 (first is 0 // 4 + 0);
+    sequence 1 owns tiles 2, 3 (first is 6 // 4 + 1), of which tile 3 exits at once.
+    In all ``num_tokens // block_q + num_seqs`` tiles (9 // 4 + 2 = 4).
+    """
+    return num_tokens // block_q + num_seqs
+
+
+def _check_prefill_args(query, key_cache, value_cache, block_tables, cu_seqlens_q,
+                        seq_lens) -> None:
+    require_triton("paged_prefill_attention_triton")
+    check_tensor("query", query, 3, FLOAT_DTYPES)
+    device = query.device
+    check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES, device)
+    check_tensor("value_cache", value_cache, 4, (key_cache.dtype,), device)
+    check_shape("value_cache", value_cache, key_cache.shape)
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"key_cache: head_dim {key_cache.shape[3]} != query's {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"key_cache: {num_kv_heads} kv heads do not divide {num_heads} heads")
+    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, device)
+    num_seqs = seq_lens.shape[0]
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device)
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables: {block_tables.shape[0]} rows for {num_seqs} seqs")
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES, device)
+    check_shape("cu_seqlens_q", cu_seqlens_q, (num_seqs + 1,))
+    for name, tensor in (("query", query), ("key_cache", key_cache),
+                         ("value_cache", value_cache), ("block_tables", block_tables)):
+        check_inner_contiguous(name, tensor, 1)
+    check_contiguous("cu_seqlens_q", cu_seqlens_q)
+    check_contiguous("seq_lens", seq_lens)
+
+
+def _run_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                 block_m: int = 64, block_n: int | None = None) -> torch.Tensor:
+    """Launch the prefill kernel with ``block_m`` (query token, head) rows per program."""
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    head_dim_pad = max(16, next_power_of_2(head_dim))
+    block_q = max(1, block_m // group_pad)
+    block_n = block_n or (64 if head_dim_pad <= 128 else 32)
+    grid = (_num_query_tiles(num_tokens, num_seqs, block_q), num_kv_heads)
+    _prefill_kernel[grid](
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        scale * LOG2E, num_seqs,
+        query.stride(0), query.stride(1),
+        *key_cache.stride()[:3], *value_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n,
+        **dot_options(query.dtype),
+    )
+    return out
+
+
+def paged_prefill_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_prefill_attention_ref`` in Triton; same contract.
+
+    Algorithm: FlashAttention-2's forward pass (query tiles, online softmax in fp32,
+    base-2 exponentials) with keys read through the block table as in vLLM's prefix-prefill
+    and unified-attention kernels; a tile's rows are (query token, query head) pairs of
+    one kv head's group, so each K/V tile serves the whole group. Query tiles are found
+    by a binary search over ``cu_seqlens_q`` in the kernel, so launching needs no device
+    sync. Head dims up to 256 (others padded by masking), any block size.
+
+    Raises:
+        ValueError: naming the argument whose shape, dtype, device or strides are wrong
+            (each tensor's last dim must be contiguous).
+        RuntimeError: triton is not installed.
+    """
+    _check_prefill_args(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
+    return _run_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                        scale)
+
+
 def paged_prefill_attention(
     query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale
 ):
-    """Dispatching entry point; see ``paged_prefill_attention_ref`` for the contract."""
+    """Dispatching entry point; see ``paged_prefill_attention_ref`` for the contract.
+
+    CUDA tensors go to ``paged_prefill_attention_triton``, others to the reference.
+    """
+    if use_triton(query):
+        return paged_prefill_attention_triton(
+            query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale
+        )
     return paged_prefill_attention_ref(
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale
     )
