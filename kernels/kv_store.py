@@ -94,9 +94,9 @@ def store_kv_triton(
     require_triton("store_kv_triton")
     device = key_cache.device
     check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES)
+    check_contiguous("key_cache", key_cache)
     check_tensor("value_cache", value_cache, 4, (key_cache.dtype,), device)
     check_shape("value_cache", value_cache, key_cache.shape)
-    check_contiguous("key_cache", key_cache)
     check_contiguous("value_cache", value_cache)
     check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES, device)
     num_tokens = slot_mapping.shape[0]

@@ -216,16 +216,18 @@ def _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens) ->
     check_contiguous("seq_lens", seq_lens)
 
 
-def _choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device) -> int:
+def _choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
+                       num_sms: int) -> int:
     """Splits per sequence so that about ``_PROGRAMS_PER_SM`` programs run per SM.
 
     ``max_context`` is an upper bound (the block table's width in tokens), read without
-    a device sync. Worked example on 132 SMs, 8 kv heads, 8k-token tables: batch 64 has
-    512 programs, no split; batch 16 has 128, 5 splits; batch 1 has 8, 16 splits of 512.
+    a device sync. Worked example on 132 SMs (528 programs wanted), 8 kv heads, 8k-token
+    tables: batch 64 has 512 programs, 2 splits; batch 16 has 128, 5 splits; batch 1 has
+    8, 16 splits (capped at 8192 // 512); batch 128 has 1024, no split.
     """
     programs = num_seqs * num_kv_heads
-    wanted = _PROGRAMS_PER_SM * multiprocessor_count(device)
-    if programs >= wanted:
+    wanted = _PROGRAMS_PER_SM * num_sms
+    if programs == 0 or programs >= wanted:
         return 1
     by_length = max(1, max_context // _MIN_SPLIT_TOKENS)
     return max(1, min(cdiv(wanted, programs), by_length, _MAX_SPLITS))
@@ -304,8 +306,9 @@ def paged_decode_attention_triton(
         RuntimeError: triton is not installed.
     """
     _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens)
-    num_splits = _choose_num_splits(query.shape[0], key_cache.shape[2],
-                                    block_tables.shape[1] * key_cache.shape[1], query.device)
+    max_context = block_tables.shape[1] * key_cache.shape[1]
+    num_splits = _choose_num_splits(query.shape[0], key_cache.shape[2], max_context,
+                                    multiprocessor_count(query.device))
     return _run_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, num_splits)
 
 

@@ -1,0 +1,426 @@
+"""Kernels against their references, and the references against per-token loops (the spec).
+
+The Triton kernels run on "cpu" under triton's interpreter (``TRITON_INTERPRET=1``, set
+below when there is no GPU) and on "cuda" when a GPU is lent; shapes are tiny because the
+interpreter runs each program in Python.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+# NOTE: triton reads TRITON_INTERPRET when it is imported (its own tl.max, tl.sum ... are
+# jit functions) and when each kernel is decorated, so it is set before the first import
+# of triton. Not in a conftest.py: the suite's tests import the top-level conftest by name.
+# In a session that imported triton earlier (the engine's tests collected first), the
+# interpreter cannot be switched on and the CPU runs of the kernels are skipped.
+TRITON_IMPORTED_EARLY = "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ
+if not HAS_CUDA and not TRITON_IMPORTED_EARLY:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pdserve.kernels import block_copy, kv_store
+from pdserve.kernels import paged_decode_attention as decode
+from pdserve.kernels import paged_prefill_attention as prefill
+from pdserve.kernels._triton_utils import HAS_TRITON, interpreting
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        TRITON_IMPORTED_EARLY or not (HAS_TRITON and interpreting()),
+        reason="needs triton's interpreter: export TRITON_INTERPRET=1, or run tests/kernels "
+               "before anything imports triton")),
+    pytest.param("cuda", marks=[pytest.mark.cuda,
+                                pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]),
+]
+# (num_heads, num_kv_heads): query heads per kv head 1, 2 and 4.
+GQA = [(2, 2), (4, 2), (8, 2)]
+# Context lengths: a single token, ends mid-block, exactly one block, several blocks.
+DECODE_LENS = [1, 17, 32, 70]
+# (q_len, seq_len) per sequence: no prefix, prefix ending mid-block, one token after a
+# prefix, an empty chunk, a chunk crossing blocks.
+PREFILL_CHUNKS = [(5, 5), (7, 40), (1, 19), (0, 16), (20, 20)]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Attention outputs: fp32 to ~1e-5; bf16/fp16 to their rounding (2e-2)."""
+    tol = 2e-5 if expected.dtype == torch.float32 else 2e-2
+    assert actual.dtype == expected.dtype
+    torch.testing.assert_close(actual.cpu().float(), expected.cpu().float(), atol=tol, rtol=tol)
+
+
+def make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, seed=0):
+    """Random K/V caches and block tables holding each sequence in shuffled blocks.
+
+    Every slot holds random values (so a kernel reading past a sequence shows), and table
+    entries past a sequence's last block point at some other valid block.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    width = max(blocks_per_seq, default=0) + 1
+    block_tables = order[-1].repeat(len(seq_lens), width).int()
+    first = 0
+    for row, n in enumerate(blocks_per_seq):
+        block_tables[row, :n] = order[first:first + n]
+        first += n
+    return key_cache.to(device), value_cache.to(device), block_tables.to(device)
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", seed=1):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+
+
+# ---- the spec: plain per-token loops -------------------------------------------------
+
+
+def context_loop(cache, block_table, seq_len):
+    """One sequence's cached rows, token by token: ``[seq_len, num_kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    rows = [cache[int(block_table[p // block_size]), p % block_size] for p in range(seq_len)]
+    return torch.stack(rows) if rows else cache.new_empty((0, *cache.shape[2:]))
+
+
+def attention_loop(q, keys, values, num_visible, scale):
+    """One query head: softmax(q . k_j * scale) over keys j < num_visible, in float64."""
+    scores = (keys[:num_visible].double() @ q.double()) * scale
+    return torch.softmax(scores, dim=0) @ values[:num_visible].double()
+
+
+def decode_loop(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    num_seqs, num_heads, _ = query.shape
+    group = num_heads // key_cache.shape[2]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for s in range(num_seqs):
+        keys = context_loop(key_cache, block_tables[s], int(seq_lens[s]))
+        values = context_loop(value_cache, block_tables[s], int(seq_lens[s]))
+        for h in range(num_heads):
+            out[s, h] = attention_loop(query[s, h], keys[:, h // group], values[:, h // group],
+                                       len(keys), scale)
+    return out.to(query.dtype)
+
+
+def prefill_loop(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+    num_heads = query.shape[1]
+    group = num_heads // key_cache.shape[2]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        start, end = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
+        keys = context_loop(key_cache, block_tables[s], seq_len)
+        values = context_loop(value_cache, block_tables[s], seq_len)
+        for i, token in enumerate(range(start, end)):
+            position = seq_len - (end - start) + i
+            for h in range(num_heads):
+                out[token, h] = attention_loop(query[token, h], keys[:, h // group],
+                                               values[:, h // group], position + 1, scale)
+    return out.to(query.dtype)
+
+
+def prefill_inputs(chunks, block_size, num_heads, num_kv_heads, head_dim, dtype, device):
+    seq_lens = [seq_len for _, seq_len in chunks]
+    key_cache, value_cache, block_tables = make_paged_kv(
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, device)
+    cu_seqlens_q = torch.tensor([0] + [q for q, _ in chunks]).cumsum(0).int().to(device)
+    query = randn(int(cu_seqlens_q[-1]), num_heads, head_dim, dtype=dtype, device=device)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens
+
+
+def decode_inputs(lens, block_size, num_heads, num_kv_heads, head_dim, dtype, device):
+    key_cache, value_cache, block_tables = make_paged_kv(
+        lens, block_size, num_kv_heads, head_dim, dtype, device)
+    query = randn(len(lens), num_heads, head_dim, dtype=dtype, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return query, key_cache, value_cache, block_tables, seq_lens
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+def test_decode_ref_is_the_per_token_loop(num_heads, num_kv_heads):
+    args = decode_inputs(DECODE_LENS, 16, num_heads, num_kv_heads, 32, torch.float32, "cpu")
+    expected = decode_loop(*args, scale=0.3)
+    assert_close(decode.paged_decode_attention_ref(*args, scale=0.3), expected)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+def test_prefill_ref_is_the_per_token_loop(num_heads, num_kv_heads):
+    args = prefill_inputs(PREFILL_CHUNKS, 16, num_heads, num_kv_heads, 32, torch.float32, "cpu")
+    expected = prefill_loop(*args, scale=0.3)
+    assert_close(prefill.paged_prefill_attention_ref(*args, scale=0.3), expected)
+
+
+def test_prefill_of_one_token_chunks_is_decode():
+    query, key_cache, value_cache, block_tables, seq_lens = decode_inputs(
+        DECODE_LENS, 16, 4, 2, 32, torch.float32, "cpu")
+    cu_seqlens_q = torch.arange(len(DECODE_LENS) + 1, dtype=torch.int32)
+    expected = decode.paged_decode_attention_ref(
+        query, key_cache, value_cache, block_tables, seq_lens, 0.3)
+    actual = prefill.paged_prefill_attention_ref(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, 0.3)
+    assert_close(actual, expected)
+
+
+def test_store_kv_ref_is_the_per_token_loop():
+    key_cache = torch.zeros(4, 16, 2, 8)
+    value_cache = torch.zeros(4, 16, 2, 8)
+    key, value = randn(5, 2, 8, seed=1), randn(5, 2, 8, seed=2)
+    slot_mapping = torch.tensor([35, -1, 0, 63, 17])
+    kv_store.store_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+    expected_k, expected_v = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            expected_k[slot // 16, slot % 16] = key[token]
+            expected_v[slot // 16, slot % 16] = value[token]
+    torch.testing.assert_close(key_cache, expected_k, rtol=0, atol=0)
+    torch.testing.assert_close(value_cache, expected_v, rtol=0, atol=0)
+
+
+def test_block_copy_refs_are_the_per_block_loop():
+    kv_cache = randn(2, 2, 6, 4, 2, 8)
+    block_ids = torch.tensor([4, 0, 5])
+    packed = block_copy.gather_blocks_ref(kv_cache, block_ids)
+    for i, block in enumerate(block_ids.tolist()):
+        torch.testing.assert_close(packed[:, :, i], kv_cache[:, :, block], rtol=0, atol=0)
+    target = torch.zeros_like(kv_cache)
+    block_copy.scatter_blocks_ref(target, torch.tensor([1, 3, 2]), packed)
+    for i, block in enumerate([1, 3, 2]):
+        torch.testing.assert_close(target[:, :, block], packed[:, :, i], rtol=0, atol=0)
+    assert target[:, :, [0, 4, 5]].abs().sum() == 0
+
+
+# ---- Triton against the references --------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_decode_attention(block_size, num_heads, num_kv_heads, head_dim, dtype, device):
+    args = decode_inputs(DECODE_LENS, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                         device)
+    scale = head_dim**-0.5
+    expected = decode.paged_decode_attention_ref(*args, scale)
+    assert_close(decode.paged_decode_attention_triton(*args, scale), expected)
+    # Split-K: 3 partitions of 32 or 64 tokens; some sequences leave partitions empty.
+    assert_close(decode._run_decode(*args, scale, num_splits=3, block_n=16), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [16, 32, 80, 256])
+def test_paged_decode_attention_other_head_dims(head_dim, device):
+    args = decode_inputs([3, 40], 16, 4, 1, head_dim, torch.float32, device)
+    expected = decode.paged_decode_attention_ref(*args, 0.1)
+    assert_close(decode.paged_decode_attention_triton(*args, 0.1), expected)
+    assert_close(decode._run_decode(*args, 0.1, num_splits=2), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_decode_attention_empty_and_single_token(device):
+    args = decode_inputs([1], 16, 4, 2, 64, torch.bfloat16, device)
+    expected = decode.paged_decode_attention_ref(*args, 0.125)
+    assert_close(decode.paged_decode_attention_triton(*args, 0.125), expected)
+    # A single token attends only to itself: the output is its value row.
+    value_cache, block_tables = args[2], args[3]
+    own_value = value_cache[int(block_tables[0, 0]), 0].repeat_interleave(2, dim=0)
+    assert_close(expected[0], own_value)
+    query, key_cache, _, _, _ = args
+    empty = decode.paged_decode_attention_triton(
+        query[:0], key_cache, value_cache, block_tables[:0], args[4][:0], 0.125)
+    assert empty.shape == (0, 4, 64)
+
+
+def test_choose_num_splits_fills_the_gpu_without_tiny_partitions():
+    # The docstring's worked example: 132 SMs, 8 kv heads, 8192-token tables.
+    assert decode._choose_num_splits(64, 8, 8192, num_sms=132) == 2
+    assert decode._choose_num_splits(16, 8, 8192, num_sms=132) == 5
+    assert decode._choose_num_splits(1, 8, 8192, num_sms=132) == 16
+    assert decode._choose_num_splits(128, 8, 8192, num_sms=132) == 1
+    assert decode._choose_num_splits(1, 8, 300, num_sms=132) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_prefill_attention(block_size, num_heads, num_kv_heads, head_dim, dtype, device):
+    args = prefill_inputs(PREFILL_CHUNKS, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                          device)
+    scale = head_dim**-0.5
+    expected = prefill.paged_prefill_attention_ref(*args, scale)
+    assert_close(prefill.paged_prefill_attention_triton(*args, scale), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [*GQA, (6, 2)])
+def test_paged_prefill_attention_small_tiles(num_heads, num_kv_heads, device):
+    """Several query tiles per chunk and key tiles per span: the tile search and the causal
+    edge inside a tile."""
+    args = prefill_inputs(PREFILL_CHUNKS, 16, num_heads, num_kv_heads, 32, torch.float32,
+                          device)
+    expected = prefill.paged_prefill_attention_ref(*args, 0.2)
+    assert_close(prefill._run_prefill(*args, 0.2, block_m=16, block_n=16), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [16, 80, 256])
+def test_paged_prefill_attention_other_head_dims(head_dim, device):
+    args = prefill_inputs([(3, 3), (4, 21)], 16, 4, 2, head_dim, torch.float32, device)
+    expected = prefill.paged_prefill_attention_ref(*args, 0.1)
+    assert_close(prefill.paged_prefill_attention_triton(*args, 0.1), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_prefill_attention_empty(device):
+    query, key_cache, value_cache, block_tables, _, _ = prefill_inputs(
+        [(0, 16), (0, 5)], 16, 4, 2, 64, torch.bfloat16, device)
+    cu_seqlens_q = torch.zeros(3, dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([16, 5], dtype=torch.int32, device=device)
+    out = prefill.paged_prefill_attention_triton(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, 0.1)
+    assert out.shape == (0, 4, 64)
+    out = prefill.paged_prefill_attention_triton(
+        query, key_cache, value_cache, block_tables[:0], cu_seqlens_q[:1], seq_lens[:0], 0.1)
+    assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_store_kv(block_size, head_dim, cache_dtype, device):
+    num_tokens, num_kv_heads = 6, 2
+    key_cache = randn(5, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
+    value_cache = randn(5, block_size, num_kv_heads, head_dim, dtype=cache_dtype,
+                        device=device, seed=2)
+    # K and V as views into one fused projection output: token stride 3 * row.
+    qkv = randn(num_tokens, 3 * num_kv_heads, head_dim, dtype=cache_dtype, device=device)
+    key, value = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
+    last = 5 * block_size - 1
+    slot_mapping = torch.tensor([block_size + 3, -1, 0, last, 2 * block_size - 1, -1],
+                                device=device)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    kv_store.store_kv_ref(key, value, expected_k, expected_v, slot_mapping)
+    kv_store.store_kv_triton(key, value, key_cache, value_cache, slot_mapping.int())
+    torch.testing.assert_close(key_cache, expected_k, rtol=0, atol=0)
+    torch.testing.assert_close(value_cache, expected_v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_kv_casts_to_the_cache_dtype_and_skips_empty(device):
+    key_cache = torch.zeros(2, 16, 2, 32, dtype=torch.bfloat16, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    key, value = randn(3, 2, 32, device=device), randn(3, 2, 32, device=device, seed=3)
+    slot_mapping = torch.tensor([5, -1, 20], device=device)
+    kv_store.store_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+    expected_k, expected_v = torch.zeros_like(key_cache), torch.zeros_like(value_cache)
+    kv_store.store_kv_ref(key, value, expected_k, expected_v, slot_mapping)
+    # NOTE: the interpreter rounds fp32 -> bf16 toward zero, the GPU to nearest: 1 ulp.
+    torch.testing.assert_close(key_cache, expected_k, rtol=1e-2, atol=0)
+    torch.testing.assert_close(value_cache, expected_v, rtol=1e-2, atol=0)
+    kv_store.store_kv_triton(key[:0], value[:0], key_cache, value_cache, slot_mapping[:0])
+    torch.testing.assert_close(key_cache, expected_k, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gather_and_scatter_blocks(block_size, dtype, device):
+    kv_cache = randn(2, 2, 7, block_size, 2, 64, dtype=dtype, device=device)
+    block_ids = torch.tensor([5, 0, 3, 6], device=device)
+    packed = block_copy.gather_blocks_triton(kv_cache, block_ids)
+    torch.testing.assert_close(packed, block_copy.gather_blocks_ref(kv_cache, block_ids),
+                               rtol=0, atol=0)
+    assert packed.is_contiguous() and packed.shape == (2, 2, 4, block_size, 2, 64)
+    src = randn(*packed.shape, dtype=dtype, device=device, seed=5)
+    expected = kv_cache.clone()
+    block_copy.scatter_blocks_ref(expected, block_ids.flip(0), src)
+    block_copy.scatter_blocks_triton(kv_cache, block_ids.flip(0), src)
+    torch.testing.assert_close(kv_cache, expected, rtol=0, atol=0)
+    empty = block_copy.gather_blocks_triton(kv_cache, block_ids[:0])
+    assert empty.shape == (2, 2, 0, block_size, 2, 64)
+    block_copy.scatter_blocks_triton(kv_cache, block_ids[:0], empty)
+    torch.testing.assert_close(kv_cache, expected, rtol=0, atol=0)
+
+
+# ---- argument checks and dispatch ----------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_wrappers_name_the_bad_argument():
+    query, key_cache, value_cache, block_tables, seq_lens = decode_inputs(
+        [3], 16, 4, 2, 32, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="seq_lens"):
+        decode.paged_decode_attention_triton(query, key_cache, value_cache, block_tables,
+                                             seq_lens.float(), 0.1)
+    with pytest.raises(ValueError, match="value_cache"):
+        decode.paged_decode_attention_triton(query, key_cache, value_cache[..., :16],
+                                             block_tables, seq_lens, 0.1)
+    with pytest.raises(ValueError, match="key_cache: 2 kv heads"):
+        decode.paged_decode_attention_triton(query[:, :3], key_cache, value_cache,
+                                             block_tables, seq_lens, 0.1)
+    with pytest.raises(ValueError, match="query: last 1 dims must be contiguous"):
+        decode.paged_decode_attention_triton(randn(1, 4, 64)[..., ::2], key_cache, value_cache,
+                                             block_tables, seq_lens, 0.1)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        prefill.paged_prefill_attention_triton(query, key_cache, value_cache, block_tables,
+                                               torch.tensor([0, 1, 1]), seq_lens, 0.1)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kv_store.store_kv_triton(query[:, :2], query[:, :2], key_cache, value_cache,
+                                 torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="key_cache"):
+        kv_store.store_kv_triton(query[:, :2], query[:, :2], key_cache.transpose(0, 1),
+                                 value_cache, torch.tensor([0]))
+    with pytest.raises(ValueError, match="src"):
+        block_copy.scatter_blocks_triton(randn(1, 2, 3, 4, 2, 8), torch.tensor([0]),
+                                         randn(1, 2, 2, 4, 2, 8))
+
+
+def test_dispatch_on_cpu_is_the_reference():
+    args = decode_inputs(DECODE_LENS, 16, 4, 2, 32, torch.float32, "cpu")
+    torch.testing.assert_close(decode.paged_decode_attention(*args, 0.3),
+                               decode.paged_decode_attention_ref(*args, 0.3), rtol=0, atol=0)
+    args = prefill_inputs(PREFILL_CHUNKS, 16, 4, 2, 32, torch.float32, "cpu")
+    torch.testing.assert_close(prefill.paged_prefill_attention(*args, 0.3),
+                               prefill.paged_prefill_attention_ref(*args, 0.3), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("context", [600, 3000])
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_dispatch_on_cuda_is_triton(context, batch, dtype):
+    """Through the engine's entry points on a GPU, at lengths where split-K kicks in."""
+    lens = [context - 7 * i for i in range(batch)]
+    args = decode_inputs(lens, 16, 32, 8, 128, dtype, "cuda")
+    cpu_args = [a.cpu() for a in args]
+    assert_close(decode.paged_decode_attention(*args, 0.088),
+                 decode.paged_decode_attention_ref(*cpu_args, 0.088))
+    chunks = [(min(100, n), n) for n in lens]
+    args = prefill_inputs(chunks, 16, 32, 8, 128, dtype, "cuda")
+    cpu_args = [a.cpu() for a in args]
+    assert_close(prefill.paged_prefill_attention(*args, 0.088),
+                 prefill.paged_prefill_attention_ref(*cpu_args, 0.088))
+    key, value = args[0][:, :8], args[0][:, 8:16]
+    key_cache, value_cache = args[1], args[2]
+    slot_mapping = torch.arange(key.shape[0], device="cuda") * 3
+    expected_k, expected_v = key_cache.cpu(), value_cache.cpu()
+    kv_store.store_kv_ref(key.cpu(), value.cpu(), expected_k, expected_v, slot_mapping.cpu())
+    kv_store.store_kv(key, value, key_cache, value_cache, slot_mapping)
+    torch.testing.assert_close(key_cache.cpu(), expected_k, rtol=0, atol=0)
+    torch.testing.assert_close(value_cache.cpu(), expected_v, rtol=0, atol=0)
+    kv_cache = torch.stack([key_cache, value_cache])[None]  # [1, 2, N, B, H_kv, D]
+    block_ids = torch.randperm(kv_cache.shape[2], device="cuda")[:5]
+    packed = block_copy.gather_blocks(kv_cache, block_ids)
+    torch.testing.assert_close(packed.cpu(), kv_cache.cpu()[:, :, block_ids.cpu()],
+                               rtol=0, atol=0)
+    block_copy.scatter_blocks(kv_cache, block_ids.flip(0), packed)
+    torch.testing.assert_close(kv_cache[:, :, block_ids.flip(0)], packed, rtol=0, atol=0)
