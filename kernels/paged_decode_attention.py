@@ -60,26 +60,20 @@ def paged_decode_attention_ref(
     blocks_per_seq = -(-int(seq_lens.max()) // block_size)
     ctx_len = blocks_per_seq * block_size  # L: the longest context, rounded up to blocks
     block_ids = block_tables[:, :blocks_per_seq].reshape(-1).long()
-    # Gather whole blocks (one contiguous row each): [S, L, H_kv, D].
+    # Gather whole blocks (one contiguous row each), then put kv heads first: [S, H_kv, L, D].
     k = key_cache.reshape(num_blocks, -1).index_select(0, block_ids)
     v = value_cache.reshape(num_blocks, -1).index_select(0, block_ids)
-    k = k.view(num_seqs, ctx_len * num_kv_heads, head_dim).to(query.dtype)
-    v = v.view(num_seqs, ctx_len, num_kv_heads * head_dim).to(query.dtype)
-    # NOTE: one batched matmul scores every (slot, kv head) against every query head, and
-    # the pairs where query head h belongs to kv head h // group are kept (a diagonal).
-    # The extra products are cheap next to the strided copies a per-group layout needs.
-    every = torch.matmul(k, query.transpose(1, 2)).float()  # [S, L*H_kv, H]
-    every = every.view(num_seqs, ctx_len, num_kv_heads, num_kv_heads, group)
-    scores = torch.diagonal(every, dim1=2, dim2=3)  # [S, L, G, H_kv]
-    scores = scores.permute(0, 3, 2, 1).reshape(num_seqs, num_heads, ctx_len) * scale
+    k = k.view(num_seqs, ctx_len, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+    v = v.view(num_seqs, ctx_len, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+    # The query heads sharing a kv head form its rows: [S, H_kv, G, D].
+    q = query.view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float() * scale  # [S, H_kv, G, L]
     positions = torch.arange(ctx_len, device=query.device)
     pad = positions[None, :] >= seq_lens[:, None].to(positions.device)  # [S, L]
-    scores.masked_fill_(pad[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [S, H, L]
-    every_out = torch.matmul(probs, v)  # [S, H, H_kv*D]
-    every_out = every_out.view(num_seqs, num_kv_heads, group, num_kv_heads, head_dim)
-    out = torch.diagonal(every_out, dim1=1, dim2=3)  # [S, G, D, H_kv]
-    return out.permute(0, 3, 1, 2).reshape(num_seqs, num_heads, head_dim)
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    out = torch.matmul(probs, v.to(query.dtype))  # [S, H_kv, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 # NOTE: launch choices. A decode program streams one (sequence, kv head)'s context; with
