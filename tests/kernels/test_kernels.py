@@ -236,6 +236,26 @@ def test_paged_decode_attention_empty_and_single_token(device):
     assert empty.shape == (0, 4, 64)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_table_entries_past_the_context_are_never_read(device):
+    """-1 padding in block tables (nano-vllm's convention) is ignored by the kernels.
+
+    NOTE: the decode reference gathers every row's first max-length blocks, so it needs
+    valid ids there; it gets the same tables with the padding replaced by block 0.
+    """
+    args = list(decode_inputs([3, 40], 16, 4, 2, 32, torch.float32, device))
+    padded = args[3].clone()
+    padded[0, 1:] = -1  # the 3-token sequence uses only its first block
+    padded[1, 3:] = -1
+    expected = decode.paged_decode_attention_ref(*args[:3], padded.clamp(min=0), args[4], 0.2)
+    assert_close(decode.paged_decode_attention_triton(*args[:3], padded, args[4], 0.2), expected)
+    assert_close(decode._run_decode(*args[:3], padded, args[4], 0.2, num_splits=2), expected)
+    args = list(prefill_inputs([(3, 3), (4, 40)], 16, 4, 2, 32, torch.float32, device))
+    args[3] = padded
+    assert_close(prefill.paged_prefill_attention_triton(*args, 0.2),
+                 prefill.paged_prefill_attention_ref(*args, 0.2))
+
+
 def test_choose_num_splits_fills_the_gpu_without_tiny_partitions():
     # The docstring's worked example: 132 SMs, 8 kv heads, 8192-token tables.
     assert decode._choose_num_splits(64, 8, 8192, num_sms=132) == 2
