@@ -59,7 +59,8 @@ def paged_decode_attention_ref(
     group = num_heads // num_kv_heads
     blocks_per_seq = -(-int(seq_lens.max()) // block_size)
     ctx_len = blocks_per_seq * block_size  # L: the longest context, rounded up to blocks
-    block_ids = block_tables[:, :blocks_per_seq].reshape(-1).long()
+    # Entries past a sequence's blocks may be padding (-1): read block 0 there, masked below.
+    block_ids = block_tables[:, :blocks_per_seq].reshape(-1).long().clamp(min=0)
     # Gather whole blocks (one contiguous row each), then put kv heads first: [S, H_kv, L, D].
     k = key_cache.reshape(num_blocks, -1).index_select(0, block_ids)
     v = value_cache.reshape(num_blocks, -1).index_select(0, block_ids)
