@@ -444,3 +444,17 @@ def test_dispatch_on_cuda_is_triton(context, batch, dtype):
                                rtol=0, atol=0)
     block_copy.scatter_blocks(kv_cache, block_ids.flip(0), packed)
     torch.testing.assert_close(kv_cache[:, :, block_ids.flip(0)], packed, rtol=0, atol=0)
+
+
+def test_decode_reference_ignores_minus_one_padding_in_block_tables():
+    from pdserve.kernels.paged_decode_attention import paged_decode_attention_ref
+
+    gen = torch.Generator().manual_seed(0)
+    key_cache, value_cache = torch.randn(2, 8, 4, 2, 16, generator=gen)
+    query = torch.randn(2, 4, 16, generator=gen)
+    seq_lens = torch.tensor([6, 11], dtype=torch.int32)
+    padded = torch.tensor([[1, 2, -1], [3, 4, 5]], dtype=torch.int32)
+    other = torch.tensor([[1, 2, 7], [3, 4, 5]], dtype=torch.int32)
+    torch.testing.assert_close(
+        paged_decode_attention_ref(query, key_cache, value_cache, padded, seq_lens, 0.25),
+        paged_decode_attention_ref(query, key_cache, value_cache, other, seq_lens, 0.25))
