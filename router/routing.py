@@ -1,0 +1,127 @@
+"""The routing policy (DESIGN.md, A request's path, step 1) as pure functions.
+
+Prefill worker: the lowest ``cost = overlap_weight * uncached_blocks + load_blocks``, where
+``uncached_blocks`` is the prompt's blocks the worker lacks (its prefix-index overlap
+removed) and ``load_blocks`` its load in blocks-equivalent (``LoadWeights``). Decode
+worker: the lowest KV cache usage, then the fewest running, then waiting sequences.
+Ties go round-robin: the caller passes a counter as ``rotation`` and the tied workers,
+sorted by id, take turns, so equal workers share the traffic and a given input always gives
+the same choice.
+
+Worked example (``overlap_weight=1``, default weights, 10-block prompt)::
+
+    worker  overlap  running  waiting  kv usage  uncached  load             cost
+    A       8        4        2        0.50      2         4+2+8*0.5 = 10   12
+    B       0        0        0        0.00      10        0                10   <- chosen
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's load as its last report gives it: sequences running and waiting, and
+    the fraction of its KV cache blocks in use (in [0, 1])."""
+
+    worker_id: str
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadWeights:
+    """How a worker's load converts into blocks-equivalent (the unit of ``cost``).
+
+    ``load_blocks = waiting_blocks * num_waiting + running_blocks * num_running
+    + kv_usage_blocks * kv_cache_usage``: every queued or running sequence delays a new
+    prompt by about one block of prefill work (a prefix hit makes most prompts' remaining
+    work small), and a fuller KV cache adds up to ``kv_usage_blocks`` more (a worker near
+    full evicts the cached prefixes it would reuse, or preempts).
+    """
+
+    waiting_blocks: float = 1.0
+    running_blocks: float = 1.0
+    kv_usage_blocks: float = 8.0
+
+    def load_blocks(self, load: WorkerLoad) -> float:
+        """``load`` in blocks-equivalent."""
+        return (self.waiting_blocks * load.num_waiting + self.running_blocks * load.num_running
+                + self.kv_usage_blocks * load.kv_cache_usage)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChoice:
+    """The chosen prefill worker, the blocks it already caches, and the cost it won with."""
+
+    worker_id: str
+    overlap_blocks: int
+    uncached_blocks: int
+    cost: float
+
+
+class NoWorkersError(RuntimeError):
+    """No live worker of the needed role (the router answers 503)."""
+
+
+_TIE_TOLERANCE = 1e-9
+
+
+def choose_prefill_worker(num_prompt_blocks: int, overlaps: Mapping[str, int],
+                          loads: Sequence[WorkerLoad], overlap_weight: float = 1.0, *,
+                          weights: LoadWeights = LoadWeights(), rotation: int = 0
+                          ) -> PrefillChoice:
+    """The prefill worker with the lowest ``overlap_weight * uncached_blocks + load``.
+
+    Args:
+        num_prompt_blocks: the prompt's hashed (full) blocks.
+        overlaps: worker id -> leading blocks it caches (``PrefixIndex.longest_prefix``);
+            missing workers have 0; workers not in ``loads`` are ignored.
+        loads: the live prefill workers.
+        overlap_weight: blocks-equivalent of prefilling one block (0 routes by load alone).
+        weights: the load model (see ``LoadWeights``).
+        rotation: a counter the caller advances per request, to take turns among ties.
+
+    Raises:
+        NoWorkersError: ``loads`` is empty.
+    """
+    if not loads:
+        raise NoWorkersError("no live prefill worker")
+    choices = []
+    for load in loads:
+        overlap = min(max(overlaps.get(load.worker_id, 0), 0), num_prompt_blocks)
+        uncached = num_prompt_blocks - overlap
+        cost = overlap_weight * uncached + weights.load_blocks(load)
+        choices.append(PrefillChoice(load.worker_id, overlap, uncached, cost))
+    best = min(c.cost for c in choices)
+    tied = sorted((c for c in choices if c.cost - best <= _TIE_TOLERANCE),
+                  key=lambda c: c.worker_id)
+    return tied[rotation % len(tied)]
+
+
+def choose_decode_worker(loads: Sequence[WorkerLoad], *, rotation: int = 0) -> str:
+    """The decode worker with the lowest KV cache usage, then the fewest running, then
+    waiting sequences; ties take turns by ``rotation`` over the tied ids in sorted order.
+
+    Raises:
+        NoWorkersError: ``loads`` is empty.
+    """
+    if not loads:
+        raise NoWorkersError("no live decode worker")
+
+    def key(load: WorkerLoad) -> tuple[float, int, int]:
+        return (load.kv_cache_usage, load.num_running, load.num_waiting)
+
+    best = min(key(load) for load in loads)
+    tied = sorted(load.worker_id for load in loads if key(load) == best)
+    return tied[rotation % len(tied)]
+
+
+def should_prefill_locally(prompt_len: int, local_prefill_threshold: int) -> bool:
+    """True when a prompt of ``prompt_len`` tokens is shorter than
+    ``--local-prefill-threshold`` and so skips the prefill pool (prefilled on the decode
+    worker). A threshold of 0 never prefills locally."""
+    return prompt_len < local_prefill_threshold

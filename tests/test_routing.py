@@ -1,0 +1,77 @@
+"""Routing policy: exact choices for prefix overlap against load, ties, decode by load."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.routing import (
+    LoadWeights,
+    NoWorkersError,
+    PrefillChoice,
+    WorkerLoad,
+    choose_decode_worker,
+    choose_prefill_worker,
+    should_prefill_locally,
+)
+
+
+def idle(*worker_ids: str) -> list[WorkerLoad]:
+    return [WorkerLoad(w) for w in worker_ids]
+
+
+def test_load_in_blocks_equivalent():
+    load = WorkerLoad("A", num_running=4, num_waiting=2, kv_cache_usage=0.5)
+    assert LoadWeights().load_blocks(load) == 4 + 2 + 8 * 0.5
+    assert LoadWeights(waiting_blocks=3, running_blocks=0, kv_usage_blocks=0).load_blocks(load) == 6
+
+
+def test_idle_workers_prefer_the_longest_cached_prefix():
+    choice = choose_prefill_worker(10, {"A": 3, "B": 7, "C": 0}, idle("A", "B", "C"))
+    assert choice == PrefillChoice("B", overlap_blocks=7, uncached_blocks=3, cost=3.0)
+
+
+def test_load_outweighs_overlap_as_in_the_module_example():
+    loads = [WorkerLoad("A", num_running=4, num_waiting=2, kv_cache_usage=0.5), WorkerLoad("B")]
+    assert choose_prefill_worker(10, {"A": 8}, loads).worker_id == "B"  # 12 vs 10
+    # A longer shared prefix tips it back: A costs 10 + 0, B costs 20.
+    assert choose_prefill_worker(20, {"A": 20}, loads).worker_id == "A"
+    # overlap_weight=0 is routing by load alone.
+    assert choose_prefill_worker(20, {"A": 20}, loads, overlap_weight=0).worker_id == "B"
+
+
+def test_overlaps_of_unknown_workers_are_ignored_and_clamped():
+    choice = choose_prefill_worker(4, {"gone": 4, "A": 9}, idle("A", "B"))
+    assert (choice.worker_id, choice.overlap_blocks, choice.uncached_blocks) == ("A", 4, 0)
+
+
+def test_prefill_ties_take_turns_in_worker_id_order():
+    loads = idle("w2", "w0", "w1")
+    picks = [choose_prefill_worker(5, {}, loads, rotation=r).worker_id for r in range(4)]
+    assert picks == ["w0", "w1", "w2", "w0"]
+    # Only the tied workers take turns: w1 holds a block, so it always wins.
+    picks = [choose_prefill_worker(5, {"w1": 1}, loads, rotation=r).worker_id for r in range(3)]
+    assert picks == ["w1", "w1", "w1"]
+
+
+def test_decode_worker_by_kv_usage_then_running_then_waiting():
+    loads = [WorkerLoad("A", num_running=1, kv_cache_usage=0.6),
+             WorkerLoad("B", num_running=9, kv_cache_usage=0.2),
+             WorkerLoad("C", num_running=3, kv_cache_usage=0.2)]
+    assert choose_decode_worker(loads) == "C"
+    loads.append(WorkerLoad("D", num_running=3, num_waiting=1, kv_cache_usage=0.2))
+    assert choose_decode_worker(loads) == "C"
+    loads.append(WorkerLoad("E", num_running=3, kv_cache_usage=0.2))
+    assert [choose_decode_worker(loads, rotation=r) for r in range(3)] == ["C", "E", "C"]
+
+
+def test_no_workers():
+    with pytest.raises(NoWorkersError):
+        choose_prefill_worker(3, {}, [])
+    with pytest.raises(NoWorkersError):
+        choose_decode_worker([])
+
+
+def test_short_prompts_prefill_locally():
+    assert should_prefill_locally(31, 32)
+    assert not should_prefill_locally(32, 32)
+    assert not should_prefill_locally(1, 0)
