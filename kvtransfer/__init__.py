@@ -1,1 +1,30 @@
-"""pdserve.kvtransfer."""
+"""Moving KV blocks between a prefill worker and a decode worker (DESIGN.md, KV transfer).
+
+Each (prefill, decode) pair gets a 2-rank channel, made without a global
+``init_process_group`` from a ``TCPStore`` that the decode worker hosts at its KV
+address, on first use, and cached. The decode side pulls:
+
+    pull = receiver.init(request_id, prefill_worker_id, local_block_ids)   # BOOTSTRAPPING
+    # ... gRPC SendKV to the prefill worker, which calls:
+    #     sender.send(request_id, decode_worker_id, decode_kv_address, its_block_ids)
+    state = pull.wait(timeout_s)       # SUCCESS, or FAILED with pull.failure_exception()
+
+Both classes are thread-safe and block only in ``send`` / ``wait``, so an asyncio server
+calls them through ``asyncio.to_thread``.
+"""
+
+from pdserve.kvtransfer.handle import KVTransfer
+from pdserve.kvtransfer.protocol import (
+    KVGeometry,
+    KVPollState,
+    KVTransferCounters,
+    KVTransferError,
+    KVTransferStats,
+)
+from pdserve.kvtransfer.receiver import KVPull, KVReceiver
+from pdserve.kvtransfer.sender import KVSender
+
+__all__ = [
+    "KVGeometry", "KVPollState", "KVPull", "KVReceiver", "KVSender", "KVTransfer",
+    "KVTransferCounters", "KVTransferError", "KVTransferStats",
+]

@@ -1,0 +1,157 @@
+"""KV transfer throughput: the pair channel beside plain ``torch.distributed`` send/recv.
+
+Moves the KV of 1k, 4k and 16k-token prompts from a prefill-side process to this
+(decode-side) process, with a ~125M Llama's KV geometry (12 layers, 4 KV heads,
+head_dim 64, block_size 16, bf16: 12 KiB per token). Each size is timed three ways, in
+turn, on the same loopback link and backend (gloo):
+
+- plain: one contiguous tensor of the same bytes, ``send`` / ``recv`` on a 2-rank gloo
+  group made the same way (no gather, no scatter, no protocol);
+- pair, consecutive: ``KVReceiver.init`` + ``KVSender.send`` with consecutive block ids
+  on both sides (a fresh block pool): planes go straight from / into the caches;
+- pair, scattered: random block ids on both sides (a fragmented pool): every plane is
+  gathered and scattered (``pdserve.kernels.block_copy``).
+
+Times are wall seconds at the receiver, from asking the sender to send until the bytes
+are in place (for the pair: from ``init`` until the pull's SUCCESS); the median of
+``--reps`` runs. Run: ``python benchmarks/kv_transfer.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender
+
+NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 12, 16, 4, 64
+DTYPE = torch.bfloat16
+PROMPT_TOKENS = (1024, 4096, 16384)
+
+
+def make_cache(num_blocks: int, seed: int | None) -> torch.Tensor:
+    """``[NUM_LAYERS, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]`` bf16."""
+    shape = (NUM_LAYERS, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    if seed is None:
+        return torch.zeros(shape, dtype=DTYPE)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(DTYPE)
+
+
+def plain_group(address: str, rank: int) -> dist.ProcessGroupGloo:
+    host, port = address.split(":")
+    store = dist.TCPStore(host, int(port), None, rank == 1, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = datetime.timedelta(seconds=60)
+    return dist.ProcessGroupGloo(dist.PrefixStore("bench/plain", store), rank, 2, opts)
+
+
+def prefill_main(conn, num_blocks: int, plain_address: str, threads: int) -> None:
+    """The sending process: answers ("pair", rid, decode_id, address, ids) and
+    ("plain", num_bytes) until None."""
+    torch.set_num_threads(threads)
+    sender = KVSender("bench-prefill", make_cache(num_blocks, 1), timeout_s=60)
+    group = plain_group(plain_address, 0)
+    payloads: dict[int, torch.Tensor] = {}
+    conn.send("ready")
+    while (cmd := conn.recv()) is not None:
+        if cmd[0] == "plain":
+            if cmd[1] not in payloads:
+                payloads[cmd[1]] = torch.ones(cmd[1], dtype=torch.uint8)
+            group.send([payloads[cmd[1]]], 1, 0).wait()
+        else:
+            sender.send(*cmd[1:])
+        conn.send("done")
+
+
+def time_plain(conn, group, payload: torch.Tensor) -> float:
+    work = group.recv([payload], 0, 0)
+    start = time.perf_counter()
+    conn.send(("plain", payload.numel()))
+    work.wait()
+    elapsed = time.perf_counter() - start
+    conn.recv()
+    return elapsed
+
+
+def time_pair(conn, receiver: KVReceiver, rid: str, src: list[int], dst: list[int]) -> float:
+    start = time.perf_counter()
+    pull = receiver.init(rid, "bench-prefill", dst, timeout_s=60)
+    conn.send(("pair", rid, receiver.worker_id, receiver.address, src))
+    assert pull.wait(60) == KVPollState.SUCCESS, pull.failure_exception()
+    elapsed = time.perf_counter() - start
+    conn.recv()
+    return elapsed
+
+
+def block_ids(num_blocks: int, n: int, layout: str, gen: torch.Generator) -> list[int]:
+    if layout == "consecutive":
+        return list(range(num_blocks - n, num_blocks))
+    return torch.randperm(num_blocks, generator=gen)[:n].tolist()
+
+
+def run(reps: int, threads: int) -> list[dict]:
+    torch.set_num_threads(threads)
+    num_blocks = max(PROMPT_TOKENS) // BLOCK_SIZE + 64
+    receiver = KVReceiver("bench-decode", make_cache(num_blocks, None), timeout_s=60)
+    plain_address = f"127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=prefill_main, args=(child_conn, num_blocks, plain_address,
+                                                   threads), daemon=True)
+    child.start()
+    group = plain_group(plain_address, 1)
+    assert conn.recv() == "ready"
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for tokens in PROMPT_TOKENS:
+        n = tokens // BLOCK_SIZE
+        num_bytes = n * receiver.geometry.block_bytes
+        times: dict[str, list[float]] = {"plain": [], "consecutive": [], "scattered": []}
+        plain_payload = torch.zeros(num_bytes, dtype=torch.uint8)  # NOTE: faulted in once
+        for rep in range(reps + 1):  # NOTE: rep 0 warms up and is dropped
+            times["plain"].append(time_plain(conn, group, plain_payload))
+            for layout in ("consecutive", "scattered"):
+                src = block_ids(num_blocks, n, layout, gen)
+                dst = block_ids(num_blocks, n, layout, gen)
+                times[layout].append(time_pair(conn, receiver, f"{tokens}-{layout}-{rep}",
+                                               src, dst))
+        medians = {k: statistics.median(v[1:]) for k, v in times.items()}
+        rows.append({"tokens": tokens, "blocks": n, "bytes": num_bytes,
+                     **{f"{k}_gbps": num_bytes / v / 1e9 for k, v in medians.items()}})
+    conn.send(None)
+    child.join(10)
+    receiver.close()
+    return rows
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7, help="timed runs per size (median)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    args = parser.parse_args()
+    rows = run(args.reps, args.threads)
+    print(f"{'prompt':>7} {'MiB':>6} {'plain GB/s':>10} {'pair consec':>11} {'ratio':>5} "
+          f"{'pair scatter':>12} {'ratio':>5}")
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>6.0f} {r['plain_gbps']:>10.2f} "
+              f"{r['consecutive_gbps']:>11.2f} {r['consecutive_gbps'] / r['plain_gbps']:>5.2f} "
+              f"{r['scattered_gbps']:>12.2f} {r['scattered_gbps'] / r['plain_gbps']:>5.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The payload as planes: what a sender sends and where a receiver lands it.
+
+The payload of ``n`` blocks is ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]``
+and goes on the wire as its ``num_layers * 2`` planes ``[n, block_size, num_kv_heads,
+head_dim]`` in order (plane ``p`` is layer ``p // 2``, K for even ``p``, V for odd).
+A plane is one contiguous run of memory in the cache when its blocks have consecutive
+ids, so each side, on its own, moves such a plane straight from / into its cache and
+gathers / scatters the others (``pdserve.kernels.block_copy``). Example, 2 layers,
+sender blocks ``[7, 8, 9]`` (consecutive), receiver blocks ``[3, 0, 5]``: the sender sends
+``kv_cache[l, k, 7:10]`` for each of the 4 planes with no copy; the receiver receives
+each plane into a staging buffer and scatters it into blocks 3, 0, 5.
+
+CUDA caches over gloo stage the whole payload through pinned host memory; over NCCL the
+planes are CUDA tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from pdserve.kernels.block_copy import gather_blocks, scatter_blocks
+from pdserve.kvtransfer.protocol import KVGeometry
+
+
+def consecutive_start(block_ids: list[int]) -> int | None:
+    """The first id if ``block_ids`` is ``[b, b+1, ..., b+n-1]`` (n >= 1), else None."""
+    if not block_ids:
+        return None
+    first = block_ids[0]
+    if all(b == first + i for i, b in enumerate(block_ids)):
+        return first
+    return None
+
+
+def _plane_shape(geometry: KVGeometry, num_blocks: int) -> tuple[int, ...]:
+    return (num_blocks, geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
+
+
+def iter_send_planes(kv_cache: torch.Tensor, block_ids: list[int],
+                     device_payload: bool) -> Iterator[torch.Tensor]:
+    """Yield the payload's planes in order, each contiguous ``[n, block_size,
+    num_kv_heads, head_dim]`` in the cache's dtype, ready to send.
+
+    Planes are gathered lazily, so gathering plane ``p + 1`` overlaps sending plane ``p``.
+    ``device_payload``: the group carries tensors on the cache's device (NCCL); False
+    with a CUDA cache stages the payload through pinned host memory for gloo.
+    """
+    num_planes = kv_cache.shape[0] * 2
+    start = consecutive_start(block_ids)
+    if kv_cache.is_cuda and not device_payload:
+        host = _stage_to_host(kv_cache, block_ids)  # [num_layers, 2, n, ...] pinned
+        for p in range(num_planes):
+            yield host[p // 2, p % 2]
+        return
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+    for p in range(num_planes):
+        layer, kv = divmod(p, 2)
+        if start is not None:
+            yield kv_cache[layer, kv, start:start + len(block_ids)]  # a view, no copy
+        else:
+            yield gather_blocks(kv_cache[layer:layer + 1, kv:kv + 1], ids)[0, 0]
+
+
+def _stage_to_host(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+    gathered = gather_blocks(kv_cache, ids)  # [num_layers, 2, n, ...] on the GPU
+    host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+    host.copy_(gathered, non_blocking=True)
+    torch.cuda.current_stream(kv_cache.device).synchronize()
+    return host
+
+
+class PayloadSink:
+    """Receive buffers for one payload, and the scatter into the cache's blocks.
+
+    Args:
+        kv_cache: the receiver's cache, or None to drain (receive and discard; used when
+            the pull was cancelled after the sender started).
+        block_ids: ``n`` local block ids, in payload order.
+        geometry: the cache's geometry (also the drain buffers' shape and dtype).
+        device_payload: the group carries tensors on the cache's device (NCCL).
+    """
+
+    def __init__(self, kv_cache: torch.Tensor | None, block_ids: list[int],
+                 geometry: KVGeometry, device_payload: bool) -> None:
+        self.kv_cache = kv_cache
+        self.block_ids = block_ids
+        self.num_planes = geometry.num_layers * 2
+        self._direct = False
+        shape = _plane_shape(geometry, len(block_ids))
+        self._staged_on_host = kv_cache is not None and kv_cache.is_cuda and not device_payload
+        if kv_cache is None:
+            scratch = torch.empty(shape, dtype=geometry.dtype)
+            self.buffers = [scratch] * self.num_planes
+        elif self._staged_on_host:
+            self._host = torch.empty((geometry.num_layers, 2, *shape), dtype=geometry.dtype,
+                                     pin_memory=True)
+            self.buffers = [self._host[p // 2, p % 2] for p in range(self.num_planes)]
+        else:
+            self.buffers = self._cache_buffers(kv_cache, shape)
+
+    def _cache_buffers(self, kv_cache: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        start = consecutive_start(self.block_ids)
+        self._ids = torch.tensor(self.block_ids, dtype=torch.int64, device=kv_cache.device)
+        self._direct = start is not None
+        if self._direct:
+            end = start + len(self.block_ids)
+            return [kv_cache[p // 2, p % 2, start:end] for p in range(self.num_planes)]
+        return [torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
+                for _ in range(self.num_planes)]
+
+    def plane_done(self, p: int) -> None:
+        """Plane ``p`` has arrived: scatter it into the cache unless it landed there."""
+        if self.kv_cache is None or self._staged_on_host or self._direct:
+            return
+        layer, kv = divmod(p, 2)
+        scatter_blocks(self.kv_cache[layer:layer + 1, kv:kv + 1], self._ids,
+                       self.buffers[p][None, None])
+        self.buffers[p] = None  # NOTE: frees the staging plane early
+
+    def finish(self) -> None:
+        """All planes arrived: finish the copy into the cache (and wait for the GPU)."""
+        if self.kv_cache is None:
+            return
+        if self._staged_on_host:
+            device = self.kv_cache.device
+            ids = torch.tensor(self.block_ids, dtype=torch.int64, device=device)
+            scatter_blocks(self.kv_cache, ids, self._host.to(device, non_blocking=True))
+        if self.kv_cache.is_cuda:
+            torch.cuda.current_stream(self.kv_cache.device).synchronize()

@@ -1,0 +1,231 @@
+"""The KV-transfer wire protocol: poll states, errors, the header tensor, store keys.
+
+A transfer moves the KV of some of a prompt's blocks from a prefill worker (rank 0) to a
+decode worker (rank 1) over their pair channel (DESIGN.md, KV transfer). What crosses the
+wire, per transfer:
+
+1. store (the decode worker's ``TCPStore``): the decode side writes a ``Ticket`` under
+   ``{pair}/req/{request_id}/ticket``; the prefill side claims the transfer by
+   ``compare_set`` on ``.../claim/{generation}/{tag}`` (``"S"`` = sending, ``"F <reason>"``
+   = cannot send) and wakes the decode side through the queue ``CLAIM_QUEUE_KEY``; the
+   decode side gives up the same way (``"X"``), so exactly one of them wins.
+2. group: a fixed-size ``int64[HEADER_NUMEL]`` header, then the payload
+   ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]`` as its ``num_layers * 2``
+   contiguous planes ``[n, block_size, num_kv_heads, head_dim]`` in order.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import threading
+from dataclasses import dataclass
+
+import torch
+
+HEADER_NUMEL = 16
+_MAGIC = 0x70645F6B76  # "pd_kv"
+_VERSION = 1
+
+# NOTE: codes are part of the wire format; append, never renumber.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
+    torch.uint8: 5, torch.int8: 6,
+}
+_CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+for _name, _code in (("float8_e4m3fn", 7), ("float8_e5m2", 8)):
+    if hasattr(torch, _name):
+        DTYPE_CODES[getattr(torch, _name)] = _code
+        _CODE_DTYPES[_code] = getattr(torch, _name)
+
+
+class KVPollState(enum.Enum):
+    """Where a transfer is (SGLang's ``KVPoll``): the channel is being made, the peer has
+    not started sending, bytes are moving, or it ended."""
+
+    BOOTSTRAPPING = "bootstrapping"
+    WAITING_FOR_INPUT = "waiting_for_input"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+    @property
+    def finished(self) -> bool:
+        return self in (KVPollState.SUCCESS, KVPollState.FAILED)
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed: timed out, the peer went away, or the two sides disagree on
+    what to move. It fails that request alone; the channel is remade on next use."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """Shape and dtype of one worker's KV cache
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor) -> KVGeometry:
+        """Raises ValueError unless ``kv_cache`` is a contiguous 6-d KV cache."""
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be contiguous [num_layers, 2, num_blocks, "
+                             f"block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+        if kv_cache.dtype not in DTYPE_CODES:
+            raise ValueError(f"kv_cache dtype {kv_cache.dtype} has no wire code")
+        num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        return cls(num_layers, block_size, num_kv_heads, head_dim, kv_cache.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def fields(self) -> list[int]:
+        return [self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                DTYPE_CODES[self.dtype]]
+
+    @classmethod
+    def from_fields(cls, fields: list[int]) -> KVGeometry:
+        num_layers, block_size, num_kv_heads, head_dim, code = fields
+        if code not in _CODE_DTYPES:
+            raise KVTransferError(f"unknown dtype code {code} on the wire")
+        return cls(num_layers, block_size, num_kv_heads, head_dim, _CODE_DTYPES[code])
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """What precedes a payload: which request, how many blocks, of what geometry, and
+    the sender's per-channel sequence number (payload order on NCCL)."""
+
+    request_hash: int
+    num_blocks: int
+    geometry: KVGeometry
+    seq: int
+
+    def encode(self) -> torch.Tensor:
+        """``int64[HEADER_NUMEL]`` on the CPU."""
+        values = [_MAGIC, _VERSION, self.request_hash, self.num_blocks, self.seq,
+                  *self.geometry.fields()]
+        header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
+        header[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        return header
+
+    @classmethod
+    def decode(cls, header: torch.Tensor) -> Header:
+        """Raises KVTransferError on a wrong magic number or version."""
+        values = header.tolist()
+        if values[0] != _MAGIC or values[1] != _VERSION:
+            raise KVTransferError(f"bad KV header (magic {values[0]:#x}, version {values[1]})")
+        return cls(values[2], values[3], KVGeometry.from_fields(values[5:10]), values[4])
+
+
+def request_hash(request_id: str) -> int:
+    """Stable signed 64-bit hash of a request id (SHA-256, first 8 bytes)."""
+    digest = hashlib.sha256(request_id.encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """The decode side's offer for one pull: which channel (``incarnation`` of the
+    receiver, ``generation`` of the pair's group), the gloo ``tag``, how many blocks and
+    of what geometry it expects."""
+
+    incarnation: str
+    generation: int
+    tag: int
+    num_blocks: int
+    geometry: KVGeometry
+
+    def encode(self) -> str:
+        fields = [self.incarnation, self.generation, self.tag, self.num_blocks,
+                  *self.geometry.fields()]
+        return " ".join(str(f) for f in fields)
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> Ticket:
+        parts = (text.decode() if isinstance(text, bytes) else text).split()
+        numbers = [int(p) for p in parts[1:]]
+        return cls(parts[0], numbers[0], numbers[1], numbers[2],
+                   KVGeometry.from_fields(numbers[3:8]))
+
+
+def pair_prefix(prefill_worker_id: str, decode_worker_id: str) -> str:
+    """Store key prefix of one (prefill, decode) pair."""
+    return f"pdkv/{prefill_worker_id}/{decode_worker_id}"
+
+
+def ticket_key(prefix: str, request_id: str) -> str:
+    return f"{prefix}/req/{request_id}/ticket"
+
+
+def claim_key(prefix: str, request_id: str, ticket: Ticket) -> str:
+    """Unique per pull (generation and tag), so a late claim never hits a later pull."""
+    return f"{prefix}/req/{request_id}/claim/{ticket.generation}/{ticket.tag}"
+
+
+# Once a transfer is claimed, its payload gets at least this long, even past the deadline.
+MIN_TRANSFER_S = 2.0
+CLAIM_QUEUE_KEY = "pdkv/claims"  # prefill sides push "<S|F>\n<prefill_id>\n<request_id>"
+CLAIM_SENDING = "S"
+CLAIM_GIVEN_UP = "X"
+CLAIM_FAILED_PREFIX = "F "
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``; raises ValueError."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferStats:
+    """One transfer: blocks and payload bytes moved, wall seconds from start to end."""
+
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferCounters:
+    """Totals since start (for ``pdserve:`` metrics): transfers that succeeded and
+    failed, payload bytes and seconds of the successful ones."""
+
+    num_transfers: int = 0
+    num_failed: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
+class CounterSet:
+    """Thread-safe running ``KVTransferCounters``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals = KVTransferCounters()
+
+    def add(self, stats: KVTransferStats | None) -> None:
+        """Count one transfer: ``stats`` for a success, None for a failure."""
+        with self._lock:
+            t = self._totals
+            if stats is None:
+                self._totals = KVTransferCounters(t.num_transfers, t.num_failed + 1,
+                                                  t.num_bytes, t.seconds)
+            else:
+                self._totals = KVTransferCounters(t.num_transfers + 1, t.num_failed,
+                                                  t.num_bytes + stats.num_bytes,
+                                                  t.seconds + stats.seconds)
+
+    def snapshot(self) -> KVTransferCounters:
+        with self._lock:
+            return self._totals

@@ -1,0 +1,348 @@
+"""The decode side of KV transfer: pulls blocks from prefill workers into the local cache.
+
+A pull's life (one request, one prefill worker):
+
+1. ``KVReceiver.init`` (BOOTSTRAPPING): picks the pair's channel (making a new generation
+   when there is none, it broke, or the prefill side invalidated it), writes the
+   request's ``Ticket`` into this worker's store and returns a ``KVPull`` at once. The
+   caller then asks the prefill worker to send (gRPC ``SendKV``).
+2. WAITING_FOR_INPUT: the channel's group is up; the pull waits for the prefill side to
+   claim the transfer (``"S"``) or to report that it cannot (``"F <reason>"``). At the
+   deadline the pull gives up by claiming ``"X"`` itself: a clean failure that leaves the
+   channel usable, since nothing was posted on the group.
+3. TRANSFERRING: header, then the payload planes straight into the cache's blocks (or
+   through staging buffers and ``scatter_blocks``). Any error here aborts the channel.
+4. SUCCESS or FAILED (``failure_exception()``); the ticket is deleted at once, the claim
+   key minutes later (so a very late prefill side finds ``"X"`` and sends nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from pdserve.kvtransfer.channel import PairGroup
+from pdserve.kvtransfer.handle import KVTransfer
+from pdserve.kvtransfer.payload import PayloadSink
+from pdserve.kvtransfer.protocol import (
+    CLAIM_FAILED_PREFIX,
+    CLAIM_GIVEN_UP,
+    CLAIM_QUEUE_KEY,
+    CLAIM_SENDING,
+    MIN_TRANSFER_S,
+    CounterSet,
+    Header,
+    KVGeometry,
+    KVPollState,
+    KVTransferCounters,
+    KVTransferError,
+    KVTransferStats,
+    Ticket,
+    claim_key,
+    pair_prefix,
+    request_hash,
+    split_address,
+    ticket_key,
+)
+
+_WATCH_TIMEOUT = datetime.timedelta(days=1)
+_CLAIM_KEY_TTL_S = 300.0  # longer than any sender waits before claiming
+
+
+class _RecvChannel:
+    """The decode side of one pair at one generation; its group is made in a thread."""
+
+    def __init__(self, prefix: str, generation: int) -> None:
+        self.prefix = prefix
+        self.generation = generation
+        self.group: PairGroup | None = None
+        self.error: KVTransferError | None = None
+        self.ready = threading.Event()
+        self._next_tag = 0
+
+    def next_tag(self) -> int:
+        self._next_tag = self._next_tag % (1 << 30) + 1
+        return self._next_tag
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None or (self.group is not None and self.group.broken)
+
+    def make(self, store: dist.Store, name: str, host: str, device: torch.device,
+             timeout_s: float) -> None:
+        try:
+            self.group = PairGroup.make(store, name, 1, host, device, timeout_s)
+        except KVTransferError as exc:
+            self.error = exc
+        self.ready.set()
+
+    def wait_ready(self, deadline: float) -> PairGroup:
+        if not self.ready.wait(max(deadline - time.monotonic(), 0)):
+            raise KVTransferError(f"{self.prefix}: the prefill worker did not join the pair "
+                                  "channel before the deadline")
+        if self.error is not None:
+            raise self.error
+        return self.group
+
+    def fail(self) -> None:
+        """Abort the group: it is never reused (see channel.py)."""
+        if self.group is not None:
+            self.group.abort()
+
+
+class KVPull(KVTransfer):
+    """One pull in flight (see the module docstring); made by ``KVReceiver.init``."""
+
+    def __init__(self, request_id: str, prefill_worker_id: str, block_ids: list[int],
+                 channel: _RecvChannel, ticket: Ticket, deadline: float) -> None:
+        super().__init__(request_id, len(block_ids), deadline)
+        self.prefill_worker_id = prefill_worker_id
+        self.block_ids = block_ids
+        self.channel = channel
+        self.ticket = ticket
+        self._claimed = threading.Event()
+        self._claim_pushed: str | None = None  # what the prefill side's wake-up said
+        self._cancelled = False
+
+    def cancel(self) -> KVPollState:
+        """Stop the pull. Once this returns, nothing more is written into its blocks
+        (a transfer already under way is waited for, up to its deadline, and a later
+        one is received and discarded). Returns the final state."""
+        with self._lock:
+            self._cancelled = True
+            transferring = self._state == KVPollState.TRANSFERRING
+        self._claimed.set()
+        if transferring:
+            self._done.wait(self.remaining_s(at_least_s=MIN_TRANSFER_S))
+        self._fail(KVTransferError(f"pull of request {self.request_id} was cancelled"))
+        return self.poll()
+
+    def _begin_transfer(self) -> bool:
+        """Enter TRANSFERRING; False if cancelled (then the payload is drained)."""
+        with self._lock:
+            if self._cancelled or self._state.finished:
+                return False
+            self._state = KVPollState.TRANSFERRING
+            return True
+
+
+class KVReceiver:
+    """Decode-worker side of KV transfer; hosts the pair channels' ``TCPStore``.
+
+    Args:
+        worker_id: this decode worker's id (the registry's).
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
+            contiguous, any wire dtype; pulled blocks are written into it.
+        address: ``"host:port"`` to serve the store on (port 0 picks a free one); the
+            host is also the address gloo binds to. ``self.address`` is the real one.
+        timeout_s: default seconds a pull may take from ``init`` to its end.
+        connect_timeout_s: seconds a new channel waits for its prefill worker.
+
+    Raises:
+        ValueError: a malformed cache or address. RuntimeError: the port is taken.
+    """
+
+    def __init__(self, worker_id: str, kv_cache: torch.Tensor, address: str = "127.0.0.1:0",
+                 *, timeout_s: float = 30.0, connect_timeout_s: float = 30.0) -> None:
+        self.worker_id = worker_id
+        self.kv_cache = kv_cache
+        self.geometry = KVGeometry.of(kv_cache)
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._host, port = split_address(address)
+        self._store = dist.TCPStore(self._host, port, None, True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=connect_timeout_s))
+        self.address = f"{self._host}:{self._store.port}"
+        self._incarnation = secrets.token_hex(6)
+        self._lock = threading.Lock()
+        self._channels: dict[str, _RecvChannel] = {}
+        self._pulls: dict[tuple[str, str], KVPull] = {}
+        self._retired: deque[tuple[float, str]] = deque()  # (delete at, claim key)
+        self._counters = CounterSet()
+        self._closed = threading.Event()
+        self._watch_store = self._store.clone()
+        self._watch_store.set_timeout(_WATCH_TIMEOUT)
+        self._watcher = threading.Thread(target=self._watch_claims, daemon=True,
+                                         name=f"kv-claims-{worker_id}")
+        self._watcher.start()
+
+    def init(self, request_id: str, prefill_worker_id: str, block_ids: Sequence[int],
+             timeout_s: float | None = None) -> KVPull:
+        """Start pulling ``len(block_ids)`` blocks of ``request_id`` from a prefill worker
+        into local ``block_ids`` (payload order); returns at once (BOOTSTRAPPING).
+
+        Ask the prefill worker to send only after this returns. ``timeout_s`` (default
+        ``self.timeout_s``) bounds the whole pull.
+
+        Raises:
+            ValueError: no blocks, ids out of range or repeated, or a pull of this request
+                from this worker already in flight.
+            KVTransferError: the receiver is closed or its store failed.
+        """
+        ids = self._check_block_ids(block_ids)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        prefix = pair_prefix(prefill_worker_id, self.worker_id)
+        with self._lock:
+            if self._closed.is_set():
+                raise KVTransferError("the KV receiver is closed")
+            if (prefill_worker_id, request_id) in self._pulls:
+                raise ValueError(f"a pull of {request_id} from {prefill_worker_id} is in flight")
+            try:
+                channel = self._channel(prefill_worker_id, prefix)
+                ticket = Ticket(self._incarnation, channel.generation, channel.next_tag(),
+                                len(ids), self.geometry)
+                pull = KVPull(request_id, prefill_worker_id, ids, channel, ticket, deadline)
+                self._store.set(ticket_key(prefix, request_id), ticket.encode())
+            except (RuntimeError, dist.DistError) as exc:
+                raise KVTransferError(f"KV receiver store failed: {exc}") from exc
+            self._pulls[(prefill_worker_id, request_id)] = pull
+        threading.Thread(target=self._run, args=(pull,), daemon=True,
+                         name=f"kv-pull-{request_id}").start()
+        return pull
+
+    def counters(self) -> KVTransferCounters:
+        """Totals of pulls that ended (bytes and seconds of the successful ones)."""
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        """Fail pulls in flight, abort channels, stop serving the store."""
+        with self._lock:
+            self._closed.set()
+            pulls, channels = list(self._pulls.values()), list(self._channels.values())
+            self._channels.clear()
+        for pull in pulls:
+            pull._fail(KVTransferError("the KV receiver closed"))
+        for channel in channels:
+            channel.fail()
+        with contextlib.suppress(RuntimeError):  # closing anyway
+            self._store.queue_push(CLAIM_QUEUE_KEY, "\n")  # wakes the watcher
+        self._watcher.join(timeout=5.0)
+
+    def _check_block_ids(self, block_ids: Sequence[int]) -> list[int]:
+        ids = [int(b) for b in block_ids]
+        num_blocks = self.kv_cache.shape[2]
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= b < num_blocks for b in ids):
+            raise ValueError(f"block_ids must be distinct ids in [0, {num_blocks}), got {ids}")
+        return ids
+
+    def _channel(self, prefill_worker_id: str, prefix: str) -> _RecvChannel:
+        """The pair's usable channel, or a new one under a new generation (lock held)."""
+        gen_key = f"{prefix}/gen"
+        channel = self._channels.get(prefill_worker_id)
+        if (channel is not None and not channel.failed
+                and self._store.add(gen_key, 0) == channel.generation):
+            return channel
+        if channel is not None:
+            channel.fail()
+        channel = _RecvChannel(prefix, self._store.add(gen_key, 1))
+        self._channels[prefill_worker_id] = channel
+        name = f"{prefix}/{self._incarnation}/{channel.generation}"
+        threading.Thread(target=channel.make, daemon=True, name=f"kv-connect-{name}", args=(
+            self._store.clone(), name, self._host, self.kv_cache.device,
+            self.connect_timeout_s)).start()
+        return channel
+
+    def _watch_claims(self) -> None:
+        """Wake each pull whose prefill worker claimed it (queue items
+        ``"<S or F>\\n<prefill worker id>\\n<request id>"``)."""
+        while not self._closed.is_set():
+            try:
+                item = self._watch_store.queue_pop(CLAIM_QUEUE_KEY).decode()
+            except RuntimeError:  # a store timeout (DistStoreError) or the store going away
+                time.sleep(0.05)
+                continue
+            kind, _, rest = item.partition("\n")
+            prefill_worker_id, _, request_id = rest.partition("\n")
+            with self._lock:
+                pull = self._pulls.get((prefill_worker_id, request_id))
+            if pull is not None:
+                pull._claim_pushed = kind
+                pull._claimed.set()
+
+    def _run(self, pull: KVPull) -> None:
+        try:
+            group = pull.channel.wait_ready(pull.deadline)
+            pull._advance(KVPollState.WAITING_FOR_INPUT)
+            self._await_claim(pull)
+            stats = self._receive(pull, group)
+            self._counters.add(stats)
+            pull._succeed(stats)
+        except KVTransferError as exc:
+            self._counters.add(None)
+            pull._fail(exc)
+        finally:
+            self._forget(pull)
+
+    def _await_claim(self, pull: KVPull) -> None:
+        """Return once the prefill side claimed the pull; raise KVTransferError if it
+        reported a failure, or if the pull was cancelled or timed out first."""
+        pull._claimed.wait(pull.remaining_s())
+        if pull._claim_pushed == CLAIM_SENDING:
+            return  # NOTE: pushed only after the prefill side won: no round trip needed
+        key = claim_key(pull.channel.prefix, pull.request_id, pull.ticket)
+        try:
+            value = self._store.compare_set(key, "", CLAIM_GIVEN_UP).decode()
+        except RuntimeError as exc:  # the store is local; this is fatal
+            raise KVTransferError(f"KV receiver store failed: {exc}") from exc
+        if value == CLAIM_SENDING:
+            return
+        who = f"prefill worker {pull.prefill_worker_id}"
+        if value.startswith(CLAIM_FAILED_PREFIX):
+            raise KVTransferError(f"{who} cannot send request {pull.request_id}: "
+                                  f"{value[len(CLAIM_FAILED_PREFIX):]}")
+        if pull._cancelled:
+            raise KVTransferError(f"pull of request {pull.request_id} was cancelled")
+        raise KVTransferError(f"{who} did not start sending request {pull.request_id} "
+                              "before the deadline")
+
+    def _receive(self, pull: KVPull, group: PairGroup) -> KVTransferStats:
+        """Header and payload into the blocks. Any error aborts the channel."""
+        start = time.monotonic()
+        deadline = max(pull.deadline, start + MIN_TRANSFER_S)
+        cache = self.kv_cache if pull._begin_transfer() else None  # None: drain
+        try:
+            sink = PayloadSink(cache, pull.block_ids, self.geometry, group.device_payload)
+            group.recv(sink, pull.ticket.tag, deadline,
+                       lambda header: self._check_header(pull, header))
+            sink.finish()
+        except KVTransferError:
+            pull.channel.fail()
+            raise
+        if cache is None:
+            raise KVTransferError(f"pull of request {pull.request_id} was cancelled; its "
+                                  "payload was received and discarded")
+        num_bytes = len(pull.block_ids) * self.geometry.block_bytes
+        return KVTransferStats(len(pull.block_ids), num_bytes, time.monotonic() - start)
+
+    def _check_header(self, pull: KVPull, header_tensor: torch.Tensor) -> int:
+        """The header's seq; raises KVTransferError unless it is this pull's."""
+        header = Header.decode(header_tensor)
+        expected = (request_hash(pull.request_id), len(pull.block_ids), self.geometry)
+        got = (header.request_hash, header.num_blocks, header.geometry)
+        if got != expected:
+            raise KVTransferError(f"KV header for {pull.request_id} does not match: expected "
+                                  f"(request hash, blocks, geometry) {expected}, got {got}")
+        return header.seq
+
+    def _forget(self, pull: KVPull) -> None:
+        """Drop the ended pull; delete its ticket now and its claim key later (a late
+        prefill side then finds "X" rather than claiming a pull nobody receives)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._pulls.get((pull.prefill_worker_id, pull.request_id)) is pull:
+                del self._pulls[(pull.prefill_worker_id, pull.request_id)]
+            self._retired.append((now + _CLAIM_KEY_TTL_S,
+                                  claim_key(pull.channel.prefix, pull.request_id, pull.ticket)))
+            due = []
+            while self._retired and self._retired[0][0] <= now:
+                due.append(self._retired.popleft()[1])
+        for key in [ticket_key(pull.channel.prefix, pull.request_id), *due]:
+            with contextlib.suppress(RuntimeError):  # best effort; keys are per request
+                self._store.delete_key(key)

@@ -1,0 +1,276 @@
+"""The prefill side of KV transfer: sends held blocks to the decode worker that pulls them.
+
+``KVSender.send`` serves one ``SendKV`` call: it reads the pull's ``Ticket`` from the decode
+worker's store, makes or reuses the pair channel of the ticket's generation, claims the
+transfer and sends header and payload (see ``protocol.py`` and ``receiver.py``). A failed
+send aborts the channel and bumps the pair's generation, so the decode side makes a new
+one for its next pull.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from pdserve.kvtransfer.channel import PairGroup
+from pdserve.kvtransfer.handle import KVTransfer
+from pdserve.kvtransfer.payload import iter_send_planes
+from pdserve.kvtransfer.protocol import (
+    CLAIM_FAILED_PREFIX,
+    CLAIM_QUEUE_KEY,
+    CLAIM_SENDING,
+    MIN_TRANSFER_S,
+    CounterSet,
+    Header,
+    KVGeometry,
+    KVPollState,
+    KVTransferCounters,
+    KVTransferError,
+    KVTransferStats,
+    Ticket,
+    claim_key,
+    pair_prefix,
+    request_hash,
+    split_address,
+    ticket_key,
+)
+
+_ABSENT = "\x00absent"  # never a ticket
+
+
+class _Peer:
+    """One decode worker as seen from here: a client of its store, the current group."""
+
+    def __init__(self, address: str, prefix: str) -> None:
+        self.address = address
+        self.prefix = prefix
+        self.lock = threading.Lock()  # guards group making
+        self.store: dist.TCPStore | None = None
+        self.group: PairGroup | None = None
+        self.group_key: tuple[str, int] | None = None
+
+    def connect(self, timeout_s: float) -> dist.TCPStore:
+        store = self.store
+        if store is None:
+            host, port = split_address(self.address)
+            store = dist.TCPStore(host, port, None, False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+            self.store = store
+        return store
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.abort()
+        self.group, self.group_key, self.store = None, None, None
+
+
+class KVSender:
+    """Prefill-worker side of KV transfer. Thread-safe; ``send`` blocks (run it in a
+    thread from asyncio: ``await asyncio.to_thread(sender.send, ...)``).
+
+    Args:
+        worker_id: this prefill worker's id (the registry's).
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
+            contiguous; blocks are read from it.
+        host: the local address gloo binds to (the host of this worker's KV address).
+        timeout_s: default seconds one send may take.
+        connect_timeout_s: seconds to reach a decode worker's store and channel.
+
+    Raises:
+        ValueError: a malformed cache.
+    """
+
+    def __init__(self, worker_id: str, kv_cache: torch.Tensor, host: str = "127.0.0.1",
+                 *, timeout_s: float = 30.0, connect_timeout_s: float = 30.0) -> None:
+        self.worker_id = worker_id
+        self.kv_cache = kv_cache
+        self.geometry = KVGeometry.of(kv_cache)
+        self.host = host
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._counters = CounterSet()
+
+    def send(self, request_id: str, decode_worker_id: str, decode_kv_address: str,
+             block_ids: Sequence[int], timeout_s: float | None = None) -> KVTransferStats:
+        """Send blocks ``block_ids`` (the payload's order) of ``request_id`` to the decode
+        worker that is pulling them; return blocks, bytes and seconds moved.
+
+        Raises:
+            ValueError: block ids repeated or out of range.
+            KVTransferError: no pull of this request is waiting at the decode worker before
+                the timeout, the two sides disagree on block count or geometry, the pull
+                was given up, or moving the bytes failed or timed out.
+        """
+        transfer = KVTransfer(request_id, len(block_ids), self._deadline(timeout_s))
+        self._send(transfer, decode_worker_id, decode_kv_address, self._check(block_ids))
+        if transfer.poll() != KVPollState.SUCCESS:
+            raise transfer.failure_exception()
+        return transfer.stats
+
+    def start_send(self, request_id: str, decode_worker_id: str, decode_kv_address: str,
+                   block_ids: Sequence[int], timeout_s: float | None = None) -> KVTransfer:
+        """``send`` in a background thread; poll the returned ``KVTransfer``.
+        Raises ValueError at once for bad block ids."""
+        transfer = KVTransfer(request_id, len(block_ids), self._deadline(timeout_s))
+        args = (transfer, decode_worker_id, decode_kv_address, self._check(block_ids))
+        threading.Thread(target=self._send, args=args, daemon=True,
+                         name=f"kv-send-{request_id}").start()
+        return transfer
+
+    def send_failure(self, request_id: str, decode_worker_id: str, decode_kv_address: str,
+                     reason: str) -> bool:
+        """Tell a waiting pull that its blocks will not come (e.g. the lease expired), so
+        it fails at once with ``reason``. False if no pull was waiting or it had ended."""
+        peer = self._peer(decode_worker_id, decode_kv_address)
+        try:
+            ticket = self._read_ticket(peer, request_id, self.connect_timeout_s)
+            if ticket is None:
+                return False
+            return self._claim(peer, request_id, ticket, CLAIM_FAILED_PREFIX + reason)
+        except (RuntimeError, ValueError):  # the pull times out on its own then
+            peer.store = None
+            return False
+
+    def counters(self) -> KVTransferCounters:
+        """Totals of sends (bytes and seconds of the successful ones)."""
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        """Abort all channels and drop store connections."""
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.close()
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
+    def _check(self, block_ids: Sequence[int]) -> list[int]:
+        ids = [int(b) for b in block_ids]
+        num_blocks = self.kv_cache.shape[2]
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= b < num_blocks for b in ids):
+            raise ValueError(f"block_ids must be distinct ids in [0, {num_blocks}), got {ids}")
+        return ids
+
+    def _peer(self, decode_worker_id: str, address: str) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(decode_worker_id)
+            if peer is None or peer.address != address:
+                if peer is not None:
+                    peer.close()
+                peer = _Peer(address, pair_prefix(self.worker_id, decode_worker_id))
+                self._peers[decode_worker_id] = peer
+            return peer
+
+    def _send(self, transfer: KVTransfer, decode_worker_id: str, address: str,
+              ids: list[int]) -> None:
+        peer = self._peer(decode_worker_id, address)
+        stats = None
+        try:
+            ticket = self._ticket(peer, transfer)
+            group = self._group(peer, ticket, transfer)
+            if (transfer.remaining_s() <= 0
+                    or not self._claim(peer, transfer.request_id, ticket, CLAIM_SENDING)):
+                raise KVTransferError(f"decode worker {decode_worker_id} gave up on request "
+                                      f"{transfer.request_id} before it was sent")
+            transfer._advance(KVPollState.TRANSFERRING)
+            stats = self._move(group, peer, ticket, transfer, ids)
+        except KVTransferError as exc:
+            error = exc
+        except RuntimeError as exc:  # the store connection broke (DistError is one)
+            peer.store = None
+            error = KVTransferError(f"decode worker {decode_worker_id} store at {address}: {exc}")
+        self._counters.add(stats)
+        if stats is not None:
+            transfer._succeed(stats)
+        else:
+            transfer._fail(error)
+
+    def _ticket(self, peer: _Peer, transfer: KVTransfer) -> Ticket:
+        """Wait (polling, bounded by the deadline) for the pull's ticket and check it."""
+        delay_s = 0.0005
+        while (ticket := self._read_ticket(peer, transfer.request_id,
+                                           transfer.remaining_s(0.001))) is None:
+            if transfer.remaining_s() <= 0:
+                raise KVTransferError(f"no pull of request {transfer.request_id} is waiting at "
+                                      f"{peer.address} ({peer.prefix})")
+            time.sleep(min(delay_s, transfer.remaining_s()))
+            delay_s = min(delay_s * 2, 0.02)
+        if ticket.num_blocks != transfer.num_blocks or ticket.geometry != self.geometry:
+            reason = (f"the decode side expects {ticket.num_blocks} blocks of "
+                      f"{ticket.geometry}, this side has {transfer.num_blocks} of {self.geometry}")
+            self._claim(peer, transfer.request_id, ticket, CLAIM_FAILED_PREFIX + reason)
+            raise KVTransferError(f"request {transfer.request_id}: {reason}")
+        return ticket
+
+    def _read_ticket(self, peer: _Peer, request_id: str, timeout_s: float) -> Ticket | None:
+        """The pull's ticket, or None; one round trip (``compare_set`` with an impossible
+        expected value reads a key without blocking). Reconnects once (the decode
+        worker may have restarted)."""
+        key = ticket_key(peer.prefix, request_id)
+        timeout_s = min(self.connect_timeout_s, timeout_s)
+        try:
+            value = peer.connect(timeout_s).compare_set(key, _ABSENT, _ABSENT)
+        except RuntimeError:
+            peer.store = None
+            value = peer.connect(timeout_s).compare_set(key, _ABSENT, _ABSENT)
+        return None if value.decode() == _ABSENT else Ticket.decode(value)
+
+    def _group(self, peer: _Peer, ticket: Ticket, transfer: KVTransfer) -> PairGroup:
+        """The group of the ticket's generation: cached, or made now (blocking)."""
+        key = (ticket.incarnation, ticket.generation)
+        with peer.lock:
+            if peer.group is not None and peer.group_key == key and not peer.group.broken:
+                return peer.group
+            if peer.group is not None:
+                peer.group.abort()
+            name = f"{peer.prefix}/{ticket.incarnation}/{ticket.generation}"
+            timeout_s = min(self.connect_timeout_s, transfer.remaining_s(0.001))
+            try:
+                peer.group = PairGroup.make(peer.connect(timeout_s).clone(), name, 0, self.host,
+                                            self.kv_cache.device, timeout_s)
+            except KVTransferError as exc:
+                peer.group = None
+                self._claim(peer, transfer.request_id, ticket, f"{CLAIM_FAILED_PREFIX}{exc}")
+                raise
+            peer.group_key = key
+            return peer.group
+
+    def _claim(self, peer: _Peer, request_id: str, ticket: Ticket, value: str) -> bool:
+        """Atomically claim the pull with ``value``; True if this side won."""
+        store = peer.connect(self.connect_timeout_s)
+        key = claim_key(peer.prefix, request_id, ticket)
+        won = store.compare_set(key, "", value).decode()
+        if won != value:
+            return False
+        store.queue_push(CLAIM_QUEUE_KEY, f"{value[0]}\n{self.worker_id}\n{request_id}")
+        return True
+
+    def _move(self, group: PairGroup, peer: _Peer, ticket: Ticket, transfer: KVTransfer,
+              ids: list[int]) -> KVTransferStats:
+        """Header and payload; on failure abort the group and bump the generation."""
+        start = time.monotonic()
+        deadline = max(transfer.deadline, start + MIN_TRANSFER_S)
+        rid_hash = request_hash(transfer.request_id)
+
+        def make_header(seq: int) -> torch.Tensor:
+            return Header(rid_hash, len(ids), self.geometry, seq).encode()
+
+        planes = iter_send_planes(self.kv_cache, ids, group.device_payload)
+        try:
+            num_bytes = group.send(make_header, planes, ticket.tag, deadline)
+        except KVTransferError:
+            group.abort()
+            gen = ticket.generation
+            with contextlib.suppress(RuntimeError):  # the decode side sees the closed group
+                store = peer.connect(self.connect_timeout_s)
+                store.compare_set(f"{peer.prefix}/gen", str(gen), str(gen + 1))
+            raise
+        return KVTransferStats(len(ids), num_bytes, time.monotonic() - start)
