@@ -1,0 +1,177 @@
+"""The router's Prometheus metrics (DESIGN.md, Metrics).
+
+Where vLLM has a metric the name, type, ``model_name`` label and histogram buckets are
+vLLM's (``vllm/v1/metrics/loggers.py``), so dashboards built for vLLM work; pdserve's own
+carry the ``pdserve:`` prefix. Counters are exposed with the ``_total`` suffix that
+prometheus-client appends (``vllm:prompt_tokens_total``), as vLLM's are.
+
+Each ``RouterMetrics`` owns its ``CollectorRegistry`` (nothing registers globally), so a
+process, or a test, can hold many routers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# vLLM's buckets, seconds.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class RouterMetrics:
+    """One router's metrics for one served model, on a registry of its own.
+
+    vLLM's: ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+    ``vllm:request_time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds``
+    (histograms); ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (gauges);
+    ``vllm:prompt_tokens``, ``vllm:generation_tokens``, ``vllm:request_success``
+    (``finished_reason``), ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits``
+    (counters, in tokens). pdserve's: ``pdserve:routing_decisions`` (``role``,
+    ``worker``), ``pdserve:prefix_index_lookups`` (``result``: hit, miss, unavailable),
+    ``pdserve:prefix_index_available`` (1 or 0), ``pdserve:request_retries``.
+    Every metric has the ``model_name`` label.
+    """
+
+    CONTENT_TYPE = CONTENT_TYPE_LATEST  # of ``exposition()``
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.time_to_first_token = self._one(
+            Histogram, "vllm:time_to_first_token_seconds", "Time to first token, seconds.",
+            buckets=TTFT_BUCKETS_S)
+        self.inter_token_latency = self._one(
+            Histogram, "vllm:inter_token_latency_seconds", "Inter-token latency, seconds.",
+            buckets=ITL_BUCKETS_S)
+        self.time_per_output_token = self._one(
+            Histogram, "vllm:request_time_per_output_token_seconds",
+            "Time per output token after the first (TPOT) of each request, seconds.",
+            buckets=ITL_BUCKETS_S)
+        self.e2e_request_latency = self._one(
+            Histogram, "vllm:e2e_request_latency_seconds", "End-to-end request latency, seconds.",
+            buckets=E2E_BUCKETS_S)
+        self.num_requests_running = self._one(
+            Gauge, "vllm:num_requests_running", "Requests generating tokens.")
+        self.num_requests_waiting = self._one(
+            Gauge, "vllm:num_requests_waiting", "Requests waiting for their first token.")
+        self.prompt_tokens = self._one(
+            Counter, "vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = self._one(
+            Counter, "vllm:generation_tokens", "Generated tokens.")
+        self.prefix_cache_queries = self._one(
+            Counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in prefix caches.")
+        self.prefix_cache_hits = self._one(
+            Counter, "vllm:prefix_cache_hits", "Prompt tokens found in prefix caches.")
+        self.prefix_index_available = self._one(
+            Gauge, "pdserve:prefix_index_available",
+            "1 while the Redis prefix index answers, 0 while routing by load alone.")
+        self.request_retries = self._one(
+            Counter, "pdserve:request_retries", "Requests retried on another worker.")
+        self._request_success = Counter(
+            "vllm:request_success", "Finished requests by finish reason.",
+            labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self._routing_decisions = Counter(
+            "pdserve:routing_decisions", "Requests routed to each worker, by role.",
+            labelnames=["model_name", "role", "worker"], registry=self.registry)
+        self._prefix_index_lookups = Counter(
+            "pdserve:prefix_index_lookups", "Prefix index lookups by result.",
+            labelnames=["model_name", "result"], registry=self.registry)
+
+    def _one(self, kind, name: str, documentation: str, **kwargs):
+        """A metric of ``kind`` with only the ``model_name`` label, that label bound."""
+        return kind(name, documentation, labelnames=["model_name"], registry=self.registry,
+                    **kwargs).labels(self.model_name)
+
+    def record_routing(self, role: str, worker_id: str) -> None:
+        """Count one request sent to ``worker_id`` in ``role`` (``prefill`` or ``decode``)."""
+        self._routing_decisions.labels(self.model_name, role, worker_id).inc()
+
+    def record_index_lookup(self, result: str) -> None:
+        """Count one prefix-index lookup: ``hit``, ``miss`` or ``unavailable``; the
+        availability gauge follows (0 after ``unavailable``, 1 otherwise)."""
+        self._prefix_index_lookups.labels(self.model_name, result).inc()
+        self.prefix_index_available.set(0 if result == "unavailable" else 1)
+
+    def record_prefix_cache(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """Count a prompt's tokens as queried and its prefix-cache hits as hits (tokens)."""
+        self.prefix_cache_queries.inc(num_prompt_tokens)
+        self.prefix_cache_hits.inc(num_cached_tokens)
+
+    def record_success(self, finished_reason: str) -> None:
+        """Count one finished request (``stop``, ``length``, ``abort``)."""
+        self._request_success.labels(self.model_name, finished_reason).inc()
+
+    def request(self, *, arrival_s: float | None = None,
+                clock: Callable[[], float] = time.monotonic) -> RequestMetrics:
+        """A ``RequestMetrics`` for one new request, arriving now (or at ``arrival_s``)."""
+        return RequestMetrics(self, arrival_s=arrival_s, clock=clock)
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format (serve with ``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)
+
+
+class RequestMetrics:
+    """Timings of one request, observed into its router's histograms.
+
+    TTFT is arrival to the first token; ITL is observed at every later arrival of tokens
+    (one observation per message, as vLLM does per engine step); TPOT is
+    ``(last token - first token) / (num_generation_tokens - 1)``, observed at the end when
+    more than one token came (vLLM's ``request_time_per_output_token``, which leaves the
+    prefill's token out); e2e is arrival to finish. Times come from ``clock`` (seconds).
+    """
+
+    def __init__(self, metrics: RouterMetrics, *, arrival_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.metrics = metrics
+        self.clock = clock
+        self.arrival_s = clock() if arrival_s is None else arrival_s
+        self.first_token_s: float | None = None
+        self.last_token_s: float | None = None
+        self.num_generation_tokens = 0
+        self.finish_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.num_generation_tokens < 2:
+            return None
+        return (self.last_token_s - self.first_token_s) / (self.num_generation_tokens - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finish_s is None else self.finish_s - self.arrival_s
+
+    def on_tokens(self, num_tokens: int = 1) -> None:
+        """``num_tokens`` generated tokens arrived now."""
+        if num_tokens <= 0:
+            return
+        now_s = self.clock()
+        if self.first_token_s is None:
+            self.first_token_s = now_s
+            self.metrics.time_to_first_token.observe(now_s - self.arrival_s)
+        else:
+            self.metrics.inter_token_latency.observe(now_s - self.last_token_s)
+        self.last_token_s = now_s
+        self.num_generation_tokens += num_tokens
+        self.metrics.generation_tokens.inc(num_tokens)
+
+    def on_finish(self, finished_reason: str, *, num_prompt_tokens: int) -> None:
+        """The request ended now with ``finished_reason`` (``stop``, ``length``, ``abort``)."""
+        self.finish_s = self.clock()
+        self.metrics.e2e_request_latency.observe(self.finish_s - self.arrival_s)
+        if self.tpot_s is not None:
+            self.metrics.time_per_output_token.observe(self.tpot_s)
+        self.metrics.prompt_tokens.inc(num_prompt_tokens)
+        self.metrics.record_success(finished_reason)
