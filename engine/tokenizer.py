@@ -1,0 +1,155 @@
+"""Tokenizer loading, prompt encoding, the chat template and end-of-sequence ids.
+
+One place for these so the router (which tokenizes every request once, DESIGN.md, A
+request's path) and the offline ``LLM`` encode the same text to the same token ids. The
+tokenizer itself is transformers' (``AutoTokenizer``), read from the checkpoint folder only,
+never from the hub.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# A role is inserted between header tokens by the template: keep it a plain word.
+_ROLE_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+
+
+def load_tokenizer(model_path: str | os.PathLike, *,
+                   trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of the local checkpoint folder ``model_path``.
+
+    Goes through ``transformers.AutoTokenizer.from_pretrained(..., local_files_only=True)``,
+    so ``tokenizer.json``, ``tokenizer_config.json`` (with its chat template) and
+    ``chat_template.jinja`` are read as transformers reads them; nothing is downloaded.
+
+    Args:
+        model_path: a folder holding the tokenizer files.
+        trust_remote_code: allow a tokenizer class defined in the checkpoint's own Python
+            files (``auto_map``); off by default because it runs that code.
+
+    Raises:
+        FileNotFoundError: ``model_path`` is not a folder.
+        OSError, ValueError: transformers cannot find or parse the tokenizer files.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(model_path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer folder {path} does not exist")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                         trust_remote_code=trust_remote_code)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """Token ids of a completion prompt, with the tokenizer's own special tokens added.
+
+    For Llama-style tokenizers (the demo model's included) that is a leading BOS. Special
+    tokens written in ``prompt`` (``<|eot_id|>``) are encoded as special tokens, as in
+    vLLM's completions API.
+
+    Raises:
+        TypeError: ``prompt`` is not a string.
+    """
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a str, not {type(prompt).__name__}")
+    return list(tokenizer.encode(prompt, add_special_tokens=True))
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict], *,
+                        add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a chat rendered with the checkpoint's chat template.
+
+    ``messages`` is OpenAI-shaped: ``[{"role": "system" | "user" | "assistant" | ...,
+    "content": str}, ...]``. The template writes BOS and the turn markers itself, so no
+    special tokens are added on top. With ``add_generation_prompt`` the ids end with the
+    assistant's header, ready for the model to answer. Where transformers supports it
+    (5.x), special tokens typed inside message contents are encoded as plain text, so a
+    user cannot end their turn early by writing ``<|eot_id|>``.
+
+    Raises:
+        ValueError: the tokenizer has no chat template; ``messages`` is not a non-empty list
+            of dicts, each with a word-like ``role`` and a str ``content``; or the template
+            rejects the conversation (a Jinja ``raise_exception`` or error).
+    """
+    _check_messages(messages)
+    if getattr(tokenizer, "chat_template", None) is None:
+        name = getattr(tokenizer, "name_or_path", "") or "this tokenizer"
+        raise ValueError(f"{name} has no chat template (tokenizer_config.json 'chat_template' "
+                         "or chat_template.jinja); send a completion prompt instead")
+    kwargs: dict[str, Any] = {}
+    if "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters:
+        kwargs["sanitize_control_tokens"] = True
+    from jinja2 import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+            tokenize=True, return_dict=False, **kwargs)
+    except TemplateError as e:
+        raise ValueError(f"the chat template rejected the messages: {e}") from e
+    return [int(i) for i in ids]
+
+
+def _check_messages(messages: Any) -> None:
+    # NOTE: ValueError even for wrong types: a malformed chat is bad request data, which
+    # callers (the router answers 400) catch as ValueError.
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(  # noqa: TRY004
+                f"messages[{i}] must be a dict, not {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not _ROLE_PATTERN.fullmatch(role):
+            raise ValueError(f"messages[{i}]['role'] must be a word such as 'user', got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}]['content'] must be a str, "  # noqa: TRY004
+                             f"not {type(content).__name__}")
+
+
+def eos_token_ids(model_path: str | os.PathLike,
+                  tokenizer: PreTrainedTokenizerBase | None = None) -> set[int]:
+    """The ids that end a sequence: the checkpoint's ``eos_token_id`` and the tokenizer's.
+
+    The checkpoint's come from ``generation_config.json`` (an int or a list, as Llama 3
+    lists ``<|end_of_text|>`` and ``<|eot_id|>``), or from ``config.json`` when there is no
+    generation config, which is transformers' own fallback. A missing or null value adds
+    nothing; the result may be empty.
+
+    Raises:
+        ValueError: a config file is not valid JSON, or its ``eos_token_id`` is not an int
+            or a list of ints (each >= 0).
+    """
+    path = Path(model_path)
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if file.is_file():
+            ids |= _eos_ids_from_config(file)
+            break
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if eos is not None:
+        ids.add(int(eos))
+    return ids
+
+
+def _eos_ids_from_config(file: Path) -> set[int]:
+    try:
+        value = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{file} is not a JSON object: {e}") from e
+    if value is None:
+        return set()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"{file}: eos_token_id must be an int or a list of ints, got {value!r}")
+    return set(values)
