@@ -1,0 +1,483 @@
+"""OpenAI-compatible request, response and error models, as vLLM's server accepts them.
+
+Follows the OpenAI API reference (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``, the error object) and vLLM's extensions (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``, ``include_stop_str_in_output``, ``cache_salt``). Unknown request
+fields are kept in ``model_extra`` (vLLM logs and ignores them). Validation errors name the
+offending field: see ``validation_error_response``. Stop strings are not engine parameters:
+the router applies them (``router/detokenizer.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from pdserve.engine.request import Logprob
+from pdserve.engine.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; the engine's too
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                404: "not_found_error", 429: "rate_limit_error", 500: "internal_server_error",
+                503: "service_unavailable"}
+_CHAT_MIN_LOGPROB = -9999.0  # vLLM's stand-in for -inf, which JSON cannot carry
+
+StrictInt = Annotated[int, Field(strict=True)]
+TokenId = Annotated[int, Field(strict=True, ge=0)]
+
+
+class RequestError(Exception):
+    """A request the server refuses: ``status`` (HTTP code), ``message``, offending ``param``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+class StreamOptions(BaseModel):
+    """``include_usage``: end the stream with a chunk holding only ``usage``."""
+
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completion and chat requests (OpenAI's, then vLLM's extras)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: StrictInt = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    user: str | None = None  # accepted and ignored, as vLLM does
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: StrictInt = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        strings = [value] if isinstance(value, str) else value
+        if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+            raise ValueError("must be a string or a list of strings")
+        if not all(strings):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream=True")
+        return value
+
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (empty when none were given)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions`` body. ``prompt`` is text, texts, token ids or lists of them."""
+
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's and vLLM's default; null = rest
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not value:
+            raise ValueError("prompt must be a string or a non-empty list")
+        if all(isinstance(p, str) for p in value) or _is_token_ids(value):
+            return value
+        if all(isinstance(p, list) and p and _is_token_ids(p) for p in value):
+            return value
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                         "(non-negative integers) or a list of non-empty token-id lists")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+def _is_token_ids(values: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in values)
+
+
+class ChatMessage(BaseModel):
+    """One chat turn. List content (``[{"type": "text", "text": ...}]``) is joined with
+    newlines into a string, vLLM's "string" content format; other part types are refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for part in value:
+            text = part.get("text") if isinstance(part, dict) else None
+            if not isinstance(text, str) or part.get("type") != "text":
+                raise ValueError(f"content parts must be {{'type': 'text', 'text': <string>}}, "
+                                 f"got {part!r}"[:200])
+            texts.append(text)
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over the
+    deprecated ``max_tokens``; ``top_logprobs`` needs ``logprobs=True``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=True")
+        return value
+
+
+# ---- responses ------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens served from a prefix cache."""
+
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    """Token counts of one request (OpenAI's ``usage``)."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class _Response(BaseModel):
+    """OpenAI's field order; subclasses narrow ``id``, ``object`` and ``choices``."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))  # Unix seconds
+    model: str
+    choices: list
+    usage: UsageInfo | None = None
+
+
+class _Choice(BaseModel):
+    index: int
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop token id or string that matched
+
+
+class CompletionLogProbs(BaseModel):
+    """Completions-API logprobs: parallel lists over the generated tokens."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_Choice):
+    """One completion (or, in a stream, the text added to it by this chunk)."""
+
+    text: str
+    logprobs: CompletionLogProbs | None = None
+
+
+class CompletionResponse(_Response):
+    """``/v1/completions`` answer; a stream sends ``CompletionStreamResponse`` chunks."""
+
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """One SSE chunk; the same shape as the full response (OpenAI streams it that way)."""
+
+
+class ChatTopLogprob(BaseModel):
+    """A candidate token: text, logprob and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(ChatTopLogprob):
+    """A generated token with its top alternatives."""
+
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogProbs(BaseModel):
+    """Chat-API logprobs of a choice (or of a chunk's tokens)."""
+
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    """The assistant's message in a full chat answer."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(_Choice):
+    """One chat completion."""
+
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogProbs | None = None
+
+
+class ChatCompletionResponse(_Response):
+    """``/v1/chat/completions`` answer."""
+
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatCompletionChoice]
+
+
+class DeltaMessage(BaseModel):
+    """What a stream chunk adds: the role (first chunk), then content."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(_Choice):
+    """One choice's part of a chat stream chunk."""
+
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogProbs | None = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    """One SSE chunk of ``/v1/chat/completions`` with ``stream=true``."""
+
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatCompletionStreamChoice]
+
+
+class ModelCard(BaseModel):
+    """One served model in ``/v1/models``; ``max_model_len`` as vLLM adds it."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pdserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """``/v1/models`` answer."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class ErrorInfo(BaseModel):
+    """``message``, ``type`` (e.g. ``invalid_request_error``), ``param``, ``code``."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+def random_id(prefix: str) -> str:
+    """``<prefix>-<32 hex digits>``, e.g. ``cmpl-...`` or ``chatcmpl-...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   type: str | None = None) -> ErrorResponse:
+    """An ``ErrorResponse``; ``type`` defaults from the HTTP ``status`` (400 ->
+    ``invalid_request_error``) and ``code`` is the status, as vLLM sends it."""
+    err_type = type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else
+                                        "invalid_request_error")
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param,
+                                         code=status))
+
+
+def validation_error_response(exc: ValidationError | Sequence[dict]) -> ErrorResponse:
+    """A 400 ``ErrorResponse`` for a pydantic ``ValidationError`` (or FastAPI's
+    ``RequestValidationError.errors()``), naming the first offending field as ``param``,
+    e.g. ``max_tokens`` or ``messages[0].role``."""
+    errors = exc.errors() if isinstance(exc, ValidationError) else list(exc)
+    first = errors[0]
+    param = _param_from_loc(first.get("loc", ()))
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    shown = repr(first.get("input"))
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    where = f"'{param}'" if param else "the request body"
+    return error_response(400, f"Invalid value for {where}: {msg} (got {shown})", param)
+
+
+def _param_from_loc(loc: Sequence[str | int]) -> str | None:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif item == "body" and not parts:
+            continue
+        elif "[" in item or item in ("str", "int", "float", "bool") or "-" in item:
+            continue  # pydantic's union member tags, not field names
+        else:
+            parts.append(("." if parts else "") + item)
+    return "".join(parts) or None
+
+
+def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
+                       max_model_len: int, prompt_len: int) -> SamplingParams:
+    """The engine's ``SamplingParams`` for ``request`` whose prompt has ``prompt_len``
+    tokens. ``max_tokens`` defaults to ``max_model_len - prompt_len`` (vLLM's default).
+
+    Raises:
+        RequestError: the prompt, or prompt plus ``max_tokens``, exceeds ``max_model_len``
+            (vLLM's wording, naming both numbers), or the engine refuses a value.
+    """
+    is_chat = isinstance(request, ChatCompletionRequest)
+    prompt_param = "messages" if is_chat else "prompt"
+    if prompt_len >= max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {prompt_len} input tokens. Please reduce the length of the input "
+            f"{prompt_param}.", prompt_param)
+    max_tokens = request.max_tokens
+    if is_chat and request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = max_model_len - prompt_len
+    elif prompt_len + max_tokens > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            f"completion.", "max_completion_tokens" if is_chat and
+            request.max_completion_tokens is not None else "max_tokens")
+    if is_chat:
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        logprobs = request.logprobs
+        if request.echo and logprobs is not None:
+            raise RequestError("echo with logprobs is not supported (no prompt logprobs)",
+                               "echo")
+    try:
+        return SamplingParams(
+            n=request.n, temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p, top_k=request.top_k or 0,
+            min_p=request.min_p, repetition_penalty=request.repetition_penalty,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty, seed=request.seed,
+            max_tokens=max_tokens, min_tokens=request.min_tokens,
+            stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos,
+            logprobs=logprobs)
+    except ValueError as exc:  # SamplingParams names the field first: "min_tokens=9 is ..."
+        raise RequestError(str(exc), str(exc).split("=", 1)[0]) from exc
+
+
+# ---- logprobs in OpenAI's two formats ----------------------------------------------------
+
+
+def completion_logprobs(logprobs: Sequence[Logprob], decode_token: Callable[[int], str],
+                        text_offset: int = 0) -> CompletionLogProbs:
+    """Completions-API logprobs for generated tokens. ``decode_token`` maps a token id to
+    its text; ``text_offset`` is the character offset of the first token in the choice's
+    text. ``top_logprobs[i]`` holds the top alternatives plus the sampled token (vLLM)."""
+    out = CompletionLogProbs()
+    for lp in logprobs:
+        token = decode_token(lp.token_id)
+        out.text_offset.append(text_offset)
+        out.tokens.append(token)
+        out.token_logprobs.append(_finite(lp.logprob, None))
+        top = {decode_token(t): _finite(v, _CHAT_MIN_LOGPROB) for t, v in lp.top.items()}
+        top[token] = _finite(lp.logprob, _CHAT_MIN_LOGPROB)
+        out.top_logprobs.append(top)
+        text_offset += len(token)
+    return out
+
+
+def chat_logprobs(logprobs: Sequence[Logprob], decode_token: Callable[[int], str],
+                  num_top: int) -> ChatChoiceLogProbs:
+    """Chat-API logprobs: per token its text, logprob (-inf as -9999.0, like vLLM), UTF-8
+    bytes and up to ``num_top`` alternatives, best first."""
+    content = []
+    for lp in logprobs:
+        token = decode_token(lp.token_id)
+        top = [ChatTopLogprob(token=(t := decode_token(i)), logprob=_finite(v, _CHAT_MIN_LOGPROB),
+                              bytes=list(t.encode()))
+               for i, v in list(lp.top.items())[:num_top]]
+        content.append(ChatLogprobEntry(token=token, logprob=_finite(lp.logprob, _CHAT_MIN_LOGPROB),
+                                        bytes=list(token.encode()), top_logprobs=top))
+    return ChatChoiceLogProbs(content=content)
+
+
+def _finite(value: float, fallback: float | None) -> float | None:
+    return value if math.isfinite(value) else fallback

@@ -1,0 +1,232 @@
+"""OpenAI protocol models: validation naming fields, vLLM's context-length errors, sampling
+parameters, and responses that the official `openai` client's types accept."""
+
+from __future__ import annotations
+
+import openai.types as oai
+import openai.types.chat as oai_chat
+import pytest
+from pydantic import ValidationError
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from pdserve.engine.request import Logprob
+from pdserve.router.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    RequestError,
+    UsageInfo,
+    chat_logprobs,
+    completion_logprobs,
+    error_response,
+    to_sampling_params,
+    validation_error_response,
+)
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def param_of(cls, **body) -> str | None:
+    with pytest.raises(ValidationError) as info:
+        cls(**body)
+    return validation_error_response(info.value).error.param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": 0}, "n"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": 2.01}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"seed": -1}, "seed"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"stop": 7}, "stop"),
+    ({"stop_token_ids": [-2]}, "stop_token_ids[0]"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_completion_validation_names_the_field(body, param):
+    assert param_of(CompletionRequest, prompt="hi", **body) == param
+
+
+@pytest.mark.parametrize("prompt", [[], [[1, 2], []], [-1], [1, "a"], {"text": "hi"}, None])
+def test_bad_prompts_are_refused(prompt):
+    assert param_of(CompletionRequest, prompt=prompt) == "prompt"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [*USER, {"role": "user"}]}, "messages[1].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content"),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
+])
+def test_chat_validation_names_the_field(body, param):
+    assert param_of(ChatCompletionRequest, **body) == param
+
+
+def test_validation_error_body_is_openai_shaped():
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate_json('{"prompt": "hi", "max_tokens": -5}')
+    body = validation_error_response(info.value).model_dump()
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["code"] == 400
+    assert "max_tokens" in body["error"]["message"] and "-5" in body["error"]["message"]
+    # FastAPI's RequestValidationError.errors() carry a leading "body" in loc.
+    errors = [{"loc": ("body", "messages", 0, "role"), "msg": "bad", "input": "x"}]
+    assert validation_error_response(errors).error.param == "messages[0].role"
+
+
+def test_prompt_forms_and_chat_content_parts():
+    assert CompletionRequest(prompt="a").prompts() == ["a"]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionRequest(prompt=[[1, 2], [3]]).prompts() == [[1, 2], [3]]
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "line one"}, {"type": "text", "text": "line two"}]}],
+        user="someone", logit_bias={"1": 5})
+    assert request.messages[0].content == "line one\nline two"
+    assert request.model_extra == {"logit_bias": {"1": 5}}  # kept for the router to log
+    stream = CompletionRequest(prompt="a", stream=True, stream_options={"include_usage": True},
+                               stop="###")
+    assert stream.include_usage() and stream.stop_strings() == ["###"]
+
+
+def test_sampling_params_mapping():
+    request = CompletionRequest(prompt="x", max_tokens=20, temperature=0, top_p=0.9, top_k=-1,
+                                min_p=0.1, seed=7, n=2, presence_penalty=0.5,
+                                frequency_penalty=-0.5, repetition_penalty=1.2, min_tokens=3,
+                                ignore_eos=True, stop_token_ids=[5], logprobs=4)
+    params = to_sampling_params(request, max_model_len=128, prompt_len=10)
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (20, 0, 0.9, 0)
+    assert (params.min_p, params.seed, params.n, params.logprobs) == (0.1, 7, 2, 4)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert (params.repetition_penalty, params.min_tokens, params.ignore_eos) == (1.2, 3, True)
+    assert params.stop_token_ids == [5]
+    default = to_sampling_params(CompletionRequest(prompt="x"), max_model_len=128, prompt_len=10)
+    assert (default.max_tokens, default.temperature, default.logprobs) == (16, 1.0, None)
+
+
+def test_chat_max_tokens_default_and_precedence():
+    def max_tokens(**body) -> int:
+        request = ChatCompletionRequest(messages=USER, **body)
+        return to_sampling_params(request, max_model_len=100, prompt_len=30).max_tokens
+
+    assert max_tokens() == 70  # vLLM: the rest of the context
+    assert max_tokens(max_tokens=5) == 5
+    assert max_tokens(max_tokens=5, max_completion_tokens=9) == 9
+    chat = ChatCompletionRequest(messages=USER, logprobs=True)
+    assert to_sampling_params(chat, max_model_len=100, prompt_len=3).logprobs == 0
+    chat = ChatCompletionRequest(messages=USER, logprobs=True, top_logprobs=5)
+    assert to_sampling_params(chat, max_model_len=100, prompt_len=3).logprobs == 5
+
+
+def test_context_length_errors_use_vllms_wording():
+    with pytest.raises(RequestError) as info:
+        to_sampling_params(CompletionRequest(prompt="x", max_tokens=100), max_model_len=128,
+                           prompt_len=40)
+    assert info.value.message == (
+        "This model's maximum context length is 128 tokens. However, you requested 140 tokens "
+        "(40 in the messages, 100 in the completion). Please reduce the length of the messages "
+        "or completion.")
+    assert (info.value.param, info.value.status) == ("max_tokens", 400)
+    with pytest.raises(RequestError) as info:
+        to_sampling_params(ChatCompletionRequest(messages=USER), max_model_len=128,
+                           prompt_len=128)
+    assert "your request has 128 input tokens" in info.value.message
+    assert info.value.param == "messages"
+
+
+def test_engine_refusals_become_request_errors():
+    with pytest.raises(RequestError) as info:
+        to_sampling_params(CompletionRequest(prompt="x", max_tokens=4, min_tokens=9),
+                           max_model_len=64, prompt_len=2)
+    assert info.value.param == "min_tokens"
+    with pytest.raises(RequestError) as info:
+        to_sampling_params(CompletionRequest(prompt="x", echo=True, logprobs=1),
+                           max_model_len=64, prompt_len=2)
+    assert info.value.param == "echo"
+
+
+def test_responses_parse_as_openai_client_types():
+    usage = UsageInfo.of(prompt_tokens=12, completion_tokens=3, cached_tokens=8)
+    completion = CompletionResponse(model="demo", usage=usage, choices=[
+        CompletionChoice(index=0, text="abc", finish_reason="length")])
+    parsed = oai.Completion.model_validate(completion.model_dump())
+    assert parsed.id.startswith("cmpl-") and parsed.usage.total_tokens == 15
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 8
+    # (openai's Completion type insists on a finish_reason; mid-stream chunks have none)
+    chunk = CompletionStreamResponse(model="demo", choices=[
+        CompletionChoice(index=0, text="a", finish_reason="stop")])
+    assert oai.Completion.model_validate(chunk.model_dump()).choices[0].text == "a"
+    chat = ChatCompletionResponse(model="demo", usage=usage, choices=[ChatCompletionChoice(
+        index=0, message=ChatResponseMessage(content="hello"), finish_reason="stop")])
+    parsed = oai_chat.ChatCompletion.model_validate(chat.model_dump())
+    assert parsed.id.startswith("chatcmpl-") and parsed.choices[0].message.content == "hello"
+    chunk = ChatCompletionStreamResponse(model="demo", choices=[ChatCompletionStreamChoice(
+        index=0, delta=DeltaMessage(role="assistant", content=""))])
+    parsed = oai_chat.ChatCompletionChunk.model_validate(chunk.model_dump())
+    assert parsed.object == "chat.completion.chunk" and parsed.choices[0].delta.role == "assistant"
+    models_list = ModelList(data=[ModelCard(id="demo", max_model_len=2048)])
+    assert oai.Model.model_validate(models_list.model_dump()["data"][0]).id == "demo"
+
+
+def test_error_response_shape():
+    body = error_response(404, "The model `x` does not exist.", "model").model_dump()
+    assert body == {"error": {"message": "The model `x` does not exist.",
+                              "type": "not_found_error", "param": "model", "code": 404}}
+    assert error_response(503, "no workers").error.type == "service_unavailable"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello world, hello there"] * 10, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_logprobs_in_both_formats(tokenizer):
+    hello, world = tokenizer.encode("hello"), tokenizer.encode(" world")
+    assert len(hello) == len(world) == 1
+    steps = [Logprob(hello[0], -0.5, 1, {hello[0]: -0.5, world[0]: -1.5}),
+             Logprob(world[0], -float("inf"), 3, {hello[0]: -0.1})]
+
+    def decode_token(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    out = completion_logprobs(steps, decode_token, text_offset=4)
+    assert out.tokens == ["hello", " world"]
+    assert out.text_offset == [4, 9]
+    assert out.token_logprobs == [-0.5, None]  # -inf has no JSON form
+    assert out.top_logprobs == [{"hello": -0.5, " world": -1.5},
+                                {"hello": -0.1, " world": -9999.0}]
+    chat = chat_logprobs(steps, decode_token, num_top=1)
+    first = chat.content[0]
+    assert (first.token, first.logprob, first.bytes) == ("hello", -0.5, list(b"hello"))
+    assert [(t.token, t.logprob) for t in first.top_logprobs] == [("hello", -0.5)]
+    assert chat.content[1].logprob == -9999.0
+    choice = {"index": 0, "finish_reason": "stop", "logprobs": chat.model_dump(),
+              "message": {"role": "assistant", "content": "hello world"}}
+    assert oai_chat.chat_completion.Choice.model_validate(choice).logprobs.content[1].token == \
+        " world"
