@@ -1,14 +1,15 @@
-"""Incremental detokenization and stop strings with real tokenizers (byte-level BPE and a
-Llama-style byte-fallback SentencePiece BPE, both built here with `tokenizers`)."""
+"""Incremental detokenization and stop strings with real tokenizers: the demo model's
+byte-level BPE and a Llama-2-style byte-fallback SentencePiece BPE built here."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
+from pdserve.engine.demo_model import BOS_TOKEN, EOS_TOKEN, train_demo_tokenizer
 from pdserve.router.detokenizer import IncrementalDetokenizer, StopChecker
 
 CORPUS = ["The KV cache holds keys and values for every token of the prompt.",
@@ -19,15 +20,10 @@ TEXT = "Hello 世界! naïve café 🙂👍🏽 — 日本語のテキスト and
 
 @pytest.fixture(scope="module")
 def byte_bpe() -> PreTrainedTokenizerFast:
-    """GPT-2-style byte-level BPE: CJK and emoji fall apart into several byte tokens."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                   clean_up_tokenization_spaces=False)
+    """The demo model's byte-level BPE (Llama 3 style): CJK and emoji fall apart into
+    several byte tokens."""
+    return PreTrainedTokenizerFast(tokenizer_object=train_demo_tokenizer(), bos_token=BOS_TOKEN,
+                                   eos_token=EOS_TOKEN, clean_up_tokenization_spaces=False)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +46,10 @@ def llama_style() -> PreTrainedTokenizerFast:
                                    unk_token="<unk>", clean_up_tokenization_spaces=False)
 
 
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def stream(detok: IncrementalDetokenizer, token_ids: list[int], chunk_sizes=None) -> list[str]:
     """Feed ``token_ids`` in chunks (default one at a time); the deltas, flush included."""
     deltas, i = [], 0
@@ -63,17 +63,18 @@ def stream(detok: IncrementalDetokenizer, token_ids: list[int], chunk_sizes=None
 
 
 def test_byte_level_split_characters_are_never_emitted_broken(byte_bpe):
-    ids = byte_bpe.encode(TEXT)
+    ids = encode(byte_bpe, TEXT)
     # The fixture really splits characters: some single tokens are partial UTF-8.
     assert any("\ufffd" in byte_bpe.decode([t]) for t in ids)
     deltas = stream(IncrementalDetokenizer(byte_bpe), ids)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == byte_bpe.decode(ids) == TEXT
-    assert "🚀" in deltas  # the 4-byte emoji comes out whole, in one delta
+    assert any("🚀" in d for d in deltas)  # the 4-byte emoji comes out whole, in one delta
+    assert deltas.count("") >= 3  # tokens that completed no character emitted nothing
 
 
 def test_chunked_input_gives_the_same_text(byte_bpe):
-    ids = byte_bpe.encode(TEXT)
+    ids = encode(byte_bpe, TEXT)
     rng = random.Random(0)
     for _ in range(5):
         sizes = [rng.randint(1, 4) for _ in ids]
@@ -81,8 +82,8 @@ def test_chunked_input_gives_the_same_text(byte_bpe):
 
 
 def test_prompt_context_does_not_leak_into_the_output(byte_bpe):
-    prompt = byte_bpe.encode("Question: 世界?")
-    output = byte_bpe.encode(" 日本語 🙂!")
+    prompt = encode(byte_bpe, "Question: 世界?")
+    output = encode(byte_bpe, " 日本語 🙂!")
     detok = IncrementalDetokenizer(byte_bpe, prompt)
     assert "".join(stream(detok, output)) == byte_bpe.decode(output) == " 日本語 🙂!"
     assert detok.output_token_ids == output
@@ -90,22 +91,19 @@ def test_prompt_context_does_not_leak_into_the_output(byte_bpe):
 
 
 def test_incomplete_tail_is_held_until_flush(byte_bpe):
-    ids = byte_bpe.encode("ok 🚀")
-    emoji_start = len(byte_bpe.encode("ok "))
-    partial = ids[:emoji_start + 2]  # 2 of the rocket's 4 byte tokens
-    assert emoji_start + 2 < len(ids)
+    partial = encode(byte_bpe, "ok 🚀")[:-2]  # the rocket's last two bytes are missing
+    assert byte_bpe.decode(partial) == "ok \ufffd"
     detok = IncrementalDetokenizer(byte_bpe)
-    assert "".join(detok.add_tokens([t]) for t in partial) == "ok "
-    tail = detok.flush()
-    assert tail.endswith("\ufffd")
+    assert "".join(detok.add_tokens([t]) for t in partial) == "ok"
+    assert detok.flush() == " \ufffd"
     assert detok.output_text == byte_bpe.decode(partial)
 
 
 def test_skip_special_tokens(byte_bpe):
-    ids = byte_bpe.encode("Hello world") + [byte_bpe.eos_token_id]
+    ids = encode(byte_bpe, "Hello world") + [byte_bpe.eos_token_id]
     assert "".join(stream(IncrementalDetokenizer(byte_bpe), ids)) == "Hello world"
     kept = IncrementalDetokenizer(byte_bpe, skip_special_tokens=False)
-    assert "".join(stream(kept, ids)) == "Hello world<|endoftext|>"
+    assert "".join(stream(kept, ids)) == "Hello world" + EOS_TOKEN
 
 
 def test_llama_style_leading_space_comes_from_context(llama_style):
@@ -160,7 +158,7 @@ def test_include_stop_str_in_output_and_earliest_completion():
 
 def test_stop_string_split_across_tokens_of_real_text(byte_bpe):
     text = "Answer: 日本語のテキスト and more text"
-    ids = byte_bpe.encode(text)
+    ids = encode(byte_bpe, text)
     detok, checker = IncrementalDetokenizer(byte_bpe), StopChecker(["のテ", "zzz"])
     emitted = run_stops(checker, [detok.add_tokens([t]) for t in ids])
     assert emitted == "Answer: 日本語"

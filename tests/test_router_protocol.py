@@ -7,9 +7,9 @@ import openai.types as oai
 import openai.types.chat as oai_chat
 import pytest
 from pydantic import ValidationError
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from pdserve.engine.demo_model import train_demo_tokenizer
 from pdserve.engine.request import Logprob
 from pdserve.router.protocol import (
     ChatCompletionChoice,
@@ -198,35 +198,30 @@ def test_error_response_shape():
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["hello world, hello there"] * 10, trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=tok)
+    return PreTrainedTokenizerFast(tokenizer_object=train_demo_tokenizer())
 
 
 def test_logprobs_in_both_formats(tokenizer):
-    hello, world = tokenizer.encode("hello"), tokenizer.encode(" world")
-    assert len(hello) == len(world) == 1
-    steps = [Logprob(hello[0], -0.5, 1, {hello[0]: -0.5, world[0]: -1.5}),
-             Logprob(world[0], -float("inf"), 3, {hello[0]: -0.1})]
+    the, cache = tokenizer.encode("The cache", add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens([the, cache]) == ["The", "Ġcache"]
+    steps = [Logprob(the, -0.5, 1, {the: -0.5, cache: -1.5}),
+             Logprob(cache, -float("inf"), 3, {the: -0.1})]
 
     def decode_token(token_id: int) -> str:
         return tokenizer.decode([token_id])
 
     out = completion_logprobs(steps, decode_token, text_offset=4)
-    assert out.tokens == ["hello", " world"]
-    assert out.text_offset == [4, 9]
+    assert out.tokens == ["The", " cache"]
+    assert out.text_offset == [4, 7]
     assert out.token_logprobs == [-0.5, None]  # -inf has no JSON form
-    assert out.top_logprobs == [{"hello": -0.5, " world": -1.5},
-                                {"hello": -0.1, " world": -9999.0}]
+    assert out.top_logprobs == [{"The": -0.5, " cache": -1.5},
+                                {"The": -0.1, " cache": -9999.0}]
     chat = chat_logprobs(steps, decode_token, num_top=1)
     first = chat.content[0]
-    assert (first.token, first.logprob, first.bytes) == ("hello", -0.5, list(b"hello"))
-    assert [(t.token, t.logprob) for t in first.top_logprobs] == [("hello", -0.5)]
+    assert (first.token, first.logprob, first.bytes) == ("The", -0.5, list(b"The"))
+    assert [(t.token, t.logprob) for t in first.top_logprobs] == [("The", -0.5)]
     assert chat.content[1].logprob == -9999.0
     choice = {"index": 0, "finish_reason": "stop", "logprobs": chat.model_dump(),
-              "message": {"role": "assistant", "content": "hello world"}}
+              "message": {"role": "assistant", "content": "The cache"}}
     assert oai_chat.chat_completion.Choice.model_validate(choice).logprobs.content[1].token == \
-        " world"
+        " cache"
