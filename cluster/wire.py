@@ -1,0 +1,71 @@
+"""Conversions between the engine's dataclasses and the ``pdserve.v1`` protobuf messages,
+shared by the workers and the router (one place, so both sides read the wire alike)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.request import Logprob
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto import common_pb2
+
+
+@dataclass(slots=True)
+class KVHandle:
+    """Where a prefilled prompt's KV lives: DESIGN.md's KV handle. Times in seconds."""
+
+    prefill_worker_id: str
+    kv_address: str
+    request_id: str
+    num_tokens: int
+    block_hashes: list[bytes]
+    block_size: int
+    lease_expiry_unix_s: float
+
+
+_OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "logprobs")
+_PLAIN = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "min_tokens",
+          "ignore_eos")
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(stop_token_ids=params.stop_token_ids)
+    for name in _PLAIN:
+        setattr(msg, name, getattr(params, name))
+    for name in _OPTIONAL:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError (naming the field) for out-of-range values."""
+    kwargs = {name: getattr(msg, name) for name in _PLAIN}
+    kwargs.update({name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)})
+    if "max_tokens" not in kwargs:
+        kwargs["max_tokens"] = None  # absent: up to max_model_len
+    return SamplingParams(stop_token_ids=list(msg.stop_token_ids), **kwargs)
+
+
+def logprob_to_proto(lp: Logprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()])
+
+
+def logprob_from_proto(msg: common_pb2.TokenLogprob) -> Logprob:
+    return Logprob(msg.token_id, msg.logprob, msg.rank, {t.token_id: t.logprob for t in msg.top})
+
+
+def kv_handle_to_proto(handle: KVHandle) -> common_pb2.KVHandle:
+    return common_pb2.KVHandle(
+        prefill_worker_id=handle.prefill_worker_id, kv_address=handle.kv_address,
+        request_id=handle.request_id, num_tokens=handle.num_tokens,
+        block_hashes=handle.block_hashes, block_size=handle.block_size,
+        lease_expiry_unix_s=handle.lease_expiry_unix_s)
+
+
+def kv_handle_from_proto(msg: common_pb2.KVHandle) -> KVHandle:
+    return KVHandle(msg.prefill_worker_id, msg.kv_address, msg.request_id, msg.num_tokens,
+                    list(msg.block_hashes), msg.block_size, msg.lease_expiry_unix_s)

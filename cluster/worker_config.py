@@ -1,0 +1,81 @@
+"""Settings of one prefill or decode worker process, and its command line.
+
+Engine flags are vLLM's (``cluster/cli.py``); worker flags add where it listens, the Redis
+registry, the KV lease and transfer timeouts, and the CPU threads it may use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from pdserve.engine.llm_engine import EngineConfig
+
+ROLES = ("prefill", "decode")
+
+
+def default_num_threads(workers_on_node: int) -> int:
+    """Split this machine's cores evenly between the workers placed on it (at least 1)."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers_on_node))
+
+
+def default_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """One worker. Addresses are ``host:port`` (port 0 takes a free one); times in seconds.
+
+    ``kv_host`` is the address the KV channel binds and advertises (the decode worker's
+    TCPStore, gloo's sockets); it must be reachable from the other pool.
+    """
+
+    role: str
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    redis_url: str | None = None
+    worker_id: str = ""
+    lease_s: float = 30.0
+    kv_transfer_timeout_s: float = 30.0
+    heartbeat_ttl_s: float = 3.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role={self.role!r} must be one of {ROLES}")
+        if self.lease_s <= 0:
+            raise ValueError(f"lease_s={self.lease_s} must be > 0")
+        if not self.worker_id:
+            self.worker_id = default_worker_id(self.role)
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``python -m pdserve.{prefill,decode}_worker`` beyond the engine's."""
+    parser.add_argument("--host", default="127.0.0.1", help="gRPC listen address")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
+    parser.add_argument("--kv-host", default=None,
+                        help="address of the KV transfer channel (default: --host)")
+    parser.add_argument("--kv-port", type=int, default=0, help="KV store port (decode workers)")
+    parser.add_argument("--redis-url", help="Redis of the worker registry and prefix index")
+    parser.add_argument("--worker-id", default="", help="registry id (default: generated)")
+    parser.add_argument("--kv-lease-s", type=float, default=30.0,
+                        help="seconds prefilled KV stays pinned waiting for its decode worker")
+    parser.add_argument("--kv-transfer-timeout-s", type=float, default=30.0)
+
+
+def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig:
+    """A ``WorkerConfig`` from parsed engine and worker flags."""
+    from pdserve.cluster.cli import engine_kwargs
+
+    return WorkerConfig(
+        role=role, engine=EngineConfig(**engine_kwargs(args)), host=args.host, port=args.port,
+        kv_host=args.kv_host or args.host, kv_port=args.kv_port, redis_url=args.redis_url,
+        worker_id=args.worker_id, lease_s=args.kv_lease_s,
+        kv_transfer_timeout_s=args.kv_transfer_timeout_s)

@@ -1,0 +1,160 @@
+"""The decode worker's gRPC service (``pdserve.v1.DecodeWorker``) and its process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from pdserve.cluster.wire import (
+    KVHandle,
+    kv_handle_from_proto,
+    logprob_from_proto,
+    logprob_to_proto,
+    sampling_params_from_proto,
+)
+from pdserve.cluster.worker_config import WorkerConfig
+from pdserve.cluster.worker_runtime import WorkerRuntime, grpc_error_code
+from pdserve.decode_worker.service import DecodeService, DecodeStart
+from pdserve.kvtransfer import KVReceiver
+from pdserve.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillClients:
+    """Cached gRPC channels to prefill workers, for ``SendKV`` (keyed by address)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._stubs: dict[str, prefill_pb2_grpc.PrefillWorkerStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+
+    def stub(self, address: str) -> prefill_pb2_grpc.PrefillWorkerStub:
+        if address not in self._stubs:
+            channel = grpc.aio.insecure_channel(address)
+            self._channels.append(channel)
+            self._stubs[address] = prefill_pb2_grpc.PrefillWorkerStub(channel)
+        return self._stubs[address]
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+
+class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
+    """Maps RPCs onto ``DecodeService``. A cancelled ``Decode`` stream aborts the request
+    and frees its blocks at once."""
+
+    def __init__(self, service: DecodeService, runtime: WorkerRuntime) -> None:
+        self.service = service
+        self.runtime = runtime
+
+    async def Decode(self, request, context):
+        handle = kv_handle_from_proto(request.kv_handle) if request.HasField("kv_handle") \
+            else None
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+            stream = self.service.decode(
+                request.request_id, list(request.prompt_token_ids), params,
+                request.cache_salt if request.HasField("cache_salt") else None,
+                request.first_token_id if request.HasField("first_token_id") else None,
+                logprob_from_proto(request.first_logprob)
+                if request.HasField("first_logprob") else None,
+                handle)
+            async for item in stream:
+                yield _to_response(item)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await context.abort(grpc_error_code(exc), str(exc))
+
+    async def Abort(self, request, context):
+        aborted = await self.service.engine.abort(request.request_id)
+        return decode_pb2.AbortResponse(aborted=aborted)
+
+    async def Health(self, request, context):
+        return self.runtime.health()
+
+
+def _to_response(item) -> decode_pb2.DecodeResponse:
+    if isinstance(item, DecodeStart):
+        return decode_pb2.DecodeResponse(num_cached_tokens=item.num_cached_tokens,
+                                         num_transferred_blocks=item.num_transferred_blocks)
+    response = decode_pb2.DecodeResponse(
+        token_ids=item.new_token_ids, finish_reason=item.finish_reason or "",
+        logprobs=[logprob_to_proto(lp) for lp in item.new_logprobs])
+    if item.stop_reason is not None:
+        response.stop_reason = item.stop_reason
+    return response
+
+
+class DecodeWorker:
+    """One decode worker: engine, KV receiver (hosting the pair channels' store), gRPC
+    server, registry entry. ``await start()``; ``await stop()``."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.runtime = WorkerRuntime(config)
+        self.receiver: KVReceiver | None = None
+        self.service: DecodeService | None = None
+        self.prefill_clients = PrefillClients(config.kv_transfer_timeout_s)
+
+    @property
+    def worker_id(self) -> str:
+        return self.runtime.worker_id
+
+    @property
+    def grpc_address(self) -> str:
+        return self.runtime.grpc_address
+
+    @property
+    def kv_address(self) -> str:
+        return self.receiver.address
+
+    async def start(self) -> None:
+        engine = await asyncio.to_thread(self.runtime.build_engine)
+        self.receiver = KVReceiver(
+            self.worker_id, engine.engine.model_runner.kv_cache,
+            f"{self.config.kv_host}:{self.config.kv_port}",
+            timeout_s=self.config.kv_transfer_timeout_s)
+        self.service = DecodeService(engine, self.receiver, self.worker_id, self._request_kv,
+                                     self.config.kv_transfer_timeout_s)
+        servicer = DecodeWorkerServicer(self.service, self.runtime)
+        await self.runtime.start_server(
+            lambda server: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server))
+        self.runtime.register(self.kv_address)
+        logger.info("decode worker %s serving gRPC on %s, KV on %s", self.worker_id,
+                    self.grpc_address, self.kv_address)
+
+    async def _request_kv(self, handle: KVHandle, decode_worker_id: str, kv_address: str,
+                          block_indices: list[int]) -> tuple[int, int]:
+        """Ask the prefill worker that holds ``handle`` to send ``block_indices``."""
+        address = self.prefill_address(handle.prefill_worker_id)
+        reply = await self.prefill_clients.stub(address).SendKV(
+            prefill_pb2.SendKVRequest(request_id=handle.request_id,
+                                      decode_worker_id=decode_worker_id,
+                                      decode_kv_address=kv_address,
+                                      block_indices=block_indices),
+            timeout=self.config.kv_transfer_timeout_s)
+        return reply.num_blocks, reply.num_bytes
+
+    def prefill_address(self, prefill_worker_id: str) -> str:
+        """The gRPC address of a prefill worker, from the registry.
+
+        Raises:
+            KeyError: the worker is not registered (or its heartbeat lapsed).
+        """
+        known = self.config.extra.get("prefill_addresses", {})
+        if prefill_worker_id in known:
+            return known[prefill_worker_id]
+        if self.runtime.registry is None:
+            raise KeyError(f"prefill worker {prefill_worker_id!r} is unknown (no registry)")
+        for record in self.runtime.registry.list_live(role="prefill"):
+            if record.worker_id == prefill_worker_id:
+                return record.grpc_address
+        raise KeyError(f"prefill worker {prefill_worker_id!r} is not live in the registry")
+
+    async def stop(self) -> None:
+        await self.runtime.stop()
+        await self.prefill_clients.close()
+        if self.receiver is not None:
+            self.receiver.close()

@@ -1,0 +1,163 @@
+"""The decode worker's logic, apart from its gRPC skin (``server.py``).
+
+A request's life on the decode side (SGLang's queues, here as engine states):
+
+1. prealloc: blocks are allocated, reusing any this worker caches for the prompt's block
+   hashes; if too few are free it retries each step until ``alloc_timeout_s``.
+2. transfer (``WAITING_FOR_KV``): a pull of only the missing blocks is opened on the pair
+   channel, and the prefill worker is asked (``SendKV``) to send them.
+3. waiting: the pull succeeded; the prompt counts as computed.
+4. running: the first token's KV is computed and decoding continues in the batch.
+
+A request with no KV handle is prefilled here instead (short prompts, no prefill pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from pdserve.cluster.wire import KVHandle
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.llm_engine import EngineOutput
+from pdserve.engine.request import Logprob
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer import KVPollState, KVReceiver, KVTransferError
+
+logger = logging.getLogger(__name__)
+
+# (handle, decode worker id, decode KV address, block indices) -> (blocks, bytes) sent
+RequestKV = Callable[[KVHandle, str, str, list[int]], Awaitable[tuple[int, int]]]
+
+
+@dataclass(slots=True)
+class DecodeStart:
+    """First item of a decode stream: how much of the prompt was already here and how
+    much was pulled (blocks, bytes)."""
+
+    num_cached_tokens: int
+    num_transferred_blocks: int
+    num_transferred_bytes: int
+
+
+class DecodeService:
+    """Decodes requests whose KV is pulled from prefill workers (or prefilled locally).
+
+    Args:
+        engine: the running engine.
+        receiver: this worker's KV receiver (hosts the pair channels' store).
+        worker_id: this worker's registry id.
+        request_kv: asks a prefill worker to send blocks (its gRPC ``SendKV``).
+        transfer_timeout_s: seconds a pull may take.
+        alloc_timeout_s: seconds a request may wait for free blocks.
+    """
+
+    def __init__(self, engine: AsyncEngine, receiver: KVReceiver, worker_id: str,
+                 request_kv: RequestKV, transfer_timeout_s: float = 30.0,
+                 alloc_timeout_s: float = 30.0) -> None:
+        self.engine = engine
+        self.receiver = receiver
+        self.worker_id = worker_id
+        self.request_kv = request_kv
+        self.transfer_timeout_s = transfer_timeout_s
+        self.alloc_timeout_s = alloc_timeout_s
+
+    async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     cache_salt: str | None = None, first_token: int | None = None,
+                     first_logprob: Logprob | None = None, kv_handle: KVHandle | None = None,
+                     ) -> AsyncIterator[DecodeStart | EngineOutput]:
+        """Yield a ``DecodeStart``, then the request's outputs until it finishes.
+
+        Raises:
+            ValueError: bad prompt/params, or a KV handle without its first token.
+            KVTransferError: the KV pull failed (the request's blocks are freed here and
+                the prefill worker's lease is given up).
+            TimeoutError: no free blocks within ``alloc_timeout_s``.
+        """
+        if kv_handle is None:
+            yield DecodeStart(0, 0, 0)
+            async for output in self.engine.generate(request_id, prompt_token_ids, params,
+                                                     cache_salt):
+                yield output
+            return
+        if first_token is None:
+            raise ValueError("first_token is required with a kv_handle")
+        stream = self.engine.open_stream(request_id)
+        try:
+            start = await self._import_kv(request_id, prompt_token_ids, params, cache_salt,
+                                          first_token, first_logprob, kv_handle)
+        except BaseException:
+            self.engine.close_stream(request_id)
+            raise
+        yield start
+        outputs = self.engine.stream_outputs(request_id, stream)
+        try:
+            async for output in outputs:
+                yield output
+        finally:
+            await outputs.aclose()
+
+    async def _import_kv(self, request_id, prompt, params, cache_salt, first_token,
+                         first_logprob, handle: KVHandle) -> DecodeStart:
+        alloc = await self._allocate(request_id, prompt, params, cache_salt, first_token,
+                                     first_logprob)
+        ok = False
+        try:
+            if alloc.block_indices:
+                num_bytes = await self._pull(request_id, handle, alloc.block_ids,
+                                             alloc.block_indices)
+            else:  # everything was cached here: just end the prefill worker's lease
+                await self.request_kv(handle, self.worker_id, self.receiver.address, [])
+                num_bytes = 0
+            ok = True
+        finally:
+            going_on = await asyncio.shield(self.engine.call(
+                lambda e: e.finish_kv_transfer(request_id, ok)))
+        if not going_on:
+            raise asyncio.CancelledError(f"request {request_id} was aborted during its KV pull")
+        return DecodeStart(alloc.num_cached_tokens, len(alloc.block_indices), num_bytes)
+
+    async def _allocate(self, request_id, prompt, params, cache_salt, first_token,
+                        first_logprob):
+        deadline = time.monotonic() + self.alloc_timeout_s
+        while True:
+            alloc = await self.engine.call(lambda e: e.add_kv_transfer_request(
+                request_id, prompt, first_token, params, cache_salt, first_logprob))
+            if alloc is not None:
+                return alloc
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no free KV blocks for request {request_id} within "
+                                   f"{self.alloc_timeout_s} s")
+            await asyncio.sleep(0.02)
+
+    async def _pull(self, request_id: str, handle: KVHandle, block_ids: list[int],
+                    block_indices: list[int]) -> int:
+        """Receive the prompt blocks at ``block_indices`` into ``block_ids``; returns bytes.
+        On any failure or cancellation the pull is cancelled first, so nothing writes into
+        the blocks once this returns or raises."""
+        pull = self.receiver.init(request_id, handle.prefill_worker_id, block_ids,
+                                  self.transfer_timeout_s)
+        send = asyncio.ensure_future(self.request_kv(handle, self.worker_id,
+                                                     self.receiver.address, block_indices))
+        waiting = asyncio.ensure_future(asyncio.to_thread(pull.wait, self.transfer_timeout_s))
+        try:
+            await asyncio.wait({send, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            if send.done() and send.exception() is not None:
+                raise KVTransferError(f"prefill worker {handle.prefill_worker_id} did not send "
+                                      f"the KV of {request_id}: {send.exception()}")
+            state = await waiting
+            if state != KVPollState.SUCCESS:
+                raise pull.failure_exception() or KVTransferError(
+                    f"KV pull of {request_id} timed out after {self.transfer_timeout_s} s")
+            await asyncio.wait_for(send, self.transfer_timeout_s)
+            return pull.stats.num_bytes
+        except BaseException:
+            await asyncio.shield(asyncio.to_thread(pull.cancel))
+            send.cancel()
+            raise
+
+
+__all__ = ["DecodeService", "DecodeStart"]

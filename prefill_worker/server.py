@@ -1,0 +1,110 @@
+"""The prefill worker's gRPC service (``pdserve.v1.PrefillWorker``) and its process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pdserve.cluster.wire import kv_handle_to_proto, logprob_to_proto, sampling_params_from_proto
+from pdserve.cluster.worker_config import WorkerConfig
+from pdserve.cluster.worker_runtime import WorkerRuntime, grpc_error_code
+from pdserve.kvtransfer import KVSender
+from pdserve.prefill_worker.service import PrefillService
+from pdserve.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorkerServicer(prefill_pb2_grpc.PrefillWorkerServicer):
+    """Maps RPCs onto ``PrefillService``; errors become gRPC status codes with the
+    exception's message (INVALID_ARGUMENT for bad input, NOT_FOUND for an unknown lease,
+    UNAVAILABLE for a failed transfer)."""
+
+    def __init__(self, service: PrefillService, runtime: WorkerRuntime) -> None:
+        self.service = service
+        self.runtime = runtime
+
+    async def Prefill(self, request, context):
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+            result = await self.service.prefill(
+                request.request_id, list(request.prompt_token_ids), params,
+                request.cache_salt if request.HasField("cache_salt") else None)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            await context.abort(grpc_error_code(exc), str(exc))
+        response = prefill_pb2.PrefillResponse(
+            first_token_id=result.first_token, num_cached_tokens=result.num_cached_tokens,
+            finish_reason=result.finish_reason or "")
+        if result.first_logprob is not None:
+            response.first_logprob.CopyFrom(logprob_to_proto(result.first_logprob))
+        if result.kv_handle is not None:
+            response.kv_handle.CopyFrom(kv_handle_to_proto(result.kv_handle))
+        return response
+
+    async def SendKV(self, request, context):
+        try:
+            num_blocks, num_bytes = await self.service.send_kv(
+                request.request_id, request.decode_worker_id, request.decode_kv_address,
+                list(request.block_indices))
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            if isinstance(exc, KeyError):  # fail the waiting pull now, not at its timeout
+                await asyncio.to_thread(self.service.sender.send_failure, request.request_id,
+                                        request.decode_worker_id, request.decode_kv_address,
+                                        str(exc))
+            await context.abort(grpc_error_code(exc), str(exc))
+        return prefill_pb2.SendKVResponse(num_blocks=num_blocks, num_bytes=num_bytes)
+
+    async def Release(self, request, context):
+        released = await self.service.release(request.request_id)
+        return prefill_pb2.ReleaseResponse(released=released)
+
+    async def Health(self, request, context):
+        return self.runtime.health()
+
+
+class PrefillWorker:
+    """One prefill worker: engine, KV sender, lease reaper, gRPC server, registry entry.
+
+    ``await start()`` then ``grpc_address`` / ``kv_address``; ``await stop()``.
+    """
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.runtime = WorkerRuntime(config)
+        self.service: PrefillService | None = None
+        self._reaper: asyncio.Task | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self.runtime.worker_id
+
+    @property
+    def grpc_address(self) -> str:
+        return self.runtime.grpc_address
+
+    @property
+    def kv_address(self) -> str:
+        return self.config.kv_host
+
+    async def start(self) -> None:
+        engine = await asyncio.to_thread(self.runtime.build_engine)
+        sender = KVSender(self.worker_id, engine.engine.model_runner.kv_cache,
+                          host=self.config.kv_host, timeout_s=self.config.kv_transfer_timeout_s)
+        self.service = PrefillService(engine, sender, self.worker_id, self.config.kv_host,
+                                      self.config.lease_s, self.config.kv_transfer_timeout_s)
+        servicer = PrefillWorkerServicer(self.service, self.runtime)
+        await self.runtime.start_server(
+            lambda server: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server))
+        self._reaper = asyncio.create_task(self.service.run_lease_reaper())
+        self.runtime.register(self.kv_address)
+        logger.info("prefill worker %s serving gRPC on %s", self.worker_id, self.grpc_address)
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        await self.runtime.stop()
+        if self.service is not None:
+            self.service.sender.close()
+
+
+__all__ = ["PrefillWorker", "PrefillWorkerServicer", "common_pb2"]
