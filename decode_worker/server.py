@@ -78,7 +78,8 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
 def _to_response(item) -> decode_pb2.DecodeResponse:
     if isinstance(item, DecodeStart):
         return decode_pb2.DecodeResponse(num_cached_tokens=item.num_cached_tokens,
-                                         num_transferred_blocks=item.num_transferred_blocks)
+                                         num_transferred_blocks=item.num_transferred_blocks,
+                                         num_transferred_bytes=item.num_transferred_bytes)
     response = decode_pb2.DecodeResponse(
         token_ids=item.new_token_ids, finish_reason=item.finish_reason or "",
         logprobs=[logprob_to_proto(lp) for lp in item.new_logprobs])
