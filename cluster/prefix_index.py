@@ -98,15 +98,17 @@ class PrefixIndex:
         """SREM ``worker_id`` from every given hash's set (a worker leaving cleanly)."""
         self._in_chunks(worker_id, hashes, "srem")
 
-    def longest_prefix(self, hashes: Sequence[bytes],
-                       live_worker_ids: Collection[str]) -> dict[str, int]:
+    def longest_prefix(self, hashes: Sequence[bytes], live_worker_ids: Collection[str], *,
+                       clean_stale: bool = True) -> dict[str, int]:
         """For each live worker, how many leading blocks of the chain ``hashes`` it holds.
 
         One pipelined round trip of SMEMBERS over the chain. A worker's count stops at its
         first miss (block ``i`` is useless without blocks ``0..i-1``). Workers with no
         leading block are left out. Entries of workers not in ``live_worker_ids`` (lapsed
-        heartbeats) are ignored and removed (best effort, one more round trip), so pass
-        every live worker of every role and filter the result by role yourself.
+        heartbeats) are ignored and, with ``clean_stale``, removed (best effort, one more
+        round trip). So pass every live worker of every role, read fresh from the registry
+        (a worker missing from a stale list loses its entries until it republishes), and
+        filter the result by role yourself. An empty live set cleans nothing.
 
         Example: sets ``h0:{A,B} h1:{A} h2:{A,B}`` -> ``{"A": 3, "B": 1}``.
         """
@@ -120,7 +122,7 @@ class PrefixIndex:
         live = set(live_worker_ids)
         counts = _leading_runs(members, live)
         stale = [(h, found - live) for h, found in zip(hashes, members) if found - live]
-        if stale:
+        if stale and live and clean_stale:
             self._remove_stale(stale)
         return counts
 
