@@ -1,0 +1,117 @@
+"""Start prefill and decode workers as Ray actors (DESIGN.md, Launch).
+
+Each worker is one actor running its gRPC server on an event loop thread. Actors restart
+when they die (``max_restarts=-1``); a restarted actor is a new incarnation with a new
+worker id, so the registry and prefix index never mix its empty cache with the old one's.
+On GPU nodes each actor takes one GPU; on CPU the machine's cores are split between the
+workers (``num_threads``), so two workers on one machine do not oversubscribe it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from pdserve.cluster.worker_config import WorkerConfig, default_num_threads
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A running worker: its id, role, addresses and process id."""
+
+    worker_id: str
+    role: str
+    grpc_address: str
+    kv_address: str
+    pid: int
+
+
+class WorkerActor:
+    """The body of a worker actor (wrapped by ``ray.remote`` in ``RayLauncher``)."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        from pdserve.cluster.worker_main import make_worker
+
+        # A new incarnation (first start or a Ray restart) gets its own worker id.
+        config = dataclasses.replace(config, worker_id=f"{config.worker_id}-{os.getpid()}")
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                       name="worker-loop")
+        self.thread.start()
+        self.worker = make_worker(config)
+        self._run(self.worker.start(), START_TIMEOUT_S)
+
+    def _run(self, coro, timeout_s: float):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker.worker_id, self.worker.config.role,
+                          self.worker.grpc_address, self.worker.kv_address, os.getpid())
+
+    def stop(self) -> None:
+        self._run(self.worker.stop(), 30.0)
+
+
+class RayLauncher:
+    """Joins a Ray cluster (``ray_address``) or starts a local one, and runs worker actors.
+
+    Raises:
+        RuntimeError: from ``launch`` when an actor fails to start within
+            ``START_TIMEOUT_S`` seconds.
+    """
+
+    def __init__(self, ray_address: str | None = None, num_cpus: int | None = None) -> None:
+        import ray
+
+        self.ray = ray
+        if not ray.is_initialized():
+            ray.init(address=ray_address, num_cpus=num_cpus, include_dashboard=False,
+                     ignore_reinit_error=True, log_to_driver=False,
+                     configure_logging=False)
+        self.actors: list = []
+        self._actor_cls = ray.remote(WorkerActor)
+        self.has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+
+    def launch(self, config: WorkerConfig, count: int, workers_on_node: int) -> list[WorkerInfo]:
+        """Start ``count`` actors of ``config.role`` and wait until all serve.
+
+        ``workers_on_node`` (all roles) sets the default CPU threads per worker.
+        """
+        engine = config.engine
+        if engine.num_threads is None and not self.has_gpus:
+            engine = dataclasses.replace(engine, num_threads=default_num_threads(workers_on_node))
+        options = dict(max_restarts=-1, max_task_retries=3, num_cpus=0,
+                       num_gpus=1 if self.has_gpus else 0)
+        actors = [self._actor_cls.options(**options).remote(dataclasses.replace(
+            config, engine=engine, worker_id=f"{config.role}-{len(self.actors) + i}"))
+            for i in range(count)]
+        self.actors.extend(actors)
+        try:
+            return self.ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)
+        except Exception as exc:
+            raise RuntimeError(f"{config.role} workers did not start: {exc}") from exc
+
+    def infos(self, timeout_s: float = 60.0) -> list[WorkerInfo]:
+        return self.ray.get([a.info.remote() for a in self.actors], timeout=timeout_s)
+
+    def kill(self, index: int, no_restart: bool = False) -> None:
+        """Kill actor ``index`` (Ray restarts it unless ``no_restart``): for failure tests."""
+        self.ray.kill(self.actors[index], no_restart=no_restart)
+
+    def shutdown(self) -> None:
+        """Stop every actor (gracefully, then by force) and disconnect from Ray."""
+        for actor in self.actors:
+            try:
+                self.ray.get(actor.stop.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - killed below anyway
+                logger.warning("worker actor did not stop cleanly")
+            self.ray.kill(actor, no_restart=True)
+        self.actors.clear()
+        self.ray.shutdown()

@@ -1,0 +1,141 @@
+"""Worker behaviour in one process (real gRPC, real gloo channels, real Redis): KV leases,
+Release, failed pulls, local prefill, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+
+from pdserve.cluster.redis_server import RedisServer
+from pdserve.cluster.wire import sampling_params_to_proto
+from pdserve.cluster.worker_config import WorkerConfig
+from pdserve.decode_worker.server import DecodeWorker
+from pdserve.engine import LLM, EngineConfig, SamplingParams
+from pdserve.prefill_worker.server import PrefillWorker
+from pdserve.proto import decode_pb2, prefill_pb2
+
+from conftest import random_prompts
+from disagg_client import decode_stub, generate, health, prefill_stub
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+def run_with_workers(tiny_checkpoints, redis_server, body, lease_s: float = 30.0):
+    """Start a prefill and a decode worker in this process, run ``body(p, d, workers)``."""
+    engine = EngineConfig(str(tiny_checkpoints["qwen2"]), dtype="float32", max_model_len=256,
+                          load_progress=False, num_gpu_blocks_override=64)
+
+    async def main():
+        prefill = PrefillWorker(WorkerConfig("prefill", engine, redis_url=redis_server.url,
+                                             lease_s=lease_s, kv_transfer_timeout_s=5.0))
+        decode = DecodeWorker(WorkerConfig("decode", dataclasses.replace(engine),
+                                           redis_url=redis_server.url,
+                                           kv_transfer_timeout_s=5.0))
+        await prefill.start()
+        await decode.start()
+        try:
+            return await body(prefill_stub(prefill.grpc_address),
+                              decode_stub(decode.grpc_address), (prefill, decode))
+        finally:
+            await prefill.stop()
+            await decode.stop()
+
+    return asyncio.run(main())
+
+
+def test_lease_expiry_unpins_blocks_of_a_never_pulled_prefill(tiny_checkpoints, redis_server):
+    async def body(p, d, workers):
+        reply = await p.Prefill(prefill_pb2.PrefillRequest(
+            request_id="orphan", prompt_token_ids=random_prompts([70], 41)[0],
+            sampling_params=sampling_params_to_proto(GREEDY)), timeout=30)
+        pinned = await health(p)
+        await asyncio.sleep(2.0)  # lease is 1 s; the reaper runs every 0.5 s
+        after = await health(p)
+        return reply, pinned, after
+
+    reply, pinned, after = run_with_workers(tiny_checkpoints, redis_server, body, lease_s=1.0)
+    assert len(reply.kv_handle.block_hashes) == 4 and reply.kv_handle.num_tokens == 70
+    assert pinned.num_free_blocks == pinned.num_total_blocks - 5
+    assert after.num_free_blocks == after.num_total_blocks
+
+
+def test_release_and_unknown_lease(tiny_checkpoints, redis_server):
+    async def body(p, d, workers):
+        await p.Prefill(prefill_pb2.PrefillRequest(
+            request_id="r", prompt_token_ids=[1, 2, 3, 4, 5],
+            sampling_params=sampling_params_to_proto(GREEDY)), timeout=30)
+        released = await p.Release(prefill_pb2.ReleaseRequest(request_id="r"), timeout=10)
+        again = await p.Release(prefill_pb2.ReleaseRequest(request_id="r"), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await p.SendKV(prefill_pb2.SendKVRequest(
+                request_id="r", decode_worker_id="d", decode_kv_address=workers[1].kv_address,
+                block_indices=[0]), timeout=10)
+        return released.released, again.released, err.value.code(), await health(p)
+
+    released, again, code, state = run_with_workers(tiny_checkpoints, redis_server, body)
+    assert released and not again
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert state.num_free_blocks == state.num_total_blocks
+
+
+def test_failed_pull_fails_request_and_frees_blocks(tiny_checkpoints, redis_server):
+    """A handle naming a prefill worker nobody knows: the pull fails fast, cleanly."""
+    async def body(p, d, workers):
+        first = await p.Prefill(prefill_pb2.PrefillRequest(
+            request_id="x", prompt_token_ids=random_prompts([40], 42)[0],
+            sampling_params=sampling_params_to_proto(GREEDY)), timeout=30)
+        handle = first.kv_handle
+        handle.prefill_worker_id = "ghost"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in d.Decode(decode_pb2.DecodeRequest(
+                    request_id="x", prompt_token_ids=random_prompts([40], 42)[0],
+                    first_token_id=first.first_token_id,
+                    sampling_params=sampling_params_to_proto(GREEDY), kv_handle=handle),
+                    timeout=30):
+                pass
+        await p.Release(prefill_pb2.ReleaseRequest(request_id="x"), timeout=10)
+        return err.value, await health(p), await health(d)
+
+    error, p_state, d_state = run_with_workers(tiny_checkpoints, redis_server, body)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and "ghost" in error.details()
+    assert p_state.num_free_blocks == p_state.num_total_blocks
+    assert d_state.num_free_blocks == d_state.num_total_blocks
+
+
+def test_local_prefill_and_bad_input(tiny_checkpoints, redis_server):
+    prompt = random_prompts([9], 43)[0]
+
+    async def body(p, d, workers):
+        tokens = []
+        async for message in d.Decode(decode_pb2.DecodeRequest(
+                request_id="local", prompt_token_ids=prompt,
+                sampling_params=sampling_params_to_proto(GREEDY)), timeout=30):
+            tokens += list(message.token_ids)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await p.Prefill(prefill_pb2.PrefillRequest(
+                request_id="bad", prompt_token_ids=[1] * 300,
+                sampling_params=sampling_params_to_proto(GREEDY)), timeout=10)
+        bad_params = sampling_params_to_proto(GREEDY)
+        bad_params.top_p = 3.0
+        with pytest.raises(grpc.aio.AioRpcError) as err2:
+            await p.Prefill(prefill_pb2.PrefillRequest(
+                request_id="bad2", prompt_token_ids=[1, 2], sampling_params=bad_params),
+                timeout=10)
+        ok = await generate(p, d, "still-serving", prompt, GREEDY)
+        return tokens, err.value, err2.value, ok
+
+    tokens, err, err2, ok = run_with_workers(tiny_checkpoints, redis_server, body)
+    expected = LLM(str(tiny_checkpoints["qwen2"]), dtype="float32", max_model_len=256,
+                   load_progress=False).generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert tokens == expected and ok.tokens == expected
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "256" in err.details()
+    assert err2.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err2.details()
