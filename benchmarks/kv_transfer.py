@@ -27,6 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
+
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 12, 16, 4, 64

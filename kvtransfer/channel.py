@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+
 from pdserve.kvtransfer.payload import PayloadSink
 from pdserve.kvtransfer.protocol import HEADER_NUMEL, KVTransferError
 
@@ -53,7 +54,8 @@ def _wait(work, deadline: float, what: str) -> None:
 class PairGroup:
     """The 2-rank group of one (prefill, decode) pair at one generation.
 
-    Thread-safe: several transfers may be in flight (each with its own gloo tag).
+    Thread-safe: several transfers may be in flight (each with its own gloo tag). With a
+    CUDA cache, call ``send`` / ``recv`` under ``torch.cuda.device(cache.device)``.
     """
 
     def __init__(self, rank: int, gloo, nccl=None) -> None:
@@ -136,6 +138,10 @@ class PairGroup:
             raise KVTransferError(f"posting a send failed: {exc}") from exc
         for what, work in works:
             _wait(work, deadline, f"sending {what}")
+        if self._nccl is not None:
+            # NOTE: NCCL waits only order streams; the planes may be views of blocks the
+            # caller releases once this returns.
+            torch.cuda.current_stream().synchronize()
         return num_bytes
 
     def recv(self, sink: PayloadSink, tag: int, deadline: float,

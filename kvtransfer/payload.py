@@ -16,11 +16,18 @@ planes are CUDA tensors.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
+
 from pdserve.kernels.block_copy import gather_blocks, scatter_blocks
 from pdserve.kvtransfer.protocol import KVGeometry
+
+
+def on_device(tensor: torch.Tensor):
+    """``torch.cuda.device(tensor.device)`` for a CUDA tensor, else a no-op context."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
 def consecutive_start(block_ids: list[int]) -> int | None:
@@ -75,23 +82,24 @@ class PayloadSink:
     """Receive buffers for one payload, and the scatter into the cache's blocks.
 
     Args:
-        kv_cache: the receiver's cache, or None to drain (receive and discard; used when
-            the pull was cancelled after the sender started).
+        kv_cache: the receiver's cache.
         block_ids: ``n`` local block ids, in payload order.
-        geometry: the cache's geometry (also the drain buffers' shape and dtype).
+        geometry: the cache's geometry.
         device_payload: the group carries tensors on the cache's device (NCCL).
+        drain: receive and discard (the pull was cancelled after the sender started).
     """
 
-    def __init__(self, kv_cache: torch.Tensor | None, block_ids: list[int],
-                 geometry: KVGeometry, device_payload: bool) -> None:
-        self.kv_cache = kv_cache
+    def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], geometry: KVGeometry,
+                 device_payload: bool, drain: bool = False) -> None:
+        self.kv_cache = None if drain else kv_cache
         self.block_ids = block_ids
         self.num_planes = geometry.num_layers * 2
         self._direct = False
         shape = _plane_shape(geometry, len(block_ids))
-        self._staged_on_host = kv_cache is not None and kv_cache.is_cuda and not device_payload
-        if kv_cache is None:
-            scratch = torch.empty(shape, dtype=geometry.dtype)
+        self._staged_on_host = kv_cache.is_cuda and not device_payload and not drain
+        if drain:
+            device = kv_cache.device if device_payload else torch.device("cpu")
+            scratch = torch.empty(shape, dtype=geometry.dtype, device=device)
             self.buffers = [scratch] * self.num_planes
         elif self._staged_on_host:
             self._host = torch.empty((geometry.num_layers, 2, *shape), dtype=geometry.dtype,

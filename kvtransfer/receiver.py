@@ -28,9 +28,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
 from pdserve.kvtransfer.channel import PairGroup
 from pdserve.kvtransfer.handle import KVTransfer
-from pdserve.kvtransfer.payload import PayloadSink
+from pdserve.kvtransfer.payload import PayloadSink, on_device
 from pdserve.kvtransfer.protocol import (
     CLAIM_FAILED_PREFIX,
     CLAIM_GIVEN_UP,
@@ -306,16 +307,18 @@ class KVReceiver:
         """Header and payload into the blocks. Any error aborts the channel."""
         start = time.monotonic()
         deadline = max(pull.deadline, start + MIN_TRANSFER_S)
-        cache = self.kv_cache if pull._begin_transfer() else None  # None: drain
+        drain = not pull._begin_transfer()  # cancelled: receive, then discard
         try:
-            sink = PayloadSink(cache, pull.block_ids, self.geometry, group.device_payload)
-            group.recv(sink, pull.ticket.tag, deadline,
-                       lambda header: self._check_header(pull, header))
-            sink.finish()
+            with on_device(self.kv_cache):
+                sink = PayloadSink(self.kv_cache, pull.block_ids, self.geometry,
+                                   group.device_payload, drain)
+                group.recv(sink, pull.ticket.tag, deadline,
+                           lambda header: self._check_header(pull, header))
+                sink.finish()
         except KVTransferError:
             pull.channel.fail()
             raise
-        if cache is None:
+        if drain:
             raise KVTransferError(f"pull of request {pull.request_id} was cancelled; its "
                                   "payload was received and discarded")
         num_bytes = len(pull.block_ids) * self.geometry.block_bytes

@@ -17,9 +17,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
 from pdserve.kvtransfer.channel import PairGroup
 from pdserve.kvtransfer.handle import KVTransfer
-from pdserve.kvtransfer.payload import iter_send_planes
+from pdserve.kvtransfer.payload import iter_send_planes, on_device
 from pdserve.kvtransfer.protocol import (
     CLAIM_FAILED_PREFIX,
     CLAIM_QUEUE_KEY,
@@ -265,7 +266,8 @@ class KVSender:
 
         planes = iter_send_planes(self.kv_cache, ids, group.device_payload)
         try:
-            num_bytes = group.send(make_header, planes, ticket.tag, deadline)
+            with on_device(self.kv_cache):
+                num_bytes = group.send(make_header, planes, ticket.tag, deadline)
         except KVTransferError:
             group.abort()
             gen = ticket.generation

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender, KVTransferError
 
 NUM_BLOCKS = 16
@@ -146,6 +147,18 @@ def test_transfers_in_sequence_reuse_one_channel(receivers, prefill):
     assert after.num_bytes - before.num_bytes == 5 * 2 * 1024  # 1 KiB per fp32 block
 
 
+def test_pulls_in_flight_together_are_matched_by_their_headers(receivers, prefill):
+    receiver, source = receivers["f32"], make_cache(torch.float32, 7)
+    plans = {f"together-{i}": ([i], [12 + i]) for i in range(4)}
+    handles = {rid: receiver.init(rid, "prefill-f32", dst) for rid, (_, dst) in plans.items()}
+    for rid in reversed(list(plans)):  # sent in the opposite order
+        prefill.request("send", "prefill-f32", rid, receiver, plans[rid][0])
+        assert prefill.reply()[0] == "ok"
+    for rid, (src, dst) in plans.items():
+        assert handles[rid].wait(5.0) == KVPollState.SUCCESS
+        assert torch.equal(receiver.kv_cache[:, :, dst], source[:, :, src])
+
+
 def test_pull_times_out_when_sender_never_sends_and_next_one_works(receivers, prefill):
     receiver = receivers["f32"]
     start = time.monotonic()
@@ -169,6 +182,21 @@ def test_sender_reported_failure_fails_the_pull_at_once(receivers, prefill):
     assert prefill.reply() == ("ok", True)
     assert time.monotonic() - start < 3.0
     assert "lease expired" in str(handle.failure_exception())
+
+
+def test_a_cancelled_pull_never_writes_its_blocks(receivers, prefill):
+    receiver = receivers["bf16"]
+    before = receiver.kv_cache[:, :, [13]].clone()
+    handle = receiver.init("cancelled", "prefill-bf16", [13], timeout_s=10.0)
+    assert handle.cancel() == KVPollState.FAILED
+    prefill.request("send", "prefill-bf16", "cancelled", receiver, [1])
+    status, detail = prefill.reply()
+    # either the cancel gave the pull up first, or the sender won and the payload was
+    # received and discarded
+    assert status == "ok" or "gave up" in detail
+    assert torch.equal(receiver.kv_cache[:, :, [13]], before)
+    handle, reply = pull(prefill, receiver, "prefill-bf16", "after-cancel", [2], [13])
+    assert handle.poll() == KVPollState.SUCCESS and reply[0] == "ok"
 
 
 def test_stalled_payload_times_out_then_killed_sender_fails_fast_then_restart_works(receivers):

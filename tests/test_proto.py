@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pb2
+
 from pdserve.proto import (
     common_pb2,
     decode_pb2,

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import redis
+
 from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.registry import (
     WORKERS_KEY,
