@@ -189,11 +189,11 @@ def test_a_cancelled_pull_never_writes_its_blocks(receivers, prefill):
     before = receiver.kv_cache[:, :, [13]].clone()
     handle = receiver.init("cancelled", "prefill-bf16", [13], timeout_s=10.0)
     assert handle.cancel() == KVPollState.FAILED
-    prefill.request("send", "prefill-bf16", "cancelled", receiver, [1])
+    prefill.request("send", "prefill-bf16", "cancelled", receiver, [1], timeout_s=2.0)
     status, detail = prefill.reply()
-    # either the cancel gave the pull up first, or the sender won and the payload was
-    # received and discarded
-    assert status == "ok" or "gave up" in detail
+    # the pull was given up (and maybe already forgotten) before the sender claimed it,
+    # or the sender won and the payload was received and discarded
+    assert status == "ok" or "gave up" in detail or "no pull" in detail
     assert torch.equal(receiver.kv_cache[:, :, [13]], before)
     handle, reply = pull(prefill, receiver, "prefill-bf16", "after-cancel", [2], [13])
     assert handle.poll() == KVPollState.SUCCESS and reply[0] == "ok"
