@@ -8,6 +8,8 @@ import dataclasses
 
 import grpc
 import pytest
+from conftest import random_prompts
+from disagg_client import decode_stub, generate, health, prefill_stub
 
 from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.wire import sampling_params_to_proto
@@ -16,9 +18,6 @@ from pdserve.decode_worker.server import DecodeWorker
 from pdserve.engine import LLM, EngineConfig, SamplingParams
 from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.proto import decode_pb2, prefill_pb2
-
-from conftest import random_prompts
-from disagg_client import decode_stub, generate, health, prefill_stub
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
