@@ -138,3 +138,44 @@ def test_local_prefill_and_bad_input(tiny_checkpoints, redis_server):
     assert tokens == expected and ok.tokens == expected
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "256" in err.details()
     assert err2.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err2.details()
+
+
+def test_plain_process_workers_find_each_other_through_redis(tiny_checkpoints, redis_server,
+                                                            tmp_path):
+    """``python -m pdserve.prefill_worker`` and ``... decode_worker`` as subprocesses."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    procs, infos = [], []
+    try:
+        for role in ("prefill", "decode"):
+            ready = tmp_path / f"{role}.json"
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", f"pdserve.{role}_worker", "--model",
+                 str(tiny_checkpoints["qwen2"]), "--dtype", "float32", "--max-model-len", "256",
+                 "--redis-url", redis_server.url, "--num-threads", "1", "--ready-file",
+                 str(ready), "--log-level", "WARNING"],
+                stdout=subprocess.DEVNULL))
+            deadline = time.monotonic() + 60
+            while not ready.exists() and time.monotonic() < deadline:
+                assert procs[-1].poll() is None, f"{role} worker exited"
+                time.sleep(0.1)
+            infos.append(json.loads(ready.read_text()))
+        prompt = random_prompts([33], 44)[0]
+
+        async def main():
+            return await generate(prefill_stub(infos[0]["grpc_address"]),
+                                  decode_stub(infos[1]["grpc_address"]), "plain", prompt, GREEDY)
+
+        result = asyncio.run(main())
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+    expected = LLM(str(tiny_checkpoints["qwen2"]), dtype="float32", max_model_len=256,
+                   load_progress=False).generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert result.tokens == expected and result.num_transferred_blocks == 3
+    assert all(proc.returncode == 0 for proc in procs)  # SIGTERM stops them cleanly
