@@ -162,6 +162,12 @@ def pair_prefix(prefill_worker_id: str, decode_worker_id: str) -> str:
     return f"pdkv/{prefill_worker_id}/{decode_worker_id}"
 
 
+def established_key(group_name: str) -> str:
+    """Set by the decode side once a group is up: a prefill side that has no such group
+    (it restarted) must not try to join it again."""
+    return f"{group_name}/established"
+
+
 def ticket_key(prefix: str, request_id: str) -> str:
     return f"{prefix}/req/{request_id}/ticket"
 

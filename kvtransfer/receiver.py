@@ -47,6 +47,7 @@ from pdserve.kvtransfer.protocol import (
     KVTransferStats,
     Ticket,
     claim_key,
+    established_key,
     pair_prefix,
     request_hash,
     split_address,
@@ -80,8 +81,11 @@ class _RecvChannel:
              timeout_s: float) -> None:
         try:
             self.group = PairGroup.make(store, name, 1, host, device, timeout_s)
+            store.set(established_key(name), "1")
         except KVTransferError as exc:
             self.error = exc
+        except RuntimeError as exc:  # the store write failed
+            self.error = KVTransferError(f"{name}: {exc}")
         self.ready.set()
 
     def wait_ready(self, deadline: float) -> PairGroup:

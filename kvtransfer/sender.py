@@ -35,6 +35,7 @@ from pdserve.kvtransfer.protocol import (
     KVTransferStats,
     Ticket,
     claim_key,
+    established_key,
     pair_prefix,
     request_hash,
     split_address,
@@ -235,6 +236,7 @@ class KVSender:
             name = f"{peer.prefix}/{ticket.incarnation}/{ticket.generation}"
             timeout_s = min(self.connect_timeout_s, transfer.remaining_s(0.001))
             try:
+                self._check_not_established(peer, name, ticket)
                 peer.group = PairGroup.make(peer.connect(timeout_s).clone(), name, 0, self.host,
                                             self.kv_cache.device, timeout_s)
             except KVTransferError as exc:
@@ -243,6 +245,18 @@ class KVSender:
                 raise
             peer.group_key = key
             return peer.group
+
+    def _check_not_established(self, peer: _Peer, name: str, ticket: Ticket) -> None:
+        """Raise KVTransferError if the decode side's group ``name`` is already up with
+        an earlier incarnation of this worker (or a group of this one that broke); then
+        bump the pair's generation so that the next pull makes a new one."""
+        store = peer.connect(self.connect_timeout_s)
+        if not store.check([established_key(name)]):
+            return
+        gen = ticket.generation
+        store.compare_set(f"{peer.prefix}/gen", str(gen), str(gen + 1))
+        raise KVTransferError(f"pair channel {name} is up with an earlier sender (this worker "
+                              "restarted, or its side broke); the next pull makes a new one")
 
     def _claim(self, peer: _Peer, request_id: str, ticket: Ticket, value: str) -> bool:
         """Atomically claim the pull with ``value``; True if this side won."""

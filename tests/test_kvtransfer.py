@@ -76,6 +76,10 @@ class PrefillProcess:
         assert self.conn.poll(timeout_s), "prefill process did not answer"
         return self.conn.recv()
 
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(5)
+
     def stop(self) -> None:
         try:
             self.conn.send(None)
@@ -234,4 +238,18 @@ def test_stalled_payload_times_out_then_killed_sender_fails_fast_then_restart_wo
         assert handle.poll() == KVPollState.SUCCESS, handle.failure_exception()
         assert torch.equal(receiver.kv_cache[:, :, [6, 7]], source[:, :, [8, 9]])
     finally:
-        restarted.stop()
+        restarted.kill()
+    # 5. one that died while idle: the decode side's group looks fine; the first pull
+    # after the restart fails fast, and the next one makes a new channel
+    again = PrefillProcess({"prefill-stall": "f32"})
+    try:
+        start = time.monotonic()
+        handle, reply = pull(again, receiver, "prefill-stall", "after-idle-death", [4], [6])
+        assert time.monotonic() - start < 3.0
+        if handle.poll() == KVPollState.FAILED:
+            assert "earlier sender" in str(handle.failure_exception())
+            handle, reply = pull(again, receiver, "prefill-stall", "retry", [4], [6])
+        assert handle.poll() == KVPollState.SUCCESS, handle.failure_exception()
+        assert torch.equal(receiver.kv_cache[:, :, [6]], source[:, :, [4]])
+    finally:
+        again.stop()
