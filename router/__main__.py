@@ -1,0 +1,58 @@
+"""``python -m pdserve.router``: the OpenAI-compatible router as a plain process.
+
+Finds the workers through Redis (``--redis-url``) and serves HTTP with uvicorn until
+SIGINT or SIGTERM. Example::
+
+    python -m pdserve.router --redis-url redis://127.0.0.1:6379/0 --model /path/to/model \\
+        --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from pdserve.router.http import build_app
+from pdserve.router.service import DEFAULT_LOCAL_PREFILL_THRESHOLD, Router, RouterConfig
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The router's flags (vLLM's names where vLLM has one)."""
+    parser = argparse.ArgumentParser(prog="python -m pdserve.router", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--redis-url", required=True,
+                        help="Redis of the worker registry and prefix index")
+    parser.add_argument("--model", required=True, help="checkpoint folder (for the tokenizer)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name in the API and in block hashes (default: --model); "
+                             "must match the workers'")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="tokens per KV block; must match the workers'")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + completion, tokens (default: the model's)")
+    parser.add_argument("--local-prefill-threshold", type=int,
+                        default=DEFAULT_LOCAL_PREFILL_THRESHOLD,
+                        help="prompts shorter than this many tokens are prefilled on the "
+                             "decode worker (0: never; default: one block)")
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the router until interrupted."""
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    router = Router(RouterConfig(
+        model=args.model, redis_url=args.redis_url, served_model_name=args.served_model_name,
+        block_size=args.block_size, max_model_len=args.max_model_len,
+        local_prefill_threshold=args.local_prefill_threshold))
+    uvicorn.run(build_app(router), host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP API of the router (FastAPI): ``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+
+Every error is an OpenAI error body (``router/protocol.py``): 400 naming the offending
+field for invalid JSON or values, 404 for an unknown model or path, 503 with
+``Retry-After`` when no worker can take the request. Streams are server-sent events,
+``data: {json}\\n\\n`` chunks ending with ``data: [DONE]\\n\\n``; a stream is started only
+once its first token arrived, so errors before it are plain HTTP errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
+from pdserve.router.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    RequestError,
+    UsageInfo,
+    chat_logprobs,
+    completion_logprobs,
+    error_response,
+    random_id,
+    to_sampling_params,
+    validation_error_response,
+)
+from pdserve.router.service import GenerateRequest, GenerationChunk, Router
+
+
+def build_app(router: Router) -> FastAPI:
+    """The FastAPI app serving ``router``; its lifespan starts and stops the router."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    _add_error_handlers(app, router)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        request = CompletionRequest.model_validate(await _json_body(raw))
+        _check_model(router, request.model)
+        prompts = [_tokenize_prompt(router, p) for p in request.prompts()]
+        texts = [p if isinstance(p, str) else router.tokenizer.decode(p) for p in
+                 request.prompts()] if request.echo else None
+        return await _serve(router, request, prompts, CompletionFormatter(
+            router, request, random_id("cmpl"), prompts, texts))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        request = ChatCompletionRequest.model_validate(await _json_body(raw))
+        _check_model(router, request.model)
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        try:
+            prompt = apply_chat_template(router.tokenizer, messages,
+                                         add_generation_prompt=request.add_generation_prompt)
+        except ValueError as exc:
+            raise RequestError(str(exc), "messages") from exc
+        return await _serve(router, request, [prompt], ChatFormatter(
+            router, request, random_id("chatcmpl"), [prompt]))
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=router.served_model_name, root=router.config.model,
+                                         max_model_len=router.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        router.check_available()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.exposition(), media_type=router.metrics.CONTENT_TYPE)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI, router: Router) -> None:
+    retry_after = {"Retry-After": str(router.config.retry_after_s)}
+
+    def reply(status: int, body: BaseModel) -> JSONResponse:
+        return JSONResponse(body.model_dump(), status_code=status,
+                            headers=retry_after if status == 503 else None)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return reply(exc.status, error_response(exc.status, exc.message, exc.param))
+
+    @app.exception_handler(ValidationError)
+    async def on_validation_error(request: Request, exc: ValidationError) -> JSONResponse:
+        return reply(400, validation_error_response(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_request_validation(request: Request, exc: RequestValidationError
+                                    ) -> JSONResponse:
+        return reply(400, validation_error_response(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"{request.method} {request.url.path}: no such route"
+        return reply(exc.status_code, error_response(exc.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return reply(500, error_response(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+async def _json_body(raw: Request) -> dict:
+    """The request's JSON object.
+
+    Raises:
+        RequestError: the body is not valid JSON, or not a JSON object.
+    """
+    body = await raw.body()
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise RequestError(f"the request body must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _check_model(router: Router, model: str | None) -> None:
+    if model is not None and model != router.served_model_name:
+        raise RequestError(f"The model `{model}` does not exist.", "model", status=404)
+
+
+def _tokenize_prompt(router: Router, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return encode_prompt(router.tokenizer, prompt)
+    bad = [t for t in prompt if t >= router.vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is out of the vocabulary (size "
+                           f"{router.vocab_size})", "prompt")
+    return list(prompt)
+
+
+async def _serve(router: Router, request: CompletionRequest | ChatCompletionRequest,
+                 prompts: list[list[int]], formatter: Formatter) -> Response:
+    """Validate, start every sequence (n per prompt), and answer in full or as a stream."""
+    sequences = []
+    for prompt in prompts:
+        params = to_sampling_params(request, max_model_len=router.max_model_len,
+                                    prompt_len=len(prompt))
+        for i in range(request.n):
+            seed = None if params.seed is None else params.seed + i
+            sequences.append(GenerateRequest(
+                f"{formatter.response_id}-{len(sequences)}", prompt,
+                dataclasses.replace(params, n=1, seed=seed), request.stop_strings(),
+                request.include_stop_str_in_output, request.skip_special_tokens,
+                request.cache_salt))
+    router.check_available()
+    merged = _merge([router.generate(s) for s in sequences])
+    try:
+        first = await anext(merged)
+    except BaseException:
+        await merged.aclose()
+        raise
+    if not request.stream:
+        formatter.add(*first)
+        async for item in merged:
+            formatter.add(*item)
+        return JSONResponse(formatter.response().model_dump())
+    return StreamingResponse(_sse(formatter, first, merged), media_type="text/event-stream")
+
+
+async def _sse(formatter: Formatter, first: tuple[int, GenerationChunk],
+               merged: AsyncIterator[tuple[int, GenerationChunk]]) -> AsyncIterator[str]:
+    try:
+        for chunk in formatter.stream_start():
+            yield _event(chunk)
+        yield _event(formatter.stream_chunk(*first))
+        async for index, chunk in merged:
+            yield _event(formatter.stream_chunk(index, chunk))
+        usage = formatter.stream_usage()
+        if usage is not None:
+            yield _event(usage)
+    except RequestError as exc:
+        yield _event(error_response(exc.status, exc.message, exc.param))
+    finally:
+        await merged.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def _event(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
+
+
+_DONE = object()
+
+
+async def _merge(streams: list[AsyncIterator[GenerationChunk]]
+                 ) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """Interleave ``streams`` as ``(index, chunk)`` in arrival order. Each stream runs in
+    a task of its own, so a cancelled consumer cancels them all (without awaiting)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[GenerationChunk]) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((index, chunk))
+            queue.put_nowait((index, _DONE))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class Formatter:
+    """Collects one request's choices (``n`` per prompt, indexed ``prompt * n + i``) and
+    writes OpenAI responses and stream chunks; subclasses write the two APIs' shapes."""
+
+    def __init__(self, router: Router, request, response_id: str,
+                 prompts: list[list[int]]) -> None:
+        self.request = request
+        self.response_id = response_id
+        self.model = router.served_model_name
+        self.tokenizer = router.tokenizer
+        self.prompts = prompts
+        num_choices = len(prompts) * request.n
+        self.texts = [""] * num_choices
+        self.logprobs: list[list] = [[] for _ in range(num_choices)]
+        self.num_tokens = [0] * num_choices
+        self.finish: list[tuple[str | None, int | str | None]] = [(None, None)] * num_choices
+        self.cached_tokens = [0] * len(prompts)
+
+    def add(self, index: int, chunk: GenerationChunk) -> None:
+        """Record ``chunk`` of choice ``index``."""
+        self.texts[index] += chunk.text
+        self.logprobs[index] += chunk.logprobs
+        self.num_tokens[index] += len(chunk.token_ids)
+        prompt = index // self.request.n
+        self.cached_tokens[prompt] = max(self.cached_tokens[prompt], chunk.num_cached_tokens)
+        if chunk.finish_reason:
+            self.finish[index] = (chunk.finish_reason, chunk.stop_reason)
+
+    def usage(self) -> UsageInfo:
+        """Usage so far: prompt tokens (once per prompt), generated tokens, cache hits."""
+        return UsageInfo.of(sum(len(p) for p in self.prompts), sum(self.num_tokens),
+                            sum(self.cached_tokens))
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def stream_start(self) -> list[BaseModel]:
+        """Chunks sent before any token (chat: each choice's role)."""
+        return []
+
+    def stream_usage(self) -> BaseModel | None:
+        """The last chunk, with only usage, when ``stream_options.include_usage``."""
+        if not self.request.include_usage():
+            return None
+        return self._stream_response([], usage=self.usage())
+
+
+class CompletionFormatter(Formatter):
+    """``text_completion`` responses; ``echo_texts`` are the prompts' texts with ``echo``."""
+
+    def __init__(self, router: Router, request: CompletionRequest, response_id: str,
+                 prompts: list[list[int]], echo_texts: list[str] | None) -> None:
+        super().__init__(router, request, response_id, prompts)
+        self.echo = ["" if echo_texts is None else echo_texts[i // request.n]
+                     for i in range(len(self.texts))]
+
+    def _logprobs(self, index: int, logprobs: list, text_offset: int):
+        if self.request.logprobs is None:
+            return None
+        return completion_logprobs(logprobs, self.decode_token, text_offset)
+
+    def stream_chunk(self, index: int, chunk: GenerationChunk) -> BaseModel:
+        prefix = self.echo[index] if not self.num_tokens[index] else ""
+        offset = len(self.echo[index]) + len(self.texts[index])
+        self.add(index, chunk)
+        return self._stream_response([CompletionChoice(
+            index=index, text=prefix + chunk.text, finish_reason=chunk.finish_reason,
+            stop_reason=chunk.stop_reason,
+            logprobs=self._logprobs(index, chunk.logprobs, offset))])
+
+    def _stream_response(self, choices, usage=None) -> BaseModel:
+        return CompletionStreamResponse(id=self.response_id, model=self.model,
+                                        choices=choices, usage=usage)
+
+    def response(self) -> CompletionResponse:
+        choices = [CompletionChoice(
+            index=i, text=self.echo[i] + text, finish_reason=self.finish[i][0],
+            stop_reason=self.finish[i][1],
+            logprobs=self._logprobs(i, self.logprobs[i], len(self.echo[i])))
+            for i, text in enumerate(self.texts)]
+        return CompletionResponse(id=self.response_id, model=self.model, choices=choices,
+                                  usage=self.usage())
+
+
+class ChatFormatter(Formatter):
+    """``chat.completion`` responses and ``chat.completion.chunk`` stream chunks."""
+
+    def _logprobs(self, logprobs: list):
+        if not self.request.logprobs:
+            return None
+        return chat_logprobs(logprobs, self.decode_token, self.request.top_logprobs or 0)
+
+    def stream_start(self) -> list[BaseModel]:
+        return [self._stream_response([ChatCompletionStreamChoice(
+            index=i, delta=DeltaMessage(role="assistant", content=""))])
+            for i in range(len(self.texts))]
+
+    def stream_chunk(self, index: int, chunk: GenerationChunk) -> BaseModel:
+        self.add(index, chunk)
+        return self._stream_response([ChatCompletionStreamChoice(
+            index=index, delta=DeltaMessage(content=chunk.text),
+            finish_reason=chunk.finish_reason, stop_reason=chunk.stop_reason,
+            logprobs=self._logprobs(chunk.logprobs))])
+
+    def _stream_response(self, choices, usage=None) -> BaseModel:
+        return ChatCompletionStreamResponse(id=self.response_id, model=self.model,
+                                            choices=choices, usage=usage)
+
+    def response(self) -> ChatCompletionResponse:
+        choices = [ChatCompletionChoice(
+            index=i, message=ChatResponseMessage(content=text), finish_reason=self.finish[i][0],
+            stop_reason=self.finish[i][1], logprobs=self._logprobs(self.logprobs[i]))
+            for i, text in enumerate(self.texts)]
+        return ChatCompletionResponse(id=self.response_id, model=self.model, choices=choices,
+                                      usage=self.usage())

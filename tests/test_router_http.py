@@ -1,0 +1,292 @@
+"""The router end to end: the official ``openai`` client against a real uvicorn port, a
+real Redis, and one prefill and one decode worker in this process on the demo model.
+The oracle is ``pdserve.engine.LLM`` on the same checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pdserve.cluster.redis_server import RedisServer, free_port
+from pdserve.cluster.worker_config import WorkerConfig
+from pdserve.decode_worker.server import DecodeWorker
+from pdserve.engine import LLM, EngineConfig, SamplingParams
+from pdserve.engine.demo_model import make_demo_model
+from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
+from pdserve.prefill_worker.server import PrefillWorker
+from pdserve.router.http import build_app
+from pdserve.router.service import Router, RouterConfig
+
+MAX_MODEL_LEN = 256
+LOCAL_THRESHOLD = 8  # prompts under 8 tokens are prefilled on the decode worker
+PROMPT = "The quick brown fox jumps over the lazy dog and then it runs far away"
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Tell me about the sea and the ships on it."}]
+
+
+@dataclass
+class Cluster:
+    model: Path
+    url: str
+    redis_url: str
+    prefill: PrefillWorker
+    decode: DecodeWorker
+    router: Router
+    oracle: LLM
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def expected(self, prompt, **params) -> str:
+        sp = SamplingParams(**params)
+        if isinstance(prompt, list) and isinstance(prompt[0], dict):
+            return self.oracle.chat(prompt, sp)[0].outputs[0].text
+        return self.oracle.generate([prompt], sp)[0].outputs[0].text
+
+    def wait_all_blocks_free(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = [w.runtime.health() for w in (self.prefill, self.decode)]
+            if all(s.num_free_blocks == s.num_total_blocks for s in states):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"blocks still in use: {states}")
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = make_demo_model(tmp_path_factory.mktemp("router") / "demo")
+    engine = EngineConfig(str(model), dtype="float32", max_model_len=MAX_MODEL_LEN,
+                          load_progress=False, num_gpu_blocks_override=64, num_threads=1)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro, timeout_s: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
+
+    with RedisServer() as redis:
+        prefill = PrefillWorker(WorkerConfig("prefill", engine, redis_url=redis.url,
+                                             kv_transfer_timeout_s=10.0))
+        decode = DecodeWorker(WorkerConfig("decode", engine, redis_url=redis.url,
+                                           kv_transfer_timeout_s=10.0))
+        call(prefill.start())
+        call(decode.start())
+        router = Router(RouterConfig(str(model), redis.url, max_model_len=MAX_MODEL_LEN,
+                                     local_prefill_threshold=LOCAL_THRESHOLD))
+        port = free_port()
+        server = uvicorn_server(build_app(router), port)
+        serving = asyncio.run_coroutine_threadsafe(server.serve(), loop)
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and not serving.done(), "uvicorn did not start"
+            time.sleep(0.02)
+        oracle = LLM(str(model), dtype="float32", max_model_len=MAX_MODEL_LEN,
+                     load_progress=False)
+        try:
+            yield Cluster(model, f"http://127.0.0.1:{port}", redis.url, prefill, decode,
+                          router, oracle)
+        finally:
+            server.should_exit = True
+            serving.result(30)
+            call(prefill.stop())
+            call(decode.stop())
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+
+
+def uvicorn_server(app, port: int):
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+
+
+def test_greedy_completion_matches_llm_with_usage_and_cache_hit(cluster):
+    client = cluster.client()
+    expected = cluster.expected(PROMPT, temperature=0.0, max_tokens=12, ignore_eos=True)
+    num_prompt_tokens = len(encode_prompt(cluster.router.tokenizer, PROMPT))
+    assert num_prompt_tokens >= 16  # one full block: disaggregated, and cacheable
+    replies = [client.completions.create(model=str(cluster.model), prompt=PROMPT, max_tokens=12,
+                                         temperature=0, extra_body={"ignore_eos": True})
+               for _ in range(2)]
+    for reply in replies:
+        assert reply.choices[0].text == expected
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage.prompt_tokens == num_prompt_tokens
+        assert reply.usage.completion_tokens == 12
+        assert reply.usage.total_tokens == num_prompt_tokens + 12
+    assert replies[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert replies[1].usage.prompt_tokens_details.cached_tokens == 16
+    metrics = httpx.get(cluster.url + "/metrics").text
+    assert 'pdserve:routing_decisions_total{model_name' in metrics and 'role="prefill"' in metrics
+    cluster.wait_all_blocks_free()
+
+
+def test_short_prompt_is_prefilled_on_the_decode_worker(cluster):
+    prompt = "Hi there"
+    assert len(encode_prompt(cluster.router.tokenizer, prompt)) < LOCAL_THRESHOLD
+    reply = cluster.client().completions.create(model=str(cluster.model), prompt=prompt,
+                                                max_tokens=6, temperature=0,
+                                                extra_body={"ignore_eos": True})
+    assert reply.choices[0].text == cluster.expected(prompt, temperature=0.0, max_tokens=6,
+                                                     ignore_eos=True)
+
+
+def test_streaming_chat_matches_llm_async(cluster):
+    expected = cluster.expected(CHAT, temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompt_len = len(apply_chat_template(cluster.router.tokenizer, CHAT))
+
+    async def run():
+        client = cluster.async_client()
+        stream = await client.chat.completions.create(
+            model=str(cluster.model), messages=CHAT, max_tokens=10, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = [chunk async for chunk in stream]
+        full = await client.chat.completions.create(
+            model=str(cluster.model), messages=CHAT, max_completion_tokens=10, temperature=0,
+            extra_body={"ignore_eos": True})
+        await client.close()
+        return chunks, full
+
+    chunks, full = asyncio.run(run())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == prompt_len == full.usage.prompt_tokens
+    assert full.choices[0].finish_reason == "length"
+
+
+def test_streaming_completion_matches_sync(cluster):
+    stream = cluster.client().completions.create(
+        model=str(cluster.model), prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    text = "".join(chunk.choices[0].text for chunk in stream)
+    assert text == cluster.expected(PROMPT, temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def test_seeded_sampling_repeats_and_n_uses_seed_plus_i(cluster):
+    client = cluster.client()
+
+    def sample(n: int, seed: int):
+        reply = client.completions.create(model=str(cluster.model), prompt=PROMPT, max_tokens=8,
+                                          temperature=1.0, seed=seed, n=n,
+                                          extra_body={"ignore_eos": True})
+        return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    pair = sample(2, 1234)
+    assert pair == sample(2, 1234)
+    assert pair[1] == sample(1, 1235)[0]
+    assert pair[0] == cluster.expected(PROMPT, temperature=1.0, max_tokens=8, seed=1234,
+                                       ignore_eos=True)
+
+
+def test_stop_string_cuts_text_and_frees_the_request(cluster):
+    expected = cluster.expected(PROMPT, temperature=0.0, max_tokens=40, ignore_eos=True)
+    stop = expected[12:15]
+    assert stop.strip() and expected.find(stop) >= 1
+    reply = cluster.client().completions.create(
+        model=str(cluster.model), prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True})
+    assert reply.choices[0].text == expected[:expected.find(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens < 40
+    cluster.wait_all_blocks_free()
+
+
+def test_client_disconnect_mid_stream_frees_every_block(cluster):
+    with httpx.stream("POST", cluster.url + "/v1/completions", timeout=30, json={
+            "prompt": PROMPT * 3, "max_tokens": 150, "temperature": 0, "stream": True,
+            "ignore_eos": True}) as response:
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data:")
+            if events >= 3:
+                break
+        busy = [w.runtime.health() for w in (cluster.prefill, cluster.decode)]
+    assert busy[1].num_free_blocks < busy[1].num_total_blocks  # it was mid-decode
+    cluster.wait_all_blocks_free()
+    assert cluster.decode.runtime.health().num_running == 0
+
+
+BAD_INPUTS = [  # (path, body, status, words the message must hold)
+    ("/v1/completions", b"{not json", 400, "JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10000}, 400, "maximum context length"),
+    ("/v1/completions", {"prompt": "x", "temperature": 5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [5, 99999]}, 400, "vocabulary"),
+    ("/v1/completions", {"prompt": "word " * 300}, 400, "maximum context length"),
+    ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "nope"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "presence_penalty": 9}, 400, "presence_penalty"),
+    ("/v1/nowhere", {}, 404, "no such route"),
+]
+
+
+def test_bad_inputs_get_openai_errors_and_serving_goes_on(cluster):
+    with httpx.Client(base_url=cluster.url, timeout=30) as http:
+        for path, body, status, words in BAD_INPUTS:
+            kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+            reply = http.post(path, headers={"content-type": "application/json"}, **kwargs)
+            assert reply.status_code == status, (path, body, reply.text)
+            error = reply.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, reply.text
+            assert words.lower() in error["message"].lower() + str(error["param"]).lower(), \
+                (body, error)
+        assert http.get("/v1/completions").status_code == 405
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        cluster.client().completions.create(model=str(cluster.model), prompt="x",
+                                            max_tokens=-3)
+    reply = cluster.client().completions.create(model=str(cluster.model), prompt=PROMPT,
+                                                max_tokens=3)
+    assert reply.usage.completion_tokens <= 3
+
+
+def test_models_and_health(cluster):
+    models = cluster.client().models.list()
+    assert [m.id for m in models.data] == [str(cluster.model)]
+    assert httpx.get(cluster.url + "/health").status_code == 200
+
+
+def test_no_workers_is_503_with_retry_after(cluster):
+    from fastapi.testclient import TestClient
+
+    empty_db = cluster.redis_url.rsplit("/", 1)[0] + "/5"
+    router = Router(RouterConfig(str(cluster.model), empty_db, max_model_len=MAX_MODEL_LEN))
+    with TestClient(build_app(router)) as http:
+        reply = http.post("/v1/completions", json={"prompt": PROMPT})
+        assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+        assert "no live" in reply.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
