@@ -2,6 +2,7 @@
 
     pdserve make-demo-model DIR          write the small demo checkpoint
     pdserve generate [--model DIR] --prompt TEXT [--prompt TEXT ...]
+    pdserve serve [--model DIR] [--prefill-workers N] [--decode-workers M] [--port 8000]
 
 Engine flags follow vLLM's names (``--model``, ``--dtype``, ``--max-model-len``, ...).
 """
@@ -105,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
+
+    from pdserve.cluster.serve import add_serve_args, cmd_serve
+
+    serve = sub.add_parser("serve", help="run the cluster: workers under Ray, Redis, router")
+    add_engine_args(serve)
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 
