@@ -181,22 +181,22 @@ async def _serve(router: Router, request: CompletionRequest | ChatCompletionRequ
                 request.include_stop_str_in_output, request.skip_special_tokens,
                 request.cache_salt))
     router.check_available()
-    merged = _merge([router.generate(s) for s in sequences])
+    merged = _Merged([router.generate(s) for s in sequences])
     try:
         first = await anext(merged)
+        if not request.stream:
+            formatter.add(*first)
+            async for item in merged:
+                formatter.add(*item)
+            return JSONResponse(formatter.response().model_dump())
     except BaseException:
-        await merged.aclose()
+        merged.cancel()
         raise
-    if not request.stream:
-        formatter.add(*first)
-        async for item in merged:
-            formatter.add(*item)
-        return JSONResponse(formatter.response().model_dump())
-    return StreamingResponse(_sse(formatter, first, merged), media_type="text/event-stream")
+    return _EventStream(_sse(formatter, first, merged), on_close=merged.cancel)
 
 
 async def _sse(formatter: Formatter, first: tuple[int, GenerationChunk],
-               merged: AsyncIterator[tuple[int, GenerationChunk]]) -> AsyncIterator[str]:
+               merged: _Merged) -> AsyncIterator[str]:
     try:
         for chunk in formatter.stream_start():
             yield _event(chunk)
@@ -209,7 +209,7 @@ async def _sse(formatter: Formatter, first: tuple[int, GenerationChunk],
     except RequestError as exc:
         yield _event(error_response(exc.status, exc.message, exc.param))
     finally:
-        await merged.aclose()
+        merged.cancel()
     yield "data: [DONE]\n\n"
 
 
@@ -220,34 +220,58 @@ def _event(body: BaseModel) -> str:
 _DONE = object()
 
 
-async def _merge(streams: list[AsyncIterator[GenerationChunk]]
-                 ) -> AsyncIterator[tuple[int, GenerationChunk]]:
-    """Interleave ``streams`` as ``(index, chunk)`` in arrival order. Each stream runs in
-    a task of its own, so a cancelled consumer cancels them all (without awaiting)."""
-    queue: asyncio.Queue = asyncio.Queue()
+class _Merged:
+    """Interleaves ``streams`` as ``(index, chunk)`` in arrival order. Each stream runs in
+    a task of its own, so ``cancel()`` (synchronous: safe in a cancelled scope) stops them
+    all, and each stream's cleanup aborts its request on the workers."""
 
-    async def pump(index: int, stream: AsyncIterator[GenerationChunk]) -> None:
+    def __init__(self, streams: list[AsyncIterator[GenerationChunk]]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._remaining = len(streams)
+        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _pump(self, index: int, stream: AsyncIterator[GenerationChunk]) -> None:
         try:
             async for chunk in stream:
-                queue.put_nowait((index, chunk))
-            queue.put_nowait((index, _DONE))
+                self._queue.put_nowait((index, chunk))
+            self._queue.put_nowait((index, _DONE))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((index, exc))
+            self._queue.put_nowait((index, exc))
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
+    def __aiter__(self) -> _Merged:
+        return self
+
+    async def __anext__(self) -> tuple[int, GenerationChunk]:
+        while self._remaining:
+            index, item = await self._queue.get()
             if item is _DONE:
-                remaining -= 1
+                self._remaining -= 1
             elif isinstance(item, Exception):
+                self.cancel()
                 raise item
             else:
-                yield index, item
-    finally:
-        for task in tasks:
+                return index, item
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        """Stop every stream still running."""
+        for task in self._tasks:
             task.cancel()
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that calls ``on_close`` however it ends: Starlette cancels the
+    body iterator when the client disconnects without closing it."""
+
+    def __init__(self, content: AsyncIterator[str], on_close) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 class Formatter:

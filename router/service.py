@@ -109,7 +109,7 @@ class WorkerHandle:
     channel: grpc.aio.Channel
     stub: object
     load: WorkerLoad
-    healthy: bool = True
+    healthy: bool = False  # until its first Health answers "ok"
 
     @property
     def worker_id(self) -> str:

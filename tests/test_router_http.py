@@ -14,7 +14,9 @@ import httpx
 import openai
 import pytest
 
+from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.redis_server import RedisServer, free_port
+from pdserve.cluster.registry import WorkerRecord, WorkerRegistry
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
 from pdserve.engine import LLM, EngineConfig, SamplingParams
@@ -22,6 +24,7 @@ from pdserve.engine.demo_model import make_demo_model
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
 from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.router.http import build_app
+from pdserve.router.routing import WorkerLoad
 from pdserve.router.service import Router, RouterConfig
 
 MAX_MODEL_LEN = 256
@@ -221,6 +224,8 @@ def test_client_disconnect_mid_stream_frees_every_block(cluster):
     assert busy[1].num_free_blocks < busy[1].num_total_blocks  # it was mid-decode
     cluster.wait_all_blocks_free()
     assert cluster.decode.runtime.health().num_running == 0
+    metrics = httpx.get(cluster.url + "/metrics").text
+    assert 'vllm:request_success_total{finished_reason="abort"' in metrics
 
 
 BAD_INPUTS = [  # (path, body, status, words the message must hold)
@@ -290,3 +295,54 @@ def test_no_workers_is_503_with_retry_after(cluster):
         assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
         assert "no live" in reply.json()["error"]["message"]
         assert http.get("/health").status_code == 503
+
+
+def test_logprobs_in_both_formats(cluster):
+    client = cluster.client()
+    reply = client.completions.create(model=str(cluster.model), prompt=PROMPT, max_tokens=4,
+                                      temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    logprobs = reply.choices[0].logprobs
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert len(logprobs.token_logprobs) == 4 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert all(2 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=str(cluster.model), messages=CHAT, max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(entry.top_logprobs) == 2 for entry in content)
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content
+
+
+def test_unavailable_worker_is_retried_and_an_index_outage_routes_by_load(cluster):
+    """A registered prefill worker that does not answer gets the request (it looks idle);
+    the router retries on the real one. The prefix index's Redis is gone meanwhile."""
+    from fastapi.testclient import TestClient
+
+    ghost = WorkerRegistry(cluster.redis_url)
+    ghost.register(WorkerRecord.new("prefill-ghost", "prefill", f"127.0.0.1:{free_port()}",
+                                    "127.0.0.1:1", str(cluster.model)))
+    router = Router(RouterConfig(str(cluster.model), cluster.redis_url,
+                                 max_model_len=MAX_MODEL_LEN, registry_interval_s=60,
+                                 health_interval_s=60))
+    try:
+        with TestClient(build_app(router)) as http:
+            prefills = router.pool.workers["prefill"]
+            assert set(prefills) == {"prefill-ghost", cluster.prefill.worker_id}
+            prefills["prefill-ghost"].healthy = True
+            prefills[cluster.prefill.worker_id].load = WorkerLoad(cluster.prefill.worker_id,
+                                                                  num_waiting=1000)
+            router.index.close()
+            router.index = PrefixIndex(f"redis://127.0.0.1:{free_port()}/0")
+            reply = http.post("/v1/completions", json={
+                "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == cluster.expected(
+                PROMPT, temperature=0.0, max_tokens=5, ignore_eos=True)
+            metrics = http.get("/metrics").text
+    finally:
+        ghost.deregister()
+        ghost.close()
+    name = f'model_name="{cluster.model}"'
+    assert f"pdserve:request_retries_total{{{name}}} 1.0" in metrics
+    assert f"pdserve:prefix_index_available{{{name}}} 0.0" in metrics
+    cluster.wait_all_blocks_free()
