@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -110,10 +111,16 @@ class WorkerHandle:
     stub: object
     load: WorkerLoad
     healthy: bool = False  # until its first Health answers "ok"
+    num_routed: int = 0  # requests routed here since that Health answer
 
     @property
     def worker_id(self) -> str:
         return self.record.worker_id
+
+    def current_load(self) -> WorkerLoad:
+        """The reported load, with requests routed since the report counted as waiting
+        (so a burst between two polls is spread, not sent to one worker)."""
+        return dataclasses.replace(self.load, num_waiting=self.load.num_waiting + self.num_routed)
 
 
 _STUBS = {"prefill": prefill_pb2_grpc.PrefillWorkerStub,
@@ -131,6 +138,7 @@ class WorkerPool:
         self.config = config
         self.workers: dict[str, dict[str, WorkerHandle]] = {"prefill": {}, "decode": {}}
         self._registry_down = False
+        self._retired: list[grpc.aio.Channel] = []
 
     def live(self, role: str, exclude: set[str] = frozenset()) -> list[WorkerHandle]:
         """Workers of ``role`` not in ``exclude``; healthy ones when any are."""
@@ -156,7 +164,9 @@ class WorkerPool:
             fresh = {r.worker_id: r for r in records if r.role == role}
             for worker_id in list(known):
                 if worker_id not in fresh or fresh[worker_id].epoch != known[worker_id].record.epoch:
-                    await known.pop(worker_id).channel.close()
+                    # NOTE: closed at close(), not now: a registry blip must not cancel
+                    # the streams in flight on it
+                    self._retired.append(known.pop(worker_id).channel)
             for worker_id, record in fresh.items():
                 if worker_id not in known:
                     channel = grpc.aio.insecure_channel(record.grpc_address)
@@ -176,6 +186,7 @@ class WorkerPool:
             worker.healthy = False
             return
         worker.healthy = reply.status == "ok"
+        worker.num_routed = 0
         worker.load = WorkerLoad(worker.worker_id, reply.num_running, reply.num_waiting,
                                  reply.kv_cache_usage)
 
@@ -195,6 +206,9 @@ class WorkerPool:
                 logger.exception("worker pool refresh failed")
 
     async def close(self) -> None:
+        """Close every channel."""
+        for channel in self._retired:
+            await channel.close()
         for role in self.workers.values():
             for worker in role.values():
                 await worker.channel.close()
@@ -266,7 +280,7 @@ class Router:
         """Raises ``RequestError(503)`` when no decode worker (or, with local prefill
         off, no prefill worker) is live."""
         for role in ("decode", "prefill"):
-            if role == "prefill" and self.config.local_prefill_threshold > self.max_model_len:
+            if role == "prefill" and self.config.local_prefill_threshold >= self.max_model_len:
                 continue
             if not self.pool.live(role):
                 raise RequestError(f"no live {role} worker; retry later", status=503)
@@ -303,16 +317,19 @@ class Router:
                 finally:
                     self._cleanup(request.request_id, live)
         finally:
-            self.metrics.num_requests_waiting.dec() if waiting else \
-                self.metrics.num_requests_running.dec()
+            gauge = self.metrics.num_requests_waiting if waiting else \
+                self.metrics.num_requests_running
+            gauge.dec()
             metrics.on_finish(finish, num_prompt_tokens=len(request.prompt_token_ids))
 
     async def _route(self, request: GenerateRequest, exclude: set[str]) -> _Route:
         decodes = self.pool.live("decode", exclude)
         if not decodes:
             raise RequestError("no live decode worker; retry later", status=503)
-        decode_id = choose_decode_worker([w.load for w in decodes], rotation=next(self._rotation))
+        decode_id = choose_decode_worker([w.current_load() for w in decodes],
+                                         rotation=next(self._rotation))
         decode = next(w for w in decodes if w.worker_id == decode_id)
+        decode.num_routed += 1
         self.metrics.record_routing("decode", decode_id)
         prompt = request.prompt_token_ids
         if should_prefill_locally(len(prompt), self.config.local_prefill_threshold):
@@ -323,10 +340,13 @@ class Router:
         hashes = hash_block_chain(prompt, self.config.block_size, self._root_hash,
                                   request.cache_salt)
         overlaps = await self._lookup(hashes)
-        choice = choose_prefill_worker(len(hashes), overlaps, [w.load for w in prefills],
+        choice = choose_prefill_worker(len(hashes), overlaps,
+                                       [w.current_load() for w in prefills],
                                        self.config.overlap_weight, rotation=next(self._rotation))
+        prefill = next(w for w in prefills if w.worker_id == choice.worker_id)
+        prefill.num_routed += 1
         self.metrics.record_routing("prefill", choice.worker_id)
-        return _Route(next(w for w in prefills if w.worker_id == choice.worker_id), decode)
+        return _Route(prefill, decode)
 
     async def _lookup(self, hashes: list[bytes]) -> dict[str, int]:
         """Leading cached blocks per worker; ``{}`` (route by load) when Redis is down."""
