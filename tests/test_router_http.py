@@ -346,3 +346,34 @@ def test_unavailable_worker_is_retried_and_an_index_outage_routes_by_load(cluste
     assert f"pdserve:request_retries_total{{{name}}} 1.0" in metrics
     assert f"pdserve:prefix_index_available{{{name}}} 0.0" in metrics
     cluster.wait_all_blocks_free()
+
+
+def test_streaming_n2_with_stop_and_prompt_lists(cluster):
+    expected = cluster.expected(CHAT, temperature=0.0, max_tokens=30, ignore_eos=True)
+    stop = expected[8:11]
+    assert stop.strip() and expected.find(stop) >= 1
+    stream = cluster.client().chat.completions.create(
+        model=str(cluster.model), messages=CHAT, max_tokens=30, temperature=0, n=2, stop=stop,
+        stream=True, extra_body={"ignore_eos": True})
+    texts, finishes = ["", ""], [None, None]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == [expected[:expected.find(stop)]] * 2 and finishes == ["stop", "stop"]
+    prompts = [PROMPT, "Hi there"]
+    reply = cluster.client().completions.create(model=str(cluster.model), prompt=prompts,
+                                                max_tokens=4, temperature=0, echo=True,
+                                                extra_body={"ignore_eos": True})
+    for choice, prompt in zip(sorted(reply.choices, key=lambda c: c.index), prompts):
+        assert choice.text == prompt + cluster.expected(prompt, temperature=0.0, max_tokens=4,
+                                                        ignore_eos=True)
+    assert reply.usage.completion_tokens == 8
+    token_ids = list(range(5, 25))
+    reply = cluster.client().completions.create(model=str(cluster.model), prompt=token_ids,
+                                                max_tokens=4, temperature=0,
+                                                extra_body={"ignore_eos": True})
+    assert reply.choices[0].text == cluster.expected(token_ids, temperature=0.0, max_tokens=4,
+                                                     ignore_eos=True)
+    assert reply.usage.prompt_tokens == 20
+    cluster.wait_all_blocks_free()
