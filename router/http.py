@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -47,6 +48,8 @@ from pdserve.router.protocol import (
     validation_error_response,
 )
 from pdserve.router.service import GenerateRequest, GenerationChunk, Router
+
+logger = logging.getLogger(__name__)
 
 
 def build_app(router: Router) -> FastAPI:
@@ -208,6 +211,9 @@ async def _sse(formatter: Formatter, first: tuple[int, GenerationChunk],
             yield _event(usage)
     except RequestError as exc:
         yield _event(error_response(exc.status, exc.message, exc.param))
+    except Exception as exc:  # the headers are sent: report it in the stream
+        logger.exception("stream failed")
+        yield _event(error_response(500, f"internal error: {type(exc).__name__}: {exc}"))
     finally:
         merged.cancel()
     yield "data: [DONE]\n\n"
