@@ -9,6 +9,7 @@ model, written on first use. Ctrl-C stops everything it started.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 logger = logging.getLogger(__name__)
@@ -17,6 +18,8 @@ logger = logging.getLogger(__name__)
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="router HTTP address")
     parser.add_argument("--port", type=int, default=8000, help="router HTTP port")
+    parser.add_argument("--grpc-port", type=int, default=50050,
+                        help="router gRPC port (pdserve.v1.Router; 0: none)")
     parser.add_argument("--ray-address", default=None,
                         help="join this Ray cluster ('auto' for the local head); "
                              "default: start a local one")
@@ -32,9 +35,28 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="prompts shorter than this many tokens skip the prefill pool")
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+async def run_router(router, app, host: str, port: int, grpc_port: int, note: str = "") -> None:
+    """Serve ``app`` (HTTP) and, with a ``grpc_port``, the router's gRPC API on one event
+    loop until SIGINT/SIGTERM."""
     import uvicorn
 
+    from pdserve.router.grpc_server import start_grpc_server
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    grpc_server = None
+    if grpc_port:
+        grpc_server, grpc_port = await start_grpc_server(router, host, grpc_port)
+    grpc_note = f", gRPC {host}:{grpc_port}" if grpc_server else ""
+    print(f"pdserve serving {router.served_model_name} on http://{host}:{port}/v1"
+          f"{grpc_note} {note}", flush=True)
+    try:
+        await server.serve()
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(2)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.cluster.cli import engine_kwargs
     from pdserve.cluster.launcher import RayLauncher
     from pdserve.cluster.redis_server import RedisServer
@@ -73,10 +95,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             router_config.local_prefill_threshold = args.local_prefill_threshold
         if args.prefill_workers == 0:
             router_config.local_prefill_threshold = engine.max_model_len or 1 << 30
-        app = build_app(Router(router_config))
-        print(f"pdserve serving {engine.served_model_name or engine.model} on "
-              f"http://{args.host}:{args.port}/v1 (Redis {redis_url})", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        router = Router(router_config)
+        asyncio.run(run_router(router, build_app(router), args.host, args.port,
+                               args.grpc_port, f"(Redis {redis_url})"))
     finally:
         if launcher is not None:
             launcher.shutdown()

@@ -33,7 +33,7 @@ from pathlib import Path
 
 GRPC_TOOLS_VERSION = "1.65.5"
 PROTO_DIR = Path(__file__).resolve().parent
-PROTO_FILES = ("common.proto", "prefill.proto", "decode.proto")
+PROTO_FILES = ("common.proto", "prefill.proto", "decode.proto", "router.proto")
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 _PROTOC = """

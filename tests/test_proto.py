@@ -14,6 +14,7 @@ from pdserve.proto import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
+    router_pb2,
     generate,
     prefill_pb2,
     prefill_pb2_grpc,
@@ -39,7 +40,8 @@ def test_committed_descriptors_match_the_proto_files():
         subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{tmp}",
                         f"--descriptor_set_out={out}", *names], check=True, cwd=tmp)
         compiled = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
-    for fresh, module in zip(compiled.file, (common_pb2, prefill_pb2, decode_pb2), strict=True):
+    for fresh, module in zip(compiled.file, (common_pb2, prefill_pb2, decode_pb2, router_pb2),
+                             strict=True):
         committed = descriptor_pb2.FileDescriptorProto()
         module.DESCRIPTOR.CopyToProto(committed)
         assert _without_json_names(fresh) == _without_json_names(committed), (
