@@ -13,6 +13,7 @@ import asyncio
 import logging
 
 logger = logging.getLogger(__name__)
+DEMO_MODEL_NAME = "pdserve-demo"  # the API's model name when serving the demo model
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = EngineConfig(**engine_kwargs(args), load_progress=False)
+    if args.model is None and args.served_model_name is None:
+        engine.served_model_name = DEMO_MODEL_NAME
     redis = None if args.redis_url else RedisServer()
     redis_url = args.redis_url or redis.url
     launcher = None
@@ -96,8 +99,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.prefill_workers == 0:
             router_config.local_prefill_threshold = engine.max_model_len or 1 << 30
         router = Router(router_config)
-        asyncio.run(run_router(router, build_app(router), args.host, args.port,
-                               args.grpc_port, f"(Redis {redis_url})"))
+        try:
+            asyncio.run(run_router(router, build_app(router), args.host, args.port,
+                                   args.grpc_port, f"(Redis {redis_url})"))
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled
+            pass
     finally:
         if launcher is not None:
             launcher.shutdown()
