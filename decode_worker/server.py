@@ -68,7 +68,7 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc_error_code(exc), str(exc))
 
     async def Abort(self, request, context):
-        aborted = await self.service.engine.abort(request.request_id)
+        aborted = await self.service.abort(request.request_id)
         return decode_pb2.AbortResponse(aborted=aborted)
 
     async def Health(self, request, context):

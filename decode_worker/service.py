@@ -25,7 +25,7 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import EngineOutput
 from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer import KVPollState, KVReceiver, KVTransferError
+from pdserve.kvtransfer import KVPollState, KVPull, KVReceiver, KVTransferError
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,19 @@ class DecodeService:
         self.request_kv = request_kv
         self.transfer_timeout_s = transfer_timeout_s
         self.alloc_timeout_s = alloc_timeout_s
+        self._pulls: dict[str, KVPull] = {}  # request id -> its pull in flight
+        self._aborted_pulls: set[str] = set()
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request wherever it is. A pull in flight is cancelled first, so the
+        request's blocks are freed at once rather than when the transfer times out.
+        Returns False if the request is not here."""
+        pull = self._pulls.get(request_id)
+        aborted = await self.engine.abort(request_id)
+        if pull is not None:
+            self._aborted_pulls.add(request_id)
+            await asyncio.to_thread(pull.cancel)
+        return aborted or pull is not None
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      cache_salt: str | None = None, first_token: int | None = None,
@@ -91,6 +104,11 @@ class DecodeService:
                                           first_token, first_logprob, kv_handle)
         except BaseException:
             self.engine.close_stream(request_id)
+            if request_id in self._aborted_pulls:  # Abort during the pull: a clean end
+                self._aborted_pulls.discard(request_id)
+                yield EngineOutput(request_id, [], [], True, "abort", None,
+                                   len(prompt_token_ids), 0)
+                return
             raise
         yield start
         outputs = self.engine.stream_outputs(request_id, stream)
@@ -140,6 +158,7 @@ class DecodeService:
         the blocks once this returns or raises."""
         pull = self.receiver.init(request_id, handle.prefill_worker_id, block_ids,
                                   self.transfer_timeout_s)
+        self._pulls[request_id] = pull
         send = asyncio.ensure_future(self.request_kv(handle, self.worker_id,
                                                      self.receiver.address, block_indices))
         waiting = asyncio.ensure_future(asyncio.to_thread(pull.wait, self.transfer_timeout_s))
@@ -158,6 +177,8 @@ class DecodeService:
             await asyncio.shield(asyncio.to_thread(pull.cancel))
             send.cancel()
             raise
+        finally:
+            self._pulls.pop(request_id, None)
 
 
 __all__ = ["DecodeService", "DecodeStart"]

@@ -179,3 +179,53 @@ def test_plain_process_workers_find_each_other_through_redis(tiny_checkpoints, r
                    load_progress=False).generate([prompt], GREEDY)[0].outputs[0].token_ids
     assert result.tokens == expected and result.num_transferred_blocks == 3
     assert all(proc.returncode == 0 for proc in procs)  # SIGTERM stops them cleanly
+
+
+def test_abort_while_waiting_for_kv_frees_blocks_at_once(tiny_checkpoints, redis_server):
+    """The prefill worker named in the handle is registered but hangs (a socket that
+    accepts and never answers), so the pull waits; an Abort ends it at once."""
+    import socket
+    import time
+
+    from pdserve.cluster.registry import WorkerRecord, WorkerRegistry
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen()
+    fake_registry = WorkerRegistry(redis_server.url)
+    fake_registry.register(WorkerRecord.new("hung-prefill", "prefill",
+                                            f"127.0.0.1:{hung.getsockname()[1]}",
+                                            "127.0.0.1", "m"))
+    prompt = random_prompts([40], 45)[0]
+
+    async def body(p, d, workers):
+        first = await p.Prefill(prefill_pb2.PrefillRequest(
+            request_id="w", prompt_token_ids=prompt,
+            sampling_params=sampling_params_to_proto(GREEDY)), timeout=30)
+        handle = first.kv_handle
+        handle.prefill_worker_id = "hung-prefill"
+        stream = d.Decode(decode_pb2.DecodeRequest(
+            request_id="w", prompt_token_ids=prompt, first_token_id=first.first_token_id,
+            sampling_params=sampling_params_to_proto(GREEDY), kv_handle=handle), timeout=30)
+        reader = asyncio.ensure_future(stream.read())
+        await asyncio.sleep(0.5)
+        waiting = await health(d)
+        started = time.monotonic()
+        aborted = await d.Abort(decode_pb2.AbortRequest(request_id="w"), timeout=10)
+        message = await asyncio.wait_for(reader, 10)
+        elapsed = time.monotonic() - started
+        await p.Release(prefill_pb2.ReleaseRequest(request_id="w"), timeout=10)
+        return waiting, aborted.aborted, message, elapsed, await health(d), await health(p)
+
+    try:
+        waiting, aborted, message, elapsed, d_state, p_state = run_with_workers(
+            tiny_checkpoints, redis_server, body)
+    finally:
+        fake_registry.deregister()
+        fake_registry.close()
+        hung.close()
+    assert waiting.num_free_blocks == waiting.num_total_blocks - 3  # held while pulling
+    assert aborted and message.finish_reason == "abort"
+    assert elapsed < 4.0  # well before the 5 s transfer timeout
+    assert d_state.num_free_blocks == d_state.num_total_blocks
+    assert p_state.num_free_blocks == p_state.num_total_blocks
