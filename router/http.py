@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
+from pdserve.router.logprobs import chat_logprobs, completion_logprobs
 from pdserve.router.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -40,8 +41,6 @@ from pdserve.router.protocol import (
     ModelList,
     RequestError,
     UsageInfo,
-    chat_logprobs,
-    completion_logprobs,
     error_response,
     random_id,
     to_sampling_params,

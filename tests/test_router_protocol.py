@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from pdserve.engine.demo_model import train_demo_tokenizer
 from pdserve.engine.request import Logprob
+from pdserve.router.logprobs import chat_logprobs, completion_logprobs
 from pdserve.router.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -27,8 +28,6 @@ from pdserve.router.protocol import (
     ModelList,
     RequestError,
     UsageInfo,
-    chat_logprobs,
-    completion_logprobs,
     error_response,
     to_sampling_params,
     validation_error_response,

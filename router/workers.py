@@ -1,0 +1,134 @@
+"""The router's view of the workers: who is live (the Redis registry) and how loaded
+each is (their ``Health`` RPC), refreshed in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+from pdserve.cluster.registry import RegistryUnavailable, WorkerRecord, WorkerRegistry
+from pdserve.proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.router.routing import WorkerLoad
+
+if TYPE_CHECKING:
+    from pdserve.router.service import RouterConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    """A live worker: its record, gRPC stub, and the load its last Health gave."""
+
+    record: WorkerRecord
+    channel: grpc.aio.Channel
+    stub: object
+    load: WorkerLoad
+    healthy: bool = False  # until its first Health answers "ok"
+    num_routed: int = 0  # requests routed here since that Health answer
+
+    @property
+    def worker_id(self) -> str:
+        return self.record.worker_id
+
+    def current_load(self) -> WorkerLoad:
+        """The reported load, with requests routed since the report counted as waiting
+        (so a burst between two polls is spread, not sent to one worker)."""
+        return dataclasses.replace(self.load, num_waiting=self.load.num_waiting + self.num_routed)
+
+
+_STUBS = {"prefill": prefill_pb2_grpc.PrefillWorkerStub,
+          "decode": decode_pb2_grpc.DecodeWorkerStub}
+
+
+class WorkerPool:
+    """The live workers of each role (from the registry) and their loads (from Health).
+
+    ``run()`` refreshes both until cancelled. When Redis is unreachable the last known
+    workers are kept (logged once per outage)."""
+
+    def __init__(self, registry: WorkerRegistry, config: RouterConfig) -> None:
+        self.registry = registry
+        self.config = config
+        self.workers: dict[str, dict[str, WorkerHandle]] = {"prefill": {}, "decode": {}}
+        self._registry_down = False
+        self._retired: list[grpc.aio.Channel] = []
+
+    def live(self, role: str, exclude: set[str] = frozenset()) -> list[WorkerHandle]:
+        """Workers of ``role`` not in ``exclude``; healthy ones when any are."""
+        workers = [w for w in self.workers[role].values() if w.worker_id not in exclude]
+        healthy = [w for w in workers if w.healthy]
+        return healthy or workers
+
+    def all_ids(self) -> list[str]:
+        """Ids of every live worker, all roles."""
+        return [i for role in self.workers.values() for i in role]
+
+    async def refresh(self) -> None:
+        """Read the live workers from the registry; open channels to new ones."""
+        try:
+            records = await asyncio.to_thread(self.registry.list_live)
+        except RegistryUnavailable as exc:
+            if not self._registry_down:
+                logger.warning("worker registry unreachable, keeping the last workers: %s", exc)
+            self._registry_down = True
+            return
+        self._registry_down = False
+        for role, known in self.workers.items():
+            fresh = {r.worker_id: r for r in records if r.role == role}
+            for worker_id in list(known):
+                if worker_id not in fresh or fresh[worker_id].epoch != known[worker_id].record.epoch:
+                    # NOTE: closed at close(), not now: a registry blip must not cancel
+                    # the streams in flight on it
+                    self._retired.append(known.pop(worker_id).channel)
+            for worker_id, record in fresh.items():
+                if worker_id not in known:
+                    channel = grpc.aio.insecure_channel(record.grpc_address)
+                    known[worker_id] = WorkerHandle(record, channel, _STUBS[role](channel),
+                                                    WorkerLoad(worker_id))
+
+    async def poll_health(self) -> None:
+        """Ask every worker for its load (``health_timeout_s`` each, concurrently)."""
+        handles = [w for role in self.workers.values() for w in role.values()]
+        await asyncio.gather(*(self._poll(w) for w in handles))
+
+    async def _poll(self, worker: WorkerHandle) -> None:
+        try:
+            reply = await worker.stub.Health(common_pb2.HealthRequest(),
+                                             timeout=self.config.health_timeout_s)
+        except grpc.aio.AioRpcError:
+            worker.healthy = False
+            return
+        worker.healthy = reply.status == "ok"
+        worker.num_routed = 0
+        worker.load = WorkerLoad(worker.worker_id, reply.num_running, reply.num_waiting,
+                                 reply.kv_cache_usage)
+
+    async def run(self) -> None:
+        """Refresh the registry every ``registry_interval_s`` and loads every
+        ``health_interval_s`` until cancelled."""
+        loop = asyncio.get_running_loop()
+        next_refresh = loop.time() + self.config.registry_interval_s
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                if loop.time() >= next_refresh:
+                    next_refresh = loop.time() + self.config.registry_interval_s
+                    await self.refresh()
+                await self.poll_health()
+            except Exception:
+                logger.exception("worker pool refresh failed")
+
+    async def close(self) -> None:
+        """Close every channel."""
+        for channel in self._retired:
+            await channel.close()
+        for role in self.workers.values():
+            for worker in role.values():
+                await worker.channel.close()
+            role.clear()
