@@ -24,6 +24,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+
 from pdserve.kernels import block_copy, kv_store
 from pdserve.kernels import paged_decode_attention as decode
 from pdserve.kernels import paged_prefill_attention as prefill

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine

@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 import grpc
+
 from pdserve.cluster.wire import (
     KVHandle,
     kv_handle_from_proto,

@@ -8,5 +8,13 @@ from pdserve.engine.llm_engine import EngineConfig, EngineOutput, LLMEngine
 from pdserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "EngineOutput", "SamplingParams",
-           "RequestOutput", "CompletionOutput", "TokenLogprob"]
+__all__ = [
+           "LLM",
+           "CompletionOutput",
+           "EngineConfig",
+           "EngineOutput",
+           "LLMEngine",
+           "RequestOutput",
+           "SamplingParams",
+           "TokenLogprob",
+]

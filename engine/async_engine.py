@@ -150,7 +150,7 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
+            except Exception as exc:
                 logger.exception("engine step failed")
                 self._fail_all(exc)
                 continue

@@ -85,7 +85,7 @@ class ModelConfig:
     def from_pretrained(
         cls, model: str | os.PathLike, *, dtype: str | torch.dtype = "auto",
         max_model_len: int | None = None,
-    ) -> "ModelConfig":
+    ) -> ModelConfig:
         """Read and validate ``<model>/config.json``.
 
         Raises:

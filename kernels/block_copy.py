@@ -8,6 +8,7 @@ CPU tensors the references.
 from __future__ import annotations
 
 import torch
+
 from pdserve.kernels._triton_utils import (
     FLOAT_DTYPES,
     cdiv,

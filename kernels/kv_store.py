@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import torch
+
 from pdserve.kernels._triton_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,

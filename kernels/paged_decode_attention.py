@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from pdserve.kernels._triton_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,

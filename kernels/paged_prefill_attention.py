@@ -11,6 +11,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+
 from pdserve.kernels._triton_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,

@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from conftest import random_prompts
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
-
-from conftest import random_prompts
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from pdserve.engine import demo_model
 from pdserve.engine.demo_model import (
     SPECIAL_TOKENS,
@@ -25,7 +27,6 @@ from pdserve.engine.tokenizer import (
     eos_token_ids,
     load_tokenizer,
 )
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROUND_TRIP_TEXTS = [
     "héllo 世界 🙂",

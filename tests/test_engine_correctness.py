@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ARCHITECTURES, random_prompts
 from transformers import AutoModelForCausalLM
 
 from pdserve.engine import LLM, SamplingParams
-
-from conftest import ARCHITECTURES, random_prompts
 
 PROMPT_LENGTHS = [1, 3, 15, 16, 17, 40, 70, 129]
 NEW_TOKENS = 32

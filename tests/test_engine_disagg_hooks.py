@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import random_prompts
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.request import RequestStatus
 from pdserve.kernels.block_copy import gather_blocks, scatter_blocks
-
-from conftest import random_prompts
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

@@ -7,11 +7,10 @@ import json
 
 import pytest
 import torch
+from conftest import random_prompts, write_tiny_checkpoint
 
 from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.config import ModelConfig, UnsupportedModelError
-
-from conftest import random_prompts, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

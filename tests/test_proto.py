@@ -14,10 +14,10 @@ from pdserve.proto import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
-    router_pb2,
     generate,
     prefill_pb2,
     prefill_pb2_grpc,
+    router_pb2,
 )
 
 OLDEST_PROTOBUF = "5.26.1"  # pyproject: protobuf>=5.26

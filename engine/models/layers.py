@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
