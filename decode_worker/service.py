@@ -98,6 +98,12 @@ class DecodeService:
             return
         if first_token is None:
             raise ValueError("first_token is required with a kv_handle")
+        block_size = self.engine.engine.config.block_size
+        if kv_handle.num_tokens != len(prompt_token_ids) or kv_handle.block_size != block_size:
+            raise ValueError(
+                f"kv_handle holds {kv_handle.num_tokens} tokens in blocks of "
+                f"{kv_handle.block_size}, but the prompt has {len(prompt_token_ids)} tokens "
+                f"and this worker's block_size is {block_size}")
         stream = self.engine.open_stream(request_id)
         try:
             start = await self._import_kv(request_id, prompt_token_ids, params, cache_salt,

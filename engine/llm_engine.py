@@ -231,6 +231,9 @@ class LLMEngine:
             ValueError: as ``make_request``, or a reused ``request_id``.
         """
         request = self.make_request(request_id, prompt_token_ids, sampling_params, cache_salt)
+        if not 0 <= int(first_token) < self.model_config.vocab_size:
+            raise ValueError(f"first_token_id {first_token} is out of range "
+                             f"[0, {self.model_config.vocab_size})")
         request.append_output_token(int(first_token), first_logprob)
         if not self.scheduler.add_kv_transfer_request(request):
             return None

@@ -97,3 +97,10 @@ def test_prefill_request_finished_by_its_first_token_still_holds_blocks(engines)
     assert prefill.held_block_ids("one") is not None
     assert prefill.release_held("one") and not prefill.release_held("one")
     assert prefill.is_idle_and_clean()
+
+
+def test_bad_first_token_is_refused_before_anything_is_allocated(engines):
+    _, decode, _ = engines
+    with pytest.raises(ValueError, match="first_token_id"):
+        decode.add_kv_transfer_request("bad", [1, 2, 3], 10**6, PARAMS)
+    assert decode.is_idle_and_clean()

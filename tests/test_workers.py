@@ -229,3 +229,31 @@ def test_abort_while_waiting_for_kv_frees_blocks_at_once(tiny_checkpoints, redis
     assert elapsed < 4.0  # well before the 5 s transfer timeout
     assert d_state.num_free_blocks == d_state.num_total_blocks
     assert p_state.num_free_blocks == p_state.num_total_blocks
+
+
+def test_mismatched_kv_handle_is_refused_and_nothing_leaks(tiny_checkpoints, redis_server):
+    prompt = random_prompts([30], 46)[0]
+
+    async def body(p, d, workers):
+        first = await p.Prefill(prefill_pb2.PrefillRequest(
+            request_id="m", prompt_token_ids=prompt,
+            sampling_params=sampling_params_to_proto(GREEDY)), timeout=30)
+        errors = []
+        for prompt_ids, token in ((prompt[:-1], first.first_token_id), (prompt, 10**6)):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in d.Decode(decode_pb2.DecodeRequest(
+                        request_id="m", prompt_token_ids=prompt_ids, first_token_id=token,
+                        sampling_params=sampling_params_to_proto(GREEDY),
+                        kv_handle=first.kv_handle), timeout=30):
+                    pass
+            errors.append(err.value)
+        ok = await generate(p, d, "after-bad", prompt, GREEDY)
+        await p.Release(prefill_pb2.ReleaseRequest(request_id="m"), timeout=10)
+        return errors, ok, await health(p), await health(d)
+
+    errors, ok, p_state, d_state = run_with_workers(tiny_checkpoints, redis_server, body)
+    assert [e.code() for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 2
+    assert "29 tokens" in errors[0].details() and "first_token_id" in errors[1].details()
+    assert len(ok.tokens) == GREEDY.max_tokens
+    assert p_state.num_free_blocks == p_state.num_total_blocks
+    assert d_state.num_free_blocks == d_state.num_total_blocks
