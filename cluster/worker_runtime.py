@@ -109,6 +109,22 @@ class WorkerRuntime:
             self.publisher.close(purge=True)
 
 
+class Worker:
+    """Base of ``PrefillWorker`` and ``DecodeWorker``: a config and its runtime."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.runtime = WorkerRuntime(config)
+
+    @property
+    def worker_id(self) -> str:
+        return self.runtime.worker_id
+
+    @property
+    def grpc_address(self) -> str:
+        return self.runtime.grpc_address
+
+
 def grpc_error_code(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status for an exception raised while serving a request."""
     from pdserve.engine.async_engine import EngineDeadError

@@ -15,7 +15,7 @@ from pdserve.cluster.wire import (
     sampling_params_from_proto,
 )
 from pdserve.cluster.worker_config import WorkerConfig
-from pdserve.cluster.worker_runtime import WorkerRuntime, grpc_error_code
+from pdserve.cluster.worker_runtime import Worker, WorkerRuntime, grpc_error_code
 from pdserve.decode_worker.service import DecodeService, DecodeStart
 from pdserve.kvtransfer import KVReceiver
 from pdserve.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -89,24 +89,15 @@ def _to_response(item) -> decode_pb2.DecodeResponse:
     return response
 
 
-class DecodeWorker:
+class DecodeWorker(Worker):
     """One decode worker: engine, KV receiver (hosting the pair channels' store), gRPC
     server, registry entry. ``await start()``; ``await stop()``."""
 
     def __init__(self, config: WorkerConfig) -> None:
-        self.config = config
-        self.runtime = WorkerRuntime(config)
+        super().__init__(config)
         self.receiver: KVReceiver | None = None
         self.service: DecodeService | None = None
         self.prefill_clients = PrefillClients(config.kv_transfer_timeout_s)
-
-    @property
-    def worker_id(self) -> str:
-        return self.runtime.worker_id
-
-    @property
-    def grpc_address(self) -> str:
-        return self.runtime.grpc_address
 
     @property
     def kv_address(self) -> str:

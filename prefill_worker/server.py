@@ -7,7 +7,7 @@ import logging
 
 from pdserve.cluster.wire import kv_handle_to_proto, logprob_to_proto, sampling_params_from_proto
 from pdserve.cluster.worker_config import WorkerConfig
-from pdserve.cluster.worker_runtime import WorkerRuntime, grpc_error_code
+from pdserve.cluster.worker_runtime import Worker, WorkerRuntime, grpc_error_code
 from pdserve.kvtransfer import KVSender
 from pdserve.prefill_worker.service import PrefillService
 from pdserve.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -62,25 +62,16 @@ class PrefillWorkerServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         return self.runtime.health()
 
 
-class PrefillWorker:
+class PrefillWorker(Worker):
     """One prefill worker: engine, KV sender, lease reaper, gRPC server, registry entry.
 
     ``await start()`` then ``grpc_address`` / ``kv_address``; ``await stop()``.
     """
 
     def __init__(self, config: WorkerConfig) -> None:
-        self.config = config
-        self.runtime = WorkerRuntime(config)
+        super().__init__(config)
         self.service: PrefillService | None = None
         self._reaper: asyncio.Task | None = None
-
-    @property
-    def worker_id(self) -> str:
-        return self.runtime.worker_id
-
-    @property
-    def grpc_address(self) -> str:
-        return self.runtime.grpc_address
 
     @property
     def kv_address(self) -> str:
