@@ -41,6 +41,7 @@ class WorkerActor:
 
         # A new incarnation (first start or a Ray restart) gets its own worker id.
         config = dataclasses.replace(config, worker_id=f"{config.worker_id}-{os.getpid()}")
+        config = _on_this_node(config)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                        name="worker-loop")
@@ -57,6 +58,23 @@ class WorkerActor:
 
     def stop(self) -> None:
         self._run(self.worker.stop(), 30.0)
+
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _on_this_node(config: WorkerConfig) -> WorkerConfig:
+    """Replace wildcard addresses with this node's IP where an address is advertised: the
+    registry's gRPC address and the KV channel's, which other nodes must reach."""
+    if config.host not in _WILDCARDS and config.kv_host not in _WILDCARDS:
+        return config
+    import ray
+
+    node_ip = ray.util.get_node_ip_address()
+    return dataclasses.replace(
+        config,
+        advertise_host=config.advertise_host or (node_ip if config.host in _WILDCARDS else None),
+        kv_host=node_ip if config.kv_host in _WILDCARDS else config.kv_host)
 
 
 class RayLauncher:

@@ -32,6 +32,8 @@ class WorkerConfig:
 
     ``kv_host`` is the address the KV channel binds and advertises (the decode worker's
     TCPStore, gloo's sockets); it must be reachable from the other pool.
+    ``advertise_host`` is the gRPC address written to the registry when ``host`` is a
+    wildcard such as ``0.0.0.0`` (default: ``host``).
     """
 
     role: str
@@ -40,6 +42,7 @@ class WorkerConfig:
     port: int = 0
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
+    advertise_host: str | None = None
     redis_url: str | None = None
     worker_id: str = ""
     lease_s: float = 30.0
@@ -63,6 +66,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-host", default=None,
                         help="address of the KV transfer channel (default: --host)")
     parser.add_argument("--kv-port", type=int, default=0, help="KV store port (decode workers)")
+    parser.add_argument("--advertise-host", default=None,
+                        help="address other machines reach this worker's gRPC at, when "
+                        "--host is a wildcard like 0.0.0.0 (default: --host)")
     parser.add_argument("--redis-url", help="Redis of the worker registry and prefix index")
     parser.add_argument("--worker-id", default="", help="registry id (default: generated)")
     parser.add_argument("--kv-lease-s", type=float, default=30.0,
@@ -76,6 +82,7 @@ def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig
 
     return WorkerConfig(
         role=role, engine=EngineConfig(**engine_kwargs(args)), host=args.host, port=args.port,
-        kv_host=args.kv_host or args.host, kv_port=args.kv_port, redis_url=args.redis_url,
+        kv_host=args.kv_host or args.advertise_host or args.host, kv_port=args.kv_port,
+        advertise_host=args.advertise_host, redis_url=args.redis_url,
         worker_id=args.worker_id, lease_s=args.kv_lease_s,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s)

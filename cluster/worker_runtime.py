@@ -70,7 +70,7 @@ class WorkerRuntime:
         if port == 0:
             raise RuntimeError(f"cannot bind gRPC to {self.config.host}:{self.config.port}")
         await self.server.start()
-        self.grpc_address = f"{self.config.host}:{port}"
+        self.grpc_address = f"{self.config.advertise_host or self.config.host}:{port}"
         return self.grpc_address
 
     def register(self, kv_address: str) -> None:
