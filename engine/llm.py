@@ -74,21 +74,26 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        results = [self._add(p, sp) for p, sp in zip(prompts, params)]
-        by_id = {child: (res, i) for res in results for i, child in enumerate(res[2])}
-        bar = tqdm(total=len(by_id), desc="Generating", disable=not use_tqdm)
+        outputs: list[RequestOutput] = []
+        by_id: dict[str, tuple[RequestOutput, int]] = {}  # engine request -> (output, index)
+        bar = tqdm(total=0, desc="Generating", disable=not use_tqdm)
         try:
+            for prompt, prompt_params in zip(prompts, params):
+                output, children = self._add(prompt, prompt_params)
+                outputs.append(output)
+                by_id.update({child: (output, i) for i, child in enumerate(children)})
+            bar.total = len(by_id)
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
-                    output, index = by_id[delta.request_id][0][0], by_id[delta.request_id][1]
+                    output, index = by_id[delta.request_id]
                     self._merge(output, index, delta)
                     bar.update(delta.finished)
         finally:
             bar.close()
-            for res in results:  # an exception mid-run must not leave requests holding blocks
-                for child in res[2]:
-                    self.engine.abort_request(child)
-        return [self._finalize(res[0]) for res in results]
+            # A bad prompt or an exception mid-run must not leave requests holding blocks.
+            for child in by_id:
+                self.engine.abort_request(child)
+        return [self._finalize(output) for output in outputs]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = False
@@ -114,11 +119,11 @@ class LLM:
                 child_params = dataclasses.replace(params, seed=params.seed + index, n=1)
             child = f"{base}-{index}" if params.n > 1 else base
             request = self.engine.add_request(child, token_ids, child_params)
-            output.outputs.append(CompletionOutput(index, "", [], None, None))
-            output.outputs[-1].logprobs = [] if params.logprobs is not None else None
-            output.outputs[-1].cumulative_logprob = 0.0 if params.logprobs is not None else None
+            wants_logprobs = params.logprobs is not None
+            output.outputs.append(CompletionOutput(index, "", [], 0.0 if wants_logprobs else None,
+                                                   [] if wants_logprobs else None))
             children.append(request.request_id)
-        return output, params, children
+        return output, children
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

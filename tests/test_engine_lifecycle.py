@@ -143,6 +143,8 @@ def test_bad_prompts_are_refused(llm):
         llm.generate([[1] * 300], GREEDY)
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate(["text needs a tokenizer"], GREEDY)
+    with pytest.raises(ValueError, match="empty"):  # the good first prompt is not leaked
+        llm.generate([[1, 2, 3], []], GREEDY)
     assert llm.engine.is_idle_and_clean()
 
 
