@@ -2,7 +2,7 @@
 
 Order of operations (vLLM's): logprobs from the raw logits; then repetition, frequency and
 presence penalties and the ``min_tokens`` ban on stop tokens; then greedy rows take the
-argmax; the rest are divided by their temperature, filtered (top-k, top-p, min-p) and drawn
+argmax; the rest are divided by their temperature, filtered (min-p, top-k, top-p) and drawn
 by the exponential race ``argmax(p / q), q ~ Exp(1)``, which samples from ``p`` exactly.
 A seeded row draws its ``q`` from a generator keyed by (seed, output token index), so the
 same request gives the same tokens on any worker, in any batch (DESIGN.md).
@@ -63,12 +63,13 @@ class Sampler:
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
                              device=logits.device)
         logits = logits / temps[:, None]
+        min_p = [p.min_p for p in params]
+        if any(m > 0 for m in min_p):  # min-p first, as vLLM: relative to the top token
+            probs = torch.softmax(logits, dim=-1)
+            floor = torch.tensor(min_p, device=probs.device)[:, None] * probs.amax(-1, keepdim=True)
+            logits = logits.masked_fill(probs < floor, float("-inf"))
         logits = _filter_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         probs = torch.softmax(logits, dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(m > 0 for m in min_p):
-            floor = torch.tensor(min_p, device=probs.device)[:, None] * probs.amax(-1, keepdim=True)
-            probs = probs.masked_fill(probs < floor, 0.0)
         q = torch.empty_like(probs)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:

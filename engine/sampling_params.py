@@ -11,7 +11,7 @@ _MAX_LOGPROBS = 20
 class SamplingParams:
     """How to choose each generated token (vLLM's ``SamplingParams`` names).
 
-    ``temperature == 0`` is greedy. Filters apply in the order top-k, top-p, min-p to the
+    ``temperature == 0`` is greedy. Filters apply in the order min-p, top-k, top-p to the
     penalised, temperature-scaled logits. Penalties follow vLLM: ``repetition_penalty``
     (CTRL, https://arxiv.org/abs/1909.05858) over prompt and output tokens,
     ``presence_penalty`` and ``frequency_penalty`` (OpenAI API) over output tokens.

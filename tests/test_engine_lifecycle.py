@@ -183,3 +183,25 @@ def test_dtype_aliases_and_errors():
     assert parse_dtype("half", None) is torch.float16
     with pytest.raises(ValueError, match="dtype"):
         parse_dtype("int8", None)
+
+
+def test_sampling_filters_keep_only_allowed_tokens():
+    """top-k, top-p and min-p on a known distribution: draws stay inside the kept set."""
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampler import Sampler
+
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.06, 0.04])
+    logits = probs.log().repeat(4, 1)
+    cases = [SamplingParams(top_k=2, seed=1), SamplingParams(top_p=0.7, seed=2),
+             SamplingParams(min_p=0.2, seed=3), SamplingParams(top_p=0.95, min_p=0.1, seed=4)]
+    # min_p=0.1 drops p < 0.05 (token 4); top_p=0.95 then keeps tokens 0-3 (0.9375 < 0.95).
+    allowed = [{0, 1}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}]
+    sampler = Sampler(seed=0)
+    seen = [set() for _ in cases]
+    for step in range(200):
+        requests = [Request(f"r{i}", [1], p, frozenset(), 300) for i, p in enumerate(cases)]
+        for request in requests:
+            request.output_token_ids.extend([0] * step)  # a new position each draw
+        for i, (token, _) in enumerate(sampler.sample(logits.clone(), requests)):
+            seen[i].add(token)
+    assert seen == allowed
