@@ -46,7 +46,6 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.step_listeners: list[Callable[[LLMEngine], None]] = []
 
     def start(self) -> None:
         self._thread.start()
@@ -135,7 +134,7 @@ class AsyncEngine:
         aborted = await self.call(lambda e: e.abort_request(request_id))
         entry = self._streams.get(request_id)
         if aborted and entry is not None:
-            loop, stream = entry
+            _, stream = entry
             stream.put_nowait(_aborted_output(request_id))
         return aborted
 
@@ -156,8 +155,6 @@ class AsyncEngine:
                 continue
             for output in outputs:
                 self._deliver(output.request_id, output)
-            for listener in self.step_listeners:
-                listener(self.engine)
         self._fail_all(EngineDeadError("the engine is shutting down"))
 
     def _run_commands(self) -> None:
@@ -169,15 +166,15 @@ class AsyncEngine:
             try:
                 result: Any = fn(self.engine)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
-                loop.call_soon_threadsafe(_set_exception, future, exc)
+                _call_soon(loop, _set_exception, future, exc)
             else:
-                loop.call_soon_threadsafe(_set_result, future, result)
+                _call_soon(loop, _set_result, future, result)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         entry = self._streams.get(request_id)
         if entry is not None:
             loop, stream = entry
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            _call_soon(loop, stream.put_nowait, item)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self.engine.scheduler.requests):
@@ -187,6 +184,15 @@ class AsyncEngine:
 
 def _aborted_output(request_id: str) -> EngineOutput:
     return EngineOutput(request_id, [], [], True, "abort", None, 0, 0)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """``loop.call_soon_threadsafe`` that drops the call if the caller's loop has closed
+    (its caller is gone; the engine thread must not die of it)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        logger.debug("dropped a result for a closed event loop")
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

@@ -79,3 +79,23 @@ def test_bad_request_raises_and_dead_engine_refuses(tiny_checkpoints):
             await collect(runner, "late", [1, 2])
 
     asyncio.run(main())
+
+
+def test_caller_loop_gone_does_not_kill_the_engine_thread(async_engine):
+    """A caller whose event loop closed before its result came back (a test or a server
+    torn down mid-call) must not take the engine thread with it."""
+    import time
+
+    loop = asyncio.new_event_loop()
+    future = loop.create_future()
+    loop.close()
+    async_engine._commands.put((lambda e: time.sleep(0.05), loop, future))
+    async_engine._wake.set()
+    time.sleep(0.3)
+    assert async_engine.alive
+
+    async def main():
+        return await collect(async_engine, "after", [1, 2, 3])
+
+    tokens, last = asyncio.run(main())
+    assert len(tokens) == 8 and last.finished
