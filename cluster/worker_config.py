@@ -10,7 +10,7 @@ import argparse
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.engine.llm_engine import EngineConfig
 
@@ -48,7 +48,6 @@ class WorkerConfig:
     lease_s: float = 30.0
     kv_transfer_timeout_s: float = 30.0
     heartbeat_ttl_s: float = 3.0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

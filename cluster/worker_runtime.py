@@ -40,20 +40,11 @@ class WorkerRuntime:
         self.epoch = time.time_ns()
 
     def build_engine(self) -> AsyncEngine:
-        eos = None
         if self.config.redis_url:
             from pdserve.cluster.prefix_index import KVEventPublisher
 
             self.publisher = KVEventPublisher(self.config.redis_url, self.worker_id)
-        from pdserve.engine.llm import _has_tokenizer
-
-        if _has_tokenizer(self.config.engine.model):
-            from pdserve.engine.tokenizer import eos_token_ids, load_tokenizer
-
-            eos = sorted(eos_token_ids(self.config.engine.model,
-                                       load_tokenizer(self.config.engine.model)))
-        engine = LLMEngine(self.config.engine, kv_event_callback=self.publisher,
-                           eos_token_ids=eos)
+        engine = LLMEngine(self.config.engine, kv_event_callback=self.publisher)
         self.engine = AsyncEngine(engine, name=f"engine-{self.worker_id}")
         self.engine.start()
         return self.engine

@@ -136,9 +136,6 @@ class DecodeWorker(Worker):
         Raises:
             KeyError: the worker is not registered (or its heartbeat lapsed).
         """
-        known = self.config.extra.get("prefill_addresses", {})
-        if prefill_worker_id in known:
-            return known[prefill_worker_id]
         if self.runtime.registry is None:
             raise KeyError(f"prefill worker {prefill_worker_id!r} is unknown (no registry)")
         for record in self.runtime.registry.list_live(role="prefill"):

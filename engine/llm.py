@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Union
 
 from tqdm.auto import tqdm
@@ -22,11 +21,6 @@ from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
 
 PromptType = Union[str, Sequence[int], dict]
-
-
-def _has_tokenizer(model: str) -> bool:
-    return any((Path(model) / f).is_file()
-               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
 class LLM:
@@ -44,14 +38,8 @@ class LLM:
         unknown = set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
-        self.tokenizer = None
-        eos = None
-        if _has_tokenizer(model):
-            from pdserve.engine.tokenizer import eos_token_ids, load_tokenizer
-
-            self.tokenizer = load_tokenizer(model)
-            eos = sorted(eos_token_ids(model, self.tokenizer))
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), eos_token_ids=eos)
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
     def get_tokenizer(self):

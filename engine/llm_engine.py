@@ -9,11 +9,8 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +22,8 @@ from pdserve.engine.model_runner import ModelRunner, kv_cache_block_bytes
 from pdserve.engine.request import Logprob, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.tokenizer import eos_token_ids as checkpoint_eos_token_ids
+from pdserve.engine.tokenizer import has_tokenizer, load_tokenizer
 
 _CPU_KV_CACHE_BYTES = 4 << 30  # vLLM's VLLM_CPU_KVCACHE_SPACE default: 4 GiB
 
@@ -55,7 +54,6 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int | None = None
     load_progress: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -96,27 +94,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def checkpoint_eos_token_ids(model_dir: str | os.PathLike) -> set[int]:
-    """EOS ids from ``generation_config.json`` and ``config.json`` (int or list)."""
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list):
-                ids.update(int(v) for v in value)
-    return ids
-
-
 class LLMEngine:
     """Single-process engine over a local checkpoint.
 
     Args:
         config: the engine settings.
         kv_event_callback: receives prefix-cache ``KVEvent``s (for the Redis index).
-        eos_token_ids: overrides the checkpoint's EOS ids.
+        eos_token_ids: overrides the checkpoint's EOS ids (default: those of its
+            generation config and tokenizer, ``tokenizer.eos_token_ids``).
+
+    ``tokenizer`` is the checkpoint's tokenizer, or None when it ships none.
 
     Raises:
         ValueError: settings that cannot work (e.g. a KV cache too small for one
@@ -133,8 +120,10 @@ class LLMEngine:
             config.model, dtype=config.dtype, max_model_len=config.max_model_len)
         self.served_model_name = config.served_model_name or config.model
         self.device = resolve_device(config.device)
-        self.eos_token_ids = frozenset(
-            eos_token_ids if eos_token_ids is not None else checkpoint_eos_token_ids(config.model))
+        self.tokenizer = load_tokenizer(config.model) if has_tokenizer(config.model) else None
+        if eos_token_ids is None:
+            eos_token_ids = checkpoint_eos_token_ids(config.model, self.tokenizer)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.model_runner = ModelRunner(self.model_config, config.block_size, self.device,
                                         config.seed, config.load_progress)
         self.num_blocks = self._num_kv_blocks()

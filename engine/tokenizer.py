@@ -23,6 +23,15 @@ if TYPE_CHECKING:
 _ROLE_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def has_tokenizer(model_path: str | os.PathLike) -> bool:
+    """Whether the checkpoint folder ships tokenizer files (checkpoints written by
+    ``save_pretrained`` on a bare model have none: they take token ids only)."""
+    return any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(model_path: str | os.PathLike, *,
                    trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Load the tokenizer of the local checkpoint folder ``model_path``.
