@@ -77,8 +77,9 @@ class WorkerRuntime:
             kv_address=kv_address, epoch=self.epoch,
             model=self.engine.engine.served_model_name, started_at=time.time()))
 
-    def health(self) -> common_pb2.HealthResponse:
-        """Load figures read without stopping the engine (ints and floats are atomic)."""
+    def health(self, num_kv_transfers_in_flight: int = 0) -> common_pb2.HealthResponse:
+        """Load figures read without stopping the engine (ints and floats are atomic);
+        ``num_kv_transfers_in_flight`` comes from the worker's KV sender or receiver."""
         engine = self.engine.engine
         scheduler = engine.scheduler
         return common_pb2.HealthResponse(
@@ -87,7 +88,8 @@ class WorkerRuntime:
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             kv_cache_usage=engine.kv_cache_manager.usage,
             num_free_blocks=engine.num_free_blocks(), num_total_blocks=engine.num_blocks,
-            model=engine.served_model_name, epoch=self.epoch)
+            model=engine.served_model_name, epoch=self.epoch,
+            num_kv_transfers_in_flight=num_kv_transfers_in_flight)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self.registry is not None:

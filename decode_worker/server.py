@@ -73,7 +73,7 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         return decode_pb2.AbortResponse(aborted=aborted)
 
     async def Health(self, request, context):
-        return self.runtime.health()
+        return self.runtime.health(self.service.receiver.counters().num_in_flight)
 
 
 def _to_response(item) -> decode_pb2.DecodeResponse:

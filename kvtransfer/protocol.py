@@ -16,9 +16,12 @@ wire, per transfer:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import enum
 import hashlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -205,12 +208,15 @@ class KVTransferStats:
 @dataclass(frozen=True, slots=True)
 class KVTransferCounters:
     """Totals since start (for ``pdserve:`` metrics): transfers that succeeded and
-    failed, payload bytes and seconds of the successful ones."""
+    failed, payload bytes and seconds of the successful ones; and ``num_in_flight``, a
+    gauge: transfers whose payload is moving now (claimed by the sender, not yet ended).
+    A transfer stuck on a peer that stopped reading stays in flight until its timeout."""
 
     num_transfers: int = 0
     num_failed: int = 0
     num_bytes: int = 0
     seconds: float = 0.0
+    num_in_flight: int = 0
 
 
 class CounterSet:
@@ -225,12 +231,25 @@ class CounterSet:
         with self._lock:
             t = self._totals
             if stats is None:
-                self._totals = KVTransferCounters(t.num_transfers, t.num_failed + 1,
-                                                  t.num_bytes, t.seconds)
+                self._totals = dataclasses.replace(t, num_failed=t.num_failed + 1)
             else:
-                self._totals = KVTransferCounters(t.num_transfers + 1, t.num_failed,
-                                                  t.num_bytes + stats.num_bytes,
-                                                  t.seconds + stats.seconds)
+                self._totals = dataclasses.replace(
+                    t, num_transfers=t.num_transfers + 1, num_bytes=t.num_bytes + stats.num_bytes,
+                    seconds=t.seconds + stats.seconds)
+
+    @contextlib.contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """Count a payload as moving for the duration of the ``with`` block."""
+        self._add_in_flight(1)
+        try:
+            yield
+        finally:
+            self._add_in_flight(-1)
+
+    def _add_in_flight(self, delta: int) -> None:
+        with self._lock:
+            t = self._totals
+            self._totals = dataclasses.replace(t, num_in_flight=t.num_in_flight + delta)
 
     def snapshot(self) -> KVTransferCounters:
         with self._lock:

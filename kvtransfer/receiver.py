@@ -213,7 +213,8 @@ class KVReceiver:
         return pull
 
     def counters(self) -> KVTransferCounters:
-        """Totals of pulls that ended (bytes and seconds of the successful ones)."""
+        """Totals of pulls that ended (bytes and seconds of the successful ones), and the
+        pulls whose payload is moving now (``num_in_flight``)."""
         return self._counters.snapshot()
 
     def close(self) -> None:
@@ -276,7 +277,8 @@ class KVReceiver:
             group = pull.channel.wait_ready(pull.deadline)
             pull._advance(KVPollState.WAITING_FOR_INPUT)
             self._await_claim(pull)
-            stats = self._receive(pull, group)
+            with self._counters.in_flight():
+                stats = self._receive(pull, group)
             self._counters.add(stats)
             pull._succeed(stats)
         except KVTransferError as exc:

@@ -141,7 +141,8 @@ class KVSender:
             return False
 
     def counters(self) -> KVTransferCounters:
-        """Totals of sends (bytes and seconds of the successful ones)."""
+        """Totals of sends (bytes and seconds of the successful ones), and the sends whose
+        payload is moving now (``num_in_flight``)."""
         return self._counters.snapshot()
 
     def close(self) -> None:
@@ -183,7 +184,8 @@ class KVSender:
                 raise KVTransferError(f"decode worker {decode_worker_id} gave up on request "
                                       f"{transfer.request_id} before it was sent")
             transfer._advance(KVPollState.TRANSFERRING)
-            stats = self._move(group, peer, ticket, transfer, ids)
+            with self._counters.in_flight():
+                stats = self._move(group, peer, ticket, transfer, ids)
         except KVTransferError as exc:
             error = exc
         except RuntimeError as exc:  # the store connection broke (DistError is one)

@@ -59,7 +59,7 @@ class PrefillWorkerServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         return prefill_pb2.ReleaseResponse(released=released)
 
     async def Health(self, request, context):
-        return self.runtime.health()
+        return self.runtime.health(self.service.sender.counters().num_in_flight)
 
 
 class PrefillWorker(Worker):

@@ -78,7 +78,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "status", "num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "model", "epoch")
+    __slots__ = ("worker_id", "role", "status", "num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "model", "epoch", "num_kv_transfers_in_flight")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class HealthResponse(_message.Message):
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     status: str
@@ -99,4 +100,5 @@ class HealthResponse(_message.Message):
     num_total_blocks: int
     model: str
     epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., status: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    num_kv_transfers_in_flight: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., status: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., num_kv_transfers_in_flight: _Optional[int] = ...) -> None: ...

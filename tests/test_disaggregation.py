@@ -4,10 +4,16 @@ KV pulled over torch.distributed (gloo) pair channels, driven by a gRPC client."
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 
+import grpc
 import pytest
-from conftest import random_prompts
+from conftest import random_prompts, write_tiny_checkpoint
 from disagg_client import decode_stub, generate, health, prefill_stub
 
 from pdserve.cluster.launcher import RayLauncher
@@ -15,6 +21,7 @@ from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import LLM, EngineConfig, SamplingParams
+from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.proto import decode_pb2, prefill_pb2
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -140,26 +147,119 @@ def test_many_requests_over_two_prefill_and_two_decode_workers(cluster, offline)
     assert [r.tokens for r in results] == expected
 
 
-def test_killed_decode_worker_frees_prefill_blocks(cluster, offline):
-    """A decode worker is killed while it pulls or decodes a request: the prefill worker's
-    pinned blocks come free (the send fails, or the 5 s lease runs out) and it keeps
-    serving the other decode worker."""
-    launcher, prefill, decode = cluster
-    prompt = random_prompts([120], seed=35)[0]
+# A checkpoint whose KV is big and cheap to compute: 16 layers x 8 KV heads x head_dim 256
+# in fp32 is 256 KiB per token, so a 320-token prompt's payload (20 blocks of 16) is 80 MiB,
+# far more than loopback socket buffers hold (tcp_wmem max 4 MiB + what the receiver's
+# window has grown to): a sender whose receiver stops reading blocks mid-payload.
+BIG_KV = {"num_hidden_layers": 16, "num_attention_heads": 8, "num_key_value_heads": 8,
+          "head_dim": 256, "max_position_embeddings": 1024}
+BIG_KV_PROMPT_TOKENS = 320
+BIG_KV_MAX_LEN = 384
+BIG_KV_BLOCKS = BIG_KV_MAX_LEN // 16  # per worker: one sequence (20 blocks) fits
 
-    async def main():
-        p = prefill_stub(prefill[1].grpc_address)
-        d_dying = decode_stub(decode[1].grpc_address)
-        task = asyncio.create_task(generate(p, d_dying, "dies", prompt, SamplingParams(
-            temperature=0, max_tokens=500, ignore_eos=True), timeout_s=20))
-        await asyncio.sleep(0.05)
-        launcher.kill(3)  # actors: prefill-0, prefill-1, decode-0, decode-1
-        await asyncio.gather(task, return_exceptions=True)
-        state = await wait_all_blocks_free(p, timeout_s=40)
-        survivor = await generate(p, decode_stub(decode[0].grpc_address), "after", prompt,
-                                  GREEDY)
-        return state, survivor
 
-    state, survivor = asyncio.run(main())
+def start_decode_process(checkpoint, redis_url: str, ready_file) -> tuple[subprocess.Popen, dict]:
+    """``python -m pdserve.decode_worker`` serving the big-KV checkpoint; waits (60 s at
+    most) for its ready file and returns the process and its addresses."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.decode_worker", "--model", str(checkpoint),
+         "--dtype", "float32", "--max-model-len", str(BIG_KV_MAX_LEN),
+         "--num-gpu-blocks-override", str(BIG_KV_BLOCKS), "--redis-url", redis_url,
+         "--num-threads", "1", "--kv-transfer-timeout-s", "30", "--ready-file",
+         str(ready_file), "--log-level", "WARNING"], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not ready_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"decode worker did not start (exit code {proc.poll()})")
+        time.sleep(0.1)
+    return proc, json.loads(ready_file.read_text())
+
+
+async def wait_transfer_in_flight(stub, task: asyncio.Task, timeout_s: float) -> bool:
+    """Poll ``stub``'s Health until it reports a KV transfer in flight (True), or
+    ``task`` ends or ``timeout_s`` passes first (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not task.done() and time.monotonic() < deadline:
+        if (await health(stub)).num_kv_transfers_in_flight > 0:
+            return True
+    return False
+
+
+def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints, tmp_path):
+    """A decode worker (a plain process) dies while the payload moves: it is stopped
+    (SIGSTOP) once the prefill worker reports the transfer in flight, the transfer is seen
+    still in flight a second later (the sender blocks on a full socket: the kill provably
+    lands mid-payload), then it is killed (SIGKILL). The prefill worker's blocks all come
+    free, and it serves the next request through the other decode worker, right tokens."""
+    checkpoint = write_tiny_checkpoint(tmp_path / "big-kv", "mistral", **BIG_KV)
+    config = EngineConfig(str(checkpoint), dtype="float32", max_model_len=BIG_KV_MAX_LEN,
+                          load_progress=False, num_gpu_blocks_override=BIG_KV_BLOCKS)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    max_tries = 8
+
+    async def main(redis_url: str, procs: list, infos: list):
+        prefill = PrefillWorker(WorkerConfig("prefill", config, redis_url=redis_url,
+                                             lease_s=60.0, kv_transfer_timeout_s=30.0))
+        await prefill.start()
+        try:
+            p = prefill_stub(prefill.grpc_address)
+            dying, survivor = decode_stub(infos[1]["grpc_address"]), decode_stub(
+                infos[0]["grpc_address"])
+            tries, landed = [], None
+            for attempt in range(max_tries):
+                # a fresh prompt per try, so that the decode worker caches none of it
+                prompt = random_prompts([BIG_KV_PROMPT_TOKENS], seed=350 + attempt)[0]
+                task = asyncio.ensure_future(generate(p, dying, f"dies-{attempt}", prompt,
+                                                      greedy, timeout_s=60))
+                seen = await wait_transfer_in_flight(p, task, timeout_s=60)
+                if seen:
+                    os.kill(procs[1].pid, signal.SIGSTOP)
+                    await asyncio.sleep(1.0)  # an unblocked 80 MiB send takes ~50 ms
+                    if (await health(p)).num_kv_transfers_in_flight > 0:
+                        landed = attempt
+                        os.kill(procs[1].pid, signal.SIGKILL)
+                        await asyncio.to_thread(procs[1].wait, 30)
+                    else:
+                        os.kill(procs[1].pid, signal.SIGCONT)
+                outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+                tries.append((seen, landed == attempt, outcome))
+                if landed is not None:
+                    break
+            state = await wait_all_blocks_free(p, timeout_s=30)
+            after = random_prompts([BIG_KV_PROMPT_TOKENS], seed=349)[0]
+            served = await generate(p, survivor, "after", after, greedy, timeout_s=60)
+            return (tries, landed, state, after, served, await health(p),
+                    prefill.service.sender.counters())
+        finally:
+            await prefill.stop()
+
+    procs, infos = [], []
+    with RedisServer() as redis:
+        try:
+            for i in range(2):
+                proc, info = start_decode_process(checkpoint, redis.url, tmp_path / f"d{i}.json")
+                procs.append(proc)
+                infos.append(info)
+            tries, landed, state, after, served, final, sends = asyncio.run(
+                main(redis.url, procs, infos))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait(timeout=30)
+
+    assert landed is not None, f"no kill landed mid-transfer in {max_tries} tries: {tries}"
+    killed = tries[landed][2]
+    assert isinstance(killed, grpc.aio.AioRpcError), killed  # its Decode stream broke
+    assert procs[1].returncode == -signal.SIGKILL
     assert state.num_free_blocks == state.num_total_blocks
-    assert survivor.tokens == offline.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert final.num_kv_transfers_in_flight == 0
+    # the killed send failed (its blocks were not freed by the 60 s lease); the missed
+    # tries' sends and the last request's succeeded
+    assert (sends.num_failed, sends.num_transfers) == (1, landed + 1)
+    expected = LLM(str(checkpoint), dtype="float32", max_model_len=BIG_KV_MAX_LEN,
+                   load_progress=False, num_gpu_blocks_override=BIG_KV_BLOCKS).generate(
+                       [after], greedy)
+    assert served.tokens == expected[0].outputs[0].token_ids
+    assert served.num_transferred_blocks == BIG_KV_PROMPT_TOKENS // 16

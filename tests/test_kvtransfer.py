@@ -147,7 +147,7 @@ def test_transfers_in_sequence_reuse_one_channel(receivers, prefill):
         generations.add(handle.channel.generation)
     assert len(generations) == 1
     after = receiver.counters()
-    assert after.num_transfers - before.num_transfers == 5
+    assert after.num_transfers - before.num_transfers == 5 and after.num_in_flight == 0
     assert after.num_bytes - before.num_bytes == 5 * 2 * 1024  # 1 KiB per fp32 block
 
 
@@ -224,10 +224,12 @@ def test_stalled_payload_times_out_then_killed_sender_fails_fast_then_restart_wo
         while handle.poll() != KVPollState.TRANSFERRING and time.monotonic() < deadline:
             time.sleep(0.01)
         assert handle.poll() == KVPollState.TRANSFERRING
+        assert receiver.counters().num_in_flight == 1  # the payload is moving (stalled)
         os.kill(stalling.process.pid, 9)
         killed_at = time.monotonic()
         assert handle.wait(8.0) == KVPollState.FAILED
         assert time.monotonic() - killed_at < 4.0
+        assert receiver.counters().num_in_flight == 0
         assert isinstance(handle.failure_exception(), KVTransferError)
     finally:
         stalling.stop()
