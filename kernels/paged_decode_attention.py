@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from pdserve.kernels import cpu_ext
 from pdserve.kernels._triton_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -188,7 +189,6 @@ def _decode_reduce_kernel(
 
 
 def _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens) -> None:
-    require_triton("paged_decode_attention_triton")
     check_tensor("query", query, 3, FLOAT_DTYPES)
     device = query.device
     check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES, device)
@@ -301,6 +301,7 @@ def paged_decode_attention_triton(
             (each tensor's last dim must be contiguous).
         RuntimeError: triton is not installed.
     """
+    require_triton("paged_decode_attention_triton")
     _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens)
     max_context = block_tables.shape[1] * key_cache.shape[1]
     num_splits = _choose_num_splits(query.shape[0], key_cache.shape[2], max_context,
@@ -308,13 +309,52 @@ def paged_decode_attention_triton(
     return _run_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, num_splits)
 
 
+def paged_decode_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_decode_attention_ref`` as a C++ CPU kernel (``kernels/csrc/cpu_attention.cpp``);
+    same contract.
+
+    Algorithm: one task per (sequence, kv head) on torch's intra-op threads reads that kv
+    head's K and V rows in place through the block table (the reference gathers whole
+    blocks and copies them kv-head-major first), for all query heads of its group at once,
+    with an fp32 two-pass softmax. Any head dim up to 512, any block size, int32/int64
+    tables; fp32, bf16 and fp16 (the caches in the query's dtype).
+
+    Raises:
+        ValueError: naming the argument whose shape, dtype, device or strides are wrong.
+        RuntimeError: a sequence length outside its block table or a block id outside the
+            cache (checked in the kernel), or the C++ kernels are not built
+            (``pdserve.kernels.cpu_ext.load()`` returned False).
+    """
+    _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens)
+    if query.is_cuda or not cpu_ext.load():
+        raise RuntimeError("paged_decode_attention_cpu: needs CPU tensors and the C++ CPU "
+                           "kernels (pdserve.kernels.cpu_ext)")
+    out = torch.empty(query.shape, dtype=query.dtype)
+    if query.shape[0]:
+        torch.ops.pdserve_cpu.paged_decode_attention(
+            out, query, key_cache, value_cache, block_tables, seq_lens.to(torch.int32), scale)
+    return out
+
+
 def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
     """Dispatching entry point; see ``paged_decode_attention_ref`` for the contract.
 
-    CUDA tensors go to ``paged_decode_attention_triton``, others to the reference.
+    CUDA tensors go to ``paged_decode_attention_triton``; CPU tensors to
+    ``paged_decode_attention_cpu`` where the C++ CPU kernels are built
+    (``pdserve.kernels.cpu_ext``), else to the reference.
     """
     if use_triton(query):
         return paged_decode_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, scale
         )
+    if query.device.type == "cpu" and cpu_ext.load():
+        return paged_decode_attention_cpu(query, key_cache, value_cache, block_tables,
+                                          seq_lens, scale)
     return paged_decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale)

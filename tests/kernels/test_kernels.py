@@ -23,7 +23,7 @@ TRITON_IMPORTED_EARLY = "triton" in sys.modules and "TRITON_INTERPRET" not in os
 if not HAS_CUDA and not TRITON_IMPORTED_EARLY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pdserve.kernels import block_copy, kv_store
+from pdserve.kernels import block_copy, cpu_ext, kv_store
 from pdserve.kernels import paged_decode_attention as decode
 from pdserve.kernels import paged_prefill_attention as prefill
 from pdserve.kernels._triton_utils import HAS_TRITON, interpreting
@@ -403,8 +403,13 @@ def test_wrappers_name_the_bad_argument():
                                          randn(1, 2, 2, 4, 2, 8))
 
 
-def test_dispatch_on_cpu_is_the_reference():
+def test_dispatch_on_cpu_is_the_cpu_kernel_or_the_reference(monkeypatch):
     args = decode_inputs(DECODE_LENS, 16, 4, 2, 32, torch.float32, "cpu")
+    expected = (decode.paged_decode_attention_cpu(*args, 0.3) if cpu_ext.load()
+                else decode.paged_decode_attention_ref(*args, 0.3))
+    torch.testing.assert_close(decode.paged_decode_attention(*args, 0.3), expected,
+                               rtol=0, atol=0)
+    monkeypatch.setattr(cpu_ext, "_loaded", False)  # as where the build failed
     torch.testing.assert_close(decode.paged_decode_attention(*args, 0.3),
                                decode.paged_decode_attention_ref(*args, 0.3), rtol=0, atol=0)
     args = prefill_inputs(PREFILL_CHUNKS, 16, 4, 2, 32, torch.float32, "cpu")
@@ -458,3 +463,78 @@ def test_decode_reference_ignores_minus_one_padding_in_block_tables():
     torch.testing.assert_close(
         paged_decode_attention_ref(query, key_cache, value_cache, padded, seq_lens, 0.25),
         paged_decode_attention_ref(query, key_cache, value_cache, other, seq_lens, 0.25))
+
+
+# ---- the C++ CPU kernels (kernels/csrc) -----------------------------------------------
+
+# NOTE: .ci/run sets PDSERVE_REQUIRE_CPU_KERNELS=1, so a failed build fails there rather
+# than skipping; elsewhere (no compiler) these tests skip and the references serve.
+CPU_KERNELS = pytest.mark.skipif(
+    os.environ.get("PDSERVE_REQUIRE_CPU_KERNELS") != "1" and not cpu_ext.load(),
+    reason="the C++ CPU kernels did not build here (no g++/ninja?)")
+
+
+@CPU_KERNELS
+def test_cpu_kernels_build():
+    assert cpu_ext.load(), "kernels/csrc did not build; see the warning logged by cpu_ext"
+
+
+@CPU_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128, 256])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [*GQA, (6, 2), (4, 4)])
+@pytest.mark.parametrize("num_seqs", [2, 40])  # tasks per (seq, kv head), then per seq
+def test_paged_decode_attention_cpu_is_the_per_token_loop(num_seqs, num_heads, num_kv_heads,
+                                                          head_dim, dtype):
+    lens = [(7 * i + 1) % 70 + 1 for i in range(num_seqs)]  # 1 .. 70 tokens
+    query, key_cache, value_cache, block_tables, seq_lens = decode_inputs(
+        lens, 16, num_heads, num_kv_heads, head_dim, dtype, "cpu")
+    # A strided query (a view of the fused qkv projection's output, as in the model).
+    wide = torch.zeros(num_seqs, num_heads, 2 * head_dim, dtype=dtype)
+    wide[..., :head_dim] = query
+    query = wide[..., :head_dim]
+    scale = head_dim**-0.5
+    actual = decode.paged_decode_attention_cpu(query, key_cache, value_cache, block_tables,
+                                               seq_lens, scale)
+    assert_close(actual, decode_loop(query, key_cache, value_cache, block_tables, seq_lens,
+                                     scale))
+    assert_close(decode.paged_decode_attention(query, key_cache, value_cache, block_tables,
+                                               seq_lens, scale), actual)
+
+
+@CPU_KERNELS
+@pytest.mark.parametrize("block_size", [1, 5, 32])
+def test_paged_decode_attention_cpu_block_sizes_padding_and_int64_tables(block_size):
+    query, key_cache, value_cache, block_tables, seq_lens = decode_inputs(
+        [1, 3, 40, 65], block_size, 8, 2, 64, torch.bfloat16, "cpu")
+    padded = block_tables.long().clone()
+    for row, n in enumerate(seq_lens.tolist()):
+        padded[row, -(-n // block_size):] = -1  # never read: past the context
+    expected = decode_loop(query, key_cache, value_cache, block_tables, seq_lens, 0.125)
+    assert_close(decode.paged_decode_attention_cpu(query, key_cache, value_cache, padded,
+                                                   seq_lens, 0.125), expected)
+    # A single token attends only to itself: the output is its value row.
+    own_value = value_cache[int(block_tables[0, 0]), 0].repeat_interleave(4, dim=0)
+    assert_close(expected[0], own_value)
+    empty = decode.paged_decode_attention_cpu(query[:0], key_cache, value_cache, padded[:0],
+                                              seq_lens[:0], 0.125)
+    assert empty.shape == (0, 8, 64)
+
+
+@CPU_KERNELS
+def test_paged_decode_attention_cpu_rejects_what_would_read_out_of_bounds():
+    query, key_cache, value_cache, block_tables, seq_lens = decode_inputs(
+        [3, 40], 16, 4, 2, 64, torch.float32, "cpu")
+    too_long = seq_lens.clone()
+    too_long[1] = block_tables.shape[1] * 16 + 1
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\]"):
+        decode.paged_decode_attention_cpu(query, key_cache, value_cache, block_tables,
+                                          too_long, 0.1)
+    bad_block = block_tables.clone()
+    bad_block[1, 2] = key_cache.shape[0]
+    with pytest.raises(RuntimeError, match=r"block_tables\[1, 2\]"):
+        decode.paged_decode_attention_cpu(query, key_cache, value_cache, bad_block, seq_lens,
+                                          0.1)
+    with pytest.raises(ValueError, match="value_cache"):
+        decode.paged_decode_attention_cpu(query, key_cache, value_cache.half(), block_tables,
+                                          seq_lens, 0.1)

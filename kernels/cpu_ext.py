@@ -1,0 +1,82 @@
+"""pdserve's C++ CPU kernels (``kernels/csrc``): built on first use, then loaded as
+``torch.ops.pdserve_cpu``.
+
+The sources are compiled with ``torch.utils.cpp_extension.load`` (g++ or clang++, and
+ninja, must be on PATH) and ``-march=native``, so the build fits the CPU it runs on; the
+build directory's name carries a hash of the CPU's feature flags, so a home directory
+shared by different machines (a cluster's NFS) keeps one build per kind of CPU. The
+first build takes about 10 s; later processes load the cached library at once.
+
+Where the build fails (no compiler, an unsupported platform) ``load`` logs one warning
+and returns False, and the kernels' dispatchers use the PyTorch references instead.
+``PDSERVE_CPU_KERNELS=0`` turns the C++ kernels off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "PDSERVE_CPU_KERNELS"
+_SOURCES = ("cpu_attention.cpp",)
+_lock = threading.Lock()
+_loaded: bool | None = None
+
+
+def enabled() -> bool:
+    """Whether the environment allows the C++ kernels (``PDSERVE_CPU_KERNELS`` not 0)."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def load() -> bool:
+    """Build (once per machine kind) and load the C++ CPU kernels; True if
+    ``torch.ops.pdserve_cpu`` is usable. Thread-safe; never raises."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = enabled() and _build_and_load()
+        return _loaded
+
+
+def _build_and_load() -> bool:
+    from torch.utils import cpp_extension
+
+    csrc = Path(__file__).resolve().parent / "csrc"
+    try:
+        cpp_extension.load(
+            name=f"pdserve_cpu_{_cpu_tag()}",
+            sources=[str(csrc / name) for name in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        return hasattr(torch.ops.pdserve_cpu, "paged_decode_attention")
+    except Exception as exc:  # NOTE: any build failure means "use the references"
+        logger.warning("pdserve C++ CPU kernels unavailable, using the PyTorch references "
+                       "(%s: %s)", type(exc).__name__, str(exc).strip().splitlines()[-1:])
+        return False
+
+
+def _cpu_tag() -> str:
+    """A short hash of the CPU's architecture and feature flags."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags += line
+                    break
+    except OSError:
+        flags += platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]

@@ -1,0 +1,355 @@
+// Paged decode attention for CPUs, built on first use by pdserve/kernels/cpu_ext.py.
+//
+// One task per (sequence, kv head) reads that kv head's K and V rows straight from the
+// paged cache through the block table (no gather, no copy), for the query heads that
+// share it (grouped-query attention), in fp32:
+//   scores[g][t] = scale * q[g] . K[t]        (pass 1, over the context's blocks)
+//   p[g][t]      = softmax_t(scores[g][t])     (max-subtracted, exp in fp32)
+//   out[g]       = sum_t p[g][t] * V[t]        (pass 2)
+// Tasks run on torch's intra-op thread pool (at::parallel_for). The loops are written
+// for the compiler's vectorizer (`omp simd`), so one source serves AVX2, AVX-512 and
+// Arm builds; it is compiled with -march=native on the machine that runs it.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 512;
+
+template <typename T>
+inline void load_as_float(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// bf16 -> fp32 is a 16-bit shift; spelled out so the loop vectorizes.
+template <>
+inline void load_as_float<c10::BFloat16>(const c10::BFloat16* __restrict__ src,
+                                         float* __restrict__ dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
+    float value;
+    std::memcpy(&value, &widened, sizeof(value));
+    dst[i] = value;
+  }
+}
+
+// exp(x) for x <= 0, in fp32 (about 1 ulp): x = n*ln2 + r with |r| <= ln2/2
+// (Cody-Waite split of ln2), exp(r) by its degree-7 Taylor polynomial, times 2^n built
+// in the exponent bits. Inputs below -87 give exp(-87) (~1.6e-38), not 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+// In place: s[t] <- exp(s[t] - max(s)); returns 1 / sum_t of the new s[t].
+inline float softmax_inplace(float* __restrict__ s, int64_t n) {
+  float max_score = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) max_score = std::max(max_score, s[t]);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_nonpositive(s[t] - max_score);
+    sum += s[t];
+  }
+  return 1.0f / sum;
+}
+
+// What one task needs: the sequence's query, output, block table and length, the layer's
+// caches and their strides (in elements), and the kv heads [kv_begin, kv_end) it does.
+template <typename scalar_t, typename index_t>
+struct DecodeTask {
+  const scalar_t* q;  // the sequence's [num_heads, head_dim] query (row stride q_h)
+  scalar_t* out;      // its [num_heads, head_dim] output (row stride o_h)
+  const scalar_t* k;  // key cache [num_blocks, block_size, num_kv_heads, head_dim]
+  const scalar_t* v;  // value cache, same shape
+  const index_t* table;
+  int64_t q_h, o_h, k_b, k_t, k_h, v_b, v_t, v_h;
+  int64_t block_size, seq_len, head_dim, group, kv_begin, kv_end;
+  float scale;
+
+  const scalar_t* k_row(int64_t t) const {
+    return k + static_cast<int64_t>(table[t / block_size]) * k_b + (t % block_size) * k_t;
+  }
+  const scalar_t* v_row(int64_t t) const {
+    return v + static_cast<int64_t>(table[t / block_size]) * v_b + (t % block_size) * v_t;
+  }
+  int64_t num_heads() const { return (kv_end - kv_begin) * group; }
+};
+
+// Portable path: every dtype and head dim; loops left to the compiler's vectorizer.
+// `scores` holds num_heads * seq_len floats, `acc` num_heads * head_dim, `row` head_dim.
+template <typename scalar_t, typename index_t>
+void decode_task_generic(const DecodeTask<scalar_t, index_t>& task, float* scores, float* acc,
+                         float* row, float* q) {
+  const int64_t d_len = task.head_dim, n = task.seq_len, h0 = task.kv_begin * task.group;
+  for (int64_t h = 0; h < task.num_heads(); ++h) {
+    load_as_float(task.q + (h0 + h) * task.q_h, q + h * d_len, d_len);
+    for (int64_t d = 0; d < d_len; ++d) q[h * d_len + d] *= task.scale;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const scalar_t* k_row = task.k_row(t);
+    for (int64_t kv = task.kv_begin; kv < task.kv_end; ++kv) {
+      load_as_float(k_row + kv * task.k_h, row, d_len);
+      for (int64_t g = 0; g < task.group; ++g) {
+        const int64_t h = (kv - task.kv_begin) * task.group + g;
+        const float* qh = q + h * d_len;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < d_len; ++d) dot += qh[d] * row[d];
+        scores[h * n + t] = dot;
+      }
+    }
+  }
+  std::vector<float> inv_sum(task.num_heads());
+  for (int64_t h = 0; h < task.num_heads(); ++h) inv_sum[h] = softmax_inplace(scores + h * n, n);
+  std::fill(acc, acc + task.num_heads() * d_len, 0.0f);
+  for (int64_t t = 0; t < n; ++t) {
+    const scalar_t* v_row = task.v_row(t);
+    for (int64_t kv = task.kv_begin; kv < task.kv_end; ++kv) {
+      load_as_float(v_row + kv * task.v_h, row, d_len);
+      for (int64_t g = 0; g < task.group; ++g) {
+        const int64_t h = (kv - task.kv_begin) * task.group + g;
+        const float p = scores[h * n + t];
+        float* a = acc + h * d_len;
+#pragma omp simd
+        for (int64_t d = 0; d < d_len; ++d) a[d] += p * row[d];
+      }
+    }
+  }
+  for (int64_t h = 0; h < task.num_heads(); ++h) {
+    scalar_t* o = task.out + (h0 + h) * task.o_h;
+    for (int64_t d = 0; d < d_len; ++d) o[d] = static_cast<scalar_t>(acc[h * d_len + d] * inv_sum[h]);
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PDSERVE_AVX512_BF16 1
+
+// 16 bf16 -> 16 fp32 (a widening shift).
+inline __m512 load_bf16x16(const c10::BFloat16* src) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// bf16 with head_dim = 32 * kChunks on AVX512-BF16: q . K by `vdpbf16ps` (bf16 products
+// summed in fp32, as the reference's bf16 matmul), P V by fp32 FMAs. Same buffers as the
+// generic path.
+template <int kChunks, typename index_t>
+void decode_task_avx512_bf16(const DecodeTask<c10::BFloat16, index_t>& task, float* scores,
+                             float* acc) {
+  constexpr int kHeadDim = 32 * kChunks;
+  const int64_t n = task.seq_len, h0 = task.kv_begin * task.group;
+  for (int64_t t = 0; t < n; ++t) {
+    const c10::BFloat16* k_row = task.k_row(t);
+    for (int64_t kv = task.kv_begin; kv < task.kv_end; ++kv) {
+      __m512bh k[kChunks];
+      for (int c = 0; c < kChunks; ++c)
+        k[c] = (__m512bh)_mm512_loadu_si512(k_row + kv * task.k_h + 32 * c);
+      for (int64_t g = 0; g < task.group; ++g) {
+        const int64_t h = (kv - task.kv_begin) * task.group + g;
+        const c10::BFloat16* qh = task.q + (h0 + h) * task.q_h;
+        __m512 dot = _mm512_setzero_ps();
+        for (int c = 0; c < kChunks; ++c)
+          dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qh + 32 * c), k[c]);
+        scores[h * n + t] = _mm512_reduce_add_ps(dot) * task.scale;
+      }
+    }
+  }
+  std::vector<float> inv_sum(task.num_heads());
+  for (int64_t h = 0; h < task.num_heads(); ++h) inv_sum[h] = softmax_inplace(scores + h * n, n);
+  std::fill(acc, acc + task.num_heads() * kHeadDim, 0.0f);
+  for (int64_t t = 0; t < n; ++t) {
+    const c10::BFloat16* v_row = task.v_row(t);
+    for (int64_t kv = task.kv_begin; kv < task.kv_end; ++kv) {
+      __m512 v[2 * kChunks];
+      for (int c = 0; c < 2 * kChunks; ++c) v[c] = load_bf16x16(v_row + kv * task.v_h + 16 * c);
+      for (int64_t g = 0; g < task.group; ++g) {
+        const int64_t h = (kv - task.kv_begin) * task.group + g;
+        const __m512 p = _mm512_set1_ps(scores[h * n + t]);
+        float* a = acc + h * kHeadDim;
+        for (int c = 0; c < 2 * kChunks; ++c)
+          _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(a + 16 * c)));
+      }
+    }
+  }
+  for (int64_t h = 0; h < task.num_heads(); ++h) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+    c10::BFloat16* o = task.out + (h0 + h) * task.o_h;
+    for (int c = 0; c < 2 * kChunks; ++c) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(acc + h * kHeadDim + 16 * c), inv);
+      // fp32 -> bf16 rounding to nearest even, as torch's cast.
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(x));
+    }
+  }
+}
+#endif
+
+// Runs one task on the fastest path for its dtype and head dim.
+template <typename scalar_t, typename index_t>
+void run_decode_task(const DecodeTask<scalar_t, index_t>& task, std::vector<float>& scores,
+                     std::vector<float>& acc, std::vector<float>& row, std::vector<float>& q) {
+  scores.resize(task.num_heads() * task.seq_len);
+  acc.resize(task.num_heads() * task.head_dim);
+#ifdef PDSERVE_AVX512_BF16
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    switch (task.head_dim) {
+      case 64: return decode_task_avx512_bf16<2>(task, scores.data(), acc.data());
+      case 128: return decode_task_avx512_bf16<4>(task, scores.data(), acc.data());
+      case 256: return decode_task_avx512_bf16<8>(task, scores.data(), acc.data());
+      default: break;
+    }
+  }
+#endif
+  row.resize(task.head_dim);
+  q.resize(task.num_heads() * task.head_dim);
+  decode_task_generic(task, scores.data(), acc.data(), row.data(), q.data());
+}
+
+// Splits the batch into tasks: one per sequence (all its kv heads: each block is then
+// read front to back) when there are enough sequences to keep the threads busy, else one
+// per (sequence, kv head).
+template <typename scalar_t, typename index_t>
+void decode_attention_kernel(at::Tensor& out, const at::Tensor& query,
+                             const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             double scale) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2), max_blocks = block_tables.size(1);
+  const int64_t heads_per_task =
+      num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  DecodeTask<scalar_t, index_t> base{
+      query.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+      key_cache.const_data_ptr<scalar_t>(), value_cache.const_data_ptr<scalar_t>(),
+      block_tables.const_data_ptr<index_t>(),
+      query.stride(1), out.stride(1), key_cache.stride(0), key_cache.stride(1),
+      key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+      block_size, 0, head_dim, num_heads / num_kv_heads, 0, 0, static_cast<float>(scale)};
+
+  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc, row, q;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t seq = i / tasks_per_seq;
+      DecodeTask<scalar_t, index_t> task = base;
+      task.q += seq * query.stride(0);
+      task.out += seq * out.stride(0);
+      task.table += seq * block_tables.stride(0);
+      task.seq_len = lens[seq];
+      task.kv_begin = (i % tasks_per_seq) * heads_per_task;
+      task.kv_end = task.kv_begin + heads_per_task;
+      TORCH_CHECK(task.seq_len >= 1 && task.seq_len <= max_blocks * block_size,
+                  "paged_decode_attention: seq_lens[", seq, "] = ", task.seq_len,
+                  " is outside [1, max_blocks * block_size = ", max_blocks * block_size, "]");
+      for (int64_t b = 0; b < (task.seq_len + block_size - 1) / block_size; ++b) {
+        TORCH_CHECK(task.table[b] >= 0 && task.table[b] < num_blocks,
+                    "paged_decode_attention: block_tables[", seq, ", ", b, "] = ",
+                    task.table[b], " is outside [0, ", num_blocks, ")");
+      }
+      run_decode_task(task, scores, acc, row, q);
+    }
+  });
+}
+
+template <typename scalar_t>
+void dispatch_index(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                    const at::Tensor& value_cache, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens, double scale) {
+  if (block_tables.scalar_type() == at::kInt) {
+    decode_attention_kernel<scalar_t, int32_t>(out, query, key_cache, value_cache,
+                                               block_tables, seq_lens, scale);
+  } else {
+    decode_attention_kernel<scalar_t, int64_t>(out, query, key_cache, value_cache,
+                                               block_tables, seq_lens, scale);
+  }
+}
+
+// The Python wrapper (paged_decode_attention_cpu) checks shapes, dtypes and strides
+// and the block tables' range; these checks guard the raw-pointer loops against a caller
+// that skips it.
+void paged_decode_attention(at::Tensor out, const at::Tensor& query,
+                            const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
+              "paged_decode_attention: query must be 3-D and the caches 4-D");
+  TORCH_CHECK(query.size(2) <= kMaxHeadDim, "paged_decode_attention: head_dim must be <= ",
+              kMaxHeadDim);
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && query.size(2) == key_cache.size(3),
+              "paged_decode_attention: cache shapes disagree with the query");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0,
+              "paged_decode_attention: num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1 &&
+                  out.stride(2) == 1,
+              "paged_decode_attention: the last dim of every tensor must be contiguous");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              "paged_decode_attention: out must match the query");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() &&
+                  value_cache.scalar_type() == query.scalar_type(),
+              "paged_decode_attention: the caches must have the query's dtype");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  seq_lens.size(0) == query.size(0),
+              "paged_decode_attention: seq_lens must be contiguous int32 [num_seqs]");
+  TORCH_CHECK((block_tables.scalar_type() == at::kInt ||
+               block_tables.scalar_type() == at::kLong) &&
+                  block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
+                  block_tables.size(0) == query.size(0),
+              "paged_decode_attention: block_tables must be int32/int64 [num_seqs, max_blocks]"
+              " with a contiguous last dim");
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      dispatch_index<float>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+      break;
+    case at::kBFloat16:
+      dispatch_index<c10::BFloat16>(out, query, key_cache, value_cache, block_tables,
+                                    seq_lens, scale);
+      break;
+    case at::kHalf:
+      dispatch_index<c10::Half>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                scale);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", query.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}
