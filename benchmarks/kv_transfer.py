@@ -12,9 +12,9 @@ turn, on the same loopback link and backend (gloo):
 - pair, scattered: random block ids on both sides (a fragmented pool): every plane is
   gathered and scattered (``pdserve.kernels.block_copy``).
 
-Times are wall seconds at the receiver, from asking the sender to send until the bytes
-are in place (for the pair: from ``init`` until the pull's SUCCESS); the median of
-``--reps`` runs. Run: ``python benchmarks/kv_transfer.py``.
+Times are wall seconds at the receiver, from just before its first call (plain: posting
+the ``recv``; pair: ``init``), which precedes asking the sender to send, until the bytes
+are in place (pair: the pull's SUCCESS); the median of ``--reps`` runs. Run: ``python benchmarks/kv_transfer.py``.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def prefill_main(conn, num_blocks: int, plain_address: str, threads: int) -> Non
 
 
 def time_plain(conn, group, payload: torch.Tensor) -> float:
+    start = time.perf_counter()  # NOTE: before posting the recv, as the pair's before init
     work = group.recv([payload], 0, 0)
-    start = time.perf_counter()
     conn.send(("plain", payload.numel()))
     work.wait()
     elapsed = time.perf_counter() - start
