@@ -4,7 +4,8 @@
 The sources are compiled with ``torch.utils.cpp_extension.load`` (g++ or clang++, and
 ninja, must be on PATH) and ``-march=native``, so the build fits the CPU it runs on; the
 build directory's name carries a hash of the CPU's feature flags, so a home directory
-shared by different machines (a cluster's NFS) keeps one build per kind of CPU. The
+shared by different machines (a cluster's NFS) keeps one build per kind of CPU, and a
+hash of the sources (headers included). The
 first build takes about 10 s; later processes load the cached library at once.
 
 Where the build fails (no compiler, an unsupported platform) ``load`` logs one warning
@@ -26,7 +27,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PDSERVE_CPU_KERNELS"
-_SOURCES = ("cpu_attention.cpp",)
+_SOURCES = ("cpu_attention.cpp", "cpu_layers.cpp")
+_OPS = ("paged_decode_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
+        "silu_and_mul")
 _lock = threading.Lock()
 _loaded: bool | None = None
 
@@ -54,18 +57,30 @@ def _build_and_load() -> bool:
     csrc = Path(__file__).resolve().parent / "csrc"
     try:
         cpp_extension.load(
-            name=f"pdserve_cpu_{_cpu_tag()}",
+            name=f"pdserve_cpu_{_cpu_tag()}_{_source_tag(csrc)}",
             sources=[str(csrc / name) for name in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+            # NOTE: no fast-math: results stay IEEE; these two only let loops with
+            # clamps and conversions vectorize.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
+                          "-fno-trapping-math"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
-        return hasattr(torch.ops.pdserve_cpu, "paged_decode_attention")
+        return all(hasattr(torch.ops.pdserve_cpu, op) for op in _OPS)
     except Exception as exc:  # NOTE: any build failure means "use the references"
         logger.warning("pdserve C++ CPU kernels unavailable, using the PyTorch references "
                        "(%s: %s)", type(exc).__name__, str(exc).strip().splitlines()[-1:])
         return False
+
+
+def _source_tag(csrc: Path) -> str:
+    """A short hash of every file in ``csrc`` (torch's own versioning sees only the
+    ``.cpp`` sources, not the headers they include)."""
+    digest = hashlib.sha256()
+    for path in sorted(csrc.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _cpu_tag() -> str:

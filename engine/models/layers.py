@@ -1,7 +1,8 @@
-"""Building blocks of the Llama family: RMSNorm and rotary position embeddings.
+"""Building blocks of the Llama family: RMSNorm, rotary position embeddings, packed linears.
 
-Both follow transformers' arithmetic step for step (fp32 statistics, the cast back to the
-activation dtype in the same place), so outputs agree with transformers to rounding.
+The arithmetic is in ``pdserve.kernels.layers`` (fused C++ on CPU), which follows
+transformers' step for step (fp32 statistics, the cast back to the activation dtype in
+the same places), so outputs agree with transformers to rounding.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
+from pdserve.kernels.layers import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467).
+    """Root-mean-square layer norm (Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467),
+    optionally fused with the residual add before it (vLLM's ``fused_add_rms_norm``).
 
-    ``x: [..., dim]`` -> same shape and dtype; statistics in fp32.
+    ``forward(x [..., dim])`` -> same shape and dtype, statistics in fp32;
+    ``forward(x [T, dim], residual [T, dim])`` -> ``(norm(x + residual), x + residual)``,
+    the inputs then invalid (updated in place on CPU). See ``pdserve.kernels.layers``.
     """
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -25,11 +30,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # mean(x^2) as one fused fp32 reduction: ||x||^2 / dim.
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
-        inv_rms = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(self.eps))
-        return self.weight * (x.float() * inv_rms).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if x.dim() == 2:
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -71,19 +77,8 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's ``[T, 1, D]`` cos and sin in ``dtype``, gathered once for all layers."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
-
-
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotate ``q: [T, H, D]`` and ``k: [T, H_kv, D]`` by ``cos, sin: [T, 1, D]``."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        """The step's ``[T, D]`` cos and sin in ``dtype``, gathered once for all layers."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 class PackedLinear(nn.Module):

@@ -14,11 +14,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from pdserve.engine.models.layers import RMSNorm, RotaryEmbedding
+from pdserve.kernels.layers import rotary_embedding, silu_and_mul
 from pdserve.kernels.kv_store import store_kv
 from pdserve.kernels.paged_decode_attention import paged_decode_attention
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
@@ -68,7 +68,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``x: [T, hidden]``, ``rope``: the step's ``[T, 1, D]`` cos and sin,
+        """``x: [T, hidden]``, ``rope``: the step's ``[T, D]`` cos and sin,
         ``kv_cache: [2, num_blocks, block_size, H_kv, D]`` -> ``[T, hidden]``."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -77,7 +77,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, *rope)
+        q, k = rotary_embedding(q, k, *rope)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
@@ -107,8 +107,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
 
 
 class DecoderLayer(nn.Module):
@@ -119,9 +118,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, meta):
+        """``x, residual: [T, hidden]`` -> ``(x, residual)``; the layer's input is
+        ``x + residual`` (``residual`` None: just ``x``), added inside the fused norms as
+        vLLM does. Rounding is transformers': each residual sum in the model dtype."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -153,9 +160,10 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
+        residual = None
         for layer, layer_cache in zip(self.model.layers, kv_cache):
-            x = layer(x, rope, layer_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, layer_cache, meta)
+        return x if residual is None else self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

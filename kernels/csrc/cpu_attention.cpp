@@ -16,6 +16,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -51,27 +53,6 @@ inline void load_as_float<c10::BFloat16>(const c10::BFloat16* __restrict__ src,
   }
 }
 
-// exp(x) for x <= 0, in fp32 (about 1 ulp): x = n*ln2 + r with |r| <= ln2/2
-// (Cody-Waite split of ln2), exp(r) by its degree-7 Taylor polynomial, times 2^n built
-// in the exponent bits. Inputs below -87 give exp(-87) (~1.6e-38), not 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
-
 // In place: s[t] <- exp(s[t] - max(s)); returns 1 / sum_t of the new s[t].
 inline float softmax_inplace(float* __restrict__ s, int64_t n) {
   float max_score = -INFINITY;
@@ -79,7 +60,7 @@ inline float softmax_inplace(float* __restrict__ s, int64_t n) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < n; ++t) {
-    s[t] = exp_nonpositive(s[t] - max_score);
+    s[t] = pdserve::exp_f32(s[t] - max_score);
     sum += s[t];
   }
   return 1.0f / sum;

@@ -23,7 +23,7 @@ TRITON_IMPORTED_EARLY = "triton" in sys.modules and "TRITON_INTERPRET" not in os
 if not HAS_CUDA and not TRITON_IMPORTED_EARLY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pdserve.kernels import block_copy, cpu_ext, kv_store
+from pdserve.kernels import block_copy, cpu_ext, kv_store, layers
 from pdserve.kernels import paged_decode_attention as decode
 from pdserve.kernels import paged_prefill_attention as prefill
 from pdserve.kernels._triton_utils import HAS_TRITON, interpreting
@@ -538,3 +538,46 @@ def test_paged_decode_attention_cpu_rejects_what_would_read_out_of_bounds():
     with pytest.raises(ValueError, match="value_cache"):
         decode.paged_decode_attention_cpu(query, key_cache, value_cache.half(), block_tables,
                                           seq_lens, 0.1)
+
+
+@CPU_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 37, 300])  # one thread, then several
+def test_fused_cpu_layers_equal_their_references(num_tokens, dtype):
+    """The C++ layers round where the references round: bf16/fp16 results are equal up to
+    the order of fp32 sums (RMSNorm's statistic), fp32 results to ~1 ulp."""
+    exact = dict(rtol=0, atol=0) if dtype != torch.float32 else dict(rtol=1e-6, atol=1e-6)
+    near = dict(rtol=1e-2, atol=1e-2) if dtype != torch.float32 else exact
+    hidden, weight = randn(num_tokens, 96, dtype=dtype), randn(96, dtype=dtype, seed=2)
+    torch.testing.assert_close(layers.rms_norm(hidden, weight, 1e-6),
+                               layers.rms_norm_ref(hidden, weight, 1e-6), **near)
+    residual = randn(num_tokens, 96, dtype=dtype, seed=3)
+    expected_sum = hidden + residual
+    normed, summed = layers.fused_add_rms_norm(hidden.clone(), residual.clone(), weight, 1e-6)
+    torch.testing.assert_close(summed, expected_sum, **exact)
+    torch.testing.assert_close(normed, layers.rms_norm_ref(expected_sum, weight, 1e-6), **near)
+    # gate values from -100 to 100: exp's clamps and the sigmoid's tails
+    gate_up = randn(num_tokens, 2 * 80, dtype=dtype, seed=4) * 30
+    torch.testing.assert_close(layers.silu_and_mul(gate_up), layers.silu_and_mul_ref(gate_up),
+                               **exact)
+    # q and k as strided views of one fused qkv output, rotated in place
+    qkv = randn(num_tokens, (4 + 2 + 2) * 32, dtype=dtype, seed=5)
+    cos, sin = randn(num_tokens, 32, dtype=dtype, seed=6), randn(num_tokens, 32, dtype=dtype, seed=7)
+    q, k = qkv[:, :128].view(num_tokens, 4, 32), qkv[:, 128:192].view(num_tokens, 2, 32)
+    q_ref, k_ref = layers.rotary_embedding_ref(q, k, cos, sin)
+    q_out, k_out = layers.rotary_embedding(q, k, cos, sin)
+    assert q_out.data_ptr() == qkv.data_ptr()  # in place
+    torch.testing.assert_close(q_out, q_ref, **exact)
+    torch.testing.assert_close(k_out, k_ref, **exact)
+
+
+@CPU_KERNELS
+def test_fused_cpu_layers_reject_bad_shapes():
+    x = torch.zeros(4, 10)
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.pdserve_cpu.rms_norm(torch.empty_like(x), x, torch.ones(9), 1e-6)
+    with pytest.raises(RuntimeError, match="silu_and_mul"):
+        torch.ops.pdserve_cpu.silu_and_mul(torch.empty(4, 4), x)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        torch.ops.pdserve_cpu.rotary_embedding(torch.zeros(2, 1, 6), torch.zeros(2, 1, 6),
+                                               torch.zeros(2, 4), torch.zeros(2, 4))

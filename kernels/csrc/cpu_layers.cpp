@@ -1,0 +1,257 @@
+// Fused elementwise layers for CPUs: RMSNorm (with the residual add), rotary position
+// embedding and SiLU-and-mul, built on first use by pdserve/kernels/cpu_ext.py.
+//
+// Each op does in one pass over memory what the PyTorch reference does in 4-10 ops, and
+// rounds to the activation dtype exactly where the reference (and transformers) rounds,
+// so bf16/fp16 outputs match it bit for bit up to the order of fp32 sums. Rows run on
+// torch's intra-op threads (at::parallel_for); small tensors stay on one thread.
+
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_common.h"
+
+namespace {
+
+using pdserve::Elem;
+using pdserve::exp_f32;
+using pdserve::raw_ptr;
+using pdserve::round_to;
+
+constexpr int64_t kGrainElements = 1 << 15;  // below this many elements: one thread
+
+int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
+}
+
+void check_rows(const at::Tensor& t, const char* name, int64_t dims) {
+  TORCH_CHECK(t.dim() == dims, name, " must be ", dims, "-D, got ", t.dim(), "-D");
+  TORCH_CHECK(t.stride(-1) == 1, name, ": the last dim must be contiguous");
+}
+
+// One row: out = weight * round(x * rsqrt(mean(x^2) + eps)), statistics in fp32.
+// With `residual`: first residual = round(x + residual), then the norm of that.
+template <typename T, typename R = typename Elem<T>::raw>
+void rms_norm_row(const R* x, R* residual, const R* weight, R* out, int64_t n, float eps) {
+  using E = Elem<T>;
+  float sum_sq = 0.0f;
+  if (residual != nullptr) {
+#pragma omp simd reduction(+ : sum_sq)
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = round_to<T>(E::widen(x[i]) + E::widen(residual[i]));
+      residual[i] = E::narrow(v);
+      sum_sq += v * v;
+    }
+    x = residual;
+  } else {
+#pragma omp simd reduction(+ : sum_sq)
+    for (int64_t i = 0; i < n; ++i) sum_sq += E::widen(x[i]) * E::widen(x[i]);
+  }
+  const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = E::narrow(E::widen(weight[i]) * round_to<T>(E::widen(x[i]) * inv_rms));
+}
+
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight,
+                   at::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const auto* x_ptr = raw_ptr<T>(x);
+  auto* res_ptr = residual ? raw_ptr<T>(*residual) : nullptr;
+  const auto* w_ptr = raw_ptr<T>(weight);
+  auto* out_ptr = raw_ptr<T>(out);
+  const int64_t x_s = x.stride(0), o_s = out.stride(0), r_s = residual ? residual->stride(0) : 0;
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm_row<T>(x_ptr + r * x_s, res_ptr ? res_ptr + r * r_s : nullptr, w_ptr,
+                      out_ptr + r * o_s, n, static_cast<float>(eps));
+  });
+}
+
+#define PDSERVE_DISPATCH_FLOAT(dtype, name, ...)                               \
+  switch (dtype) {                                                             \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }           \
+    case at::kBFloat16: { using scalar_t = c10::BFloat16; __VA_ARGS__; break; } \
+    case at::kHalf: { using scalar_t = c10::Half; __VA_ARGS__; break; }        \
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", dtype);          \
+  }
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  check_rows(x, "rms_norm: x", 2);
+  check_rows(out, "rms_norm: out", 2);
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1),
+              "rms_norm: weight must be contiguous [", x.size(1), "]");
+  TORCH_CHECK(out.sizes() == x.sizes(), "rms_norm: out must have x's shape");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "rms_norm: x, weight and out must share a dtype");
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight, out);
+  PDSERVE_DISPATCH_FLOAT(x.scalar_type(), "rms_norm",
+                         rms_norm_rows<scalar_t>(x, nullptr, weight, out, eps));
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight,
+                        double eps) {
+  check_norm_args(x, weight, x);
+  check_rows(residual, "fused_add_rms_norm: residual", 2);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: residual must have x's shape and dtype");
+  // NOTE: x is read (into the sum) before it is overwritten with the norm, row by row.
+  PDSERVE_DISPATCH_FLOAT(x.scalar_type(), "fused_add_rms_norm",
+                         rms_norm_rows<scalar_t>(x, &residual, weight, x, eps));
+}
+
+// Rotate-half RoPE in place on each [head_dim] row of `t` ([tokens, heads, head_dim]):
+// out = round(round(t * cos) + round(rotate_half(t) * sin)), as transformers' bf16 ops.
+template <typename T>
+void rotary_rows(at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin) {
+  using E = Elem<T>;
+  const int64_t tokens = t.size(0), heads = t.size(1), dim = t.size(2), half = dim / 2;
+  const int64_t t_s = t.stride(0), h_s = t.stride(1), cs_s = cos.stride(0);
+  auto* ptr = raw_ptr<T>(t);
+  const auto* cos_ptr = raw_ptr<T>(cos);
+  const auto* sin_ptr = raw_ptr<T>(sin);
+  at::parallel_for(0, tokens, grain_rows(heads * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto* c = cos_ptr + i * cs_s;
+      const auto* s = sin_ptr + i * cs_s;
+      for (int64_t h = 0; h < heads; ++h) {
+        auto* row = ptr + i * t_s + h * h_s;
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) {
+          const float x1 = E::widen(row[d]), x2 = E::widen(row[d + half]);
+          const float y1 = round_to<T>(x1 * E::widen(c[d])) + round_to<T>(-x2 * E::widen(s[d]));
+          const float y2 = round_to<T>(x2 * E::widen(c[d + half])) +
+                           round_to<T>(x1 * E::widen(s[d + half]));
+          row[d] = E::narrow(y1);
+          row[d + half] = E::narrow(y2);
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding(at::Tensor query, at::Tensor key, const at::Tensor& cos,
+                      const at::Tensor& sin) {
+  check_rows(query, "rotary_embedding: query", 3);
+  check_rows(key, "rotary_embedding: key", 3);
+  check_rows(cos, "rotary_embedding: cos", 2);
+  TORCH_CHECK(sin.sizes() == cos.sizes() && sin.strides() == cos.strides(),
+              "rotary_embedding: sin must be laid out as cos");
+  TORCH_CHECK(query.size(0) == key.size(0) && cos.size(0) == query.size(0),
+              "rotary_embedding: query, key, cos and sin must have the same token count");
+  TORCH_CHECK(query.size(2) == key.size(2) && cos.size(1) == query.size(2) &&
+                  query.size(2) % 2 == 0,
+              "rotary_embedding: head_dim must be even and the same for all");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() &&
+                  cos.scalar_type() == query.scalar_type() &&
+                  sin.scalar_type() == query.scalar_type(),
+              "rotary_embedding: query, key, cos and sin must share a dtype");
+  PDSERVE_DISPATCH_FLOAT(query.scalar_type(), "rotary_embedding", {
+    rotary_rows<scalar_t>(query, cos, sin);
+    rotary_rows<scalar_t>(key, cos, sin);
+  });
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define PDSERVE_AVX512_BF16 1
+
+// exp on 16 lanes: the scalar exp_f32's argument split and polynomial, with 2^n applied
+// by vscalefps, which overflows to inf and underflows through the denormals to 0 as expf
+// (the clamp to [-104, 89] only keeps +-inf inputs out of the argument split).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.0f)), _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 bf16x16_to_f32(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// bf16 silu_and_mul on 16 lanes at a time (tail masked), rounding as the reference.
+void silu_and_mul_row_avx512_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* out,
+                                  int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 g = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, gate + i));
+    const __m512 u = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, up + i));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    const __m256bh act = _mm512_cvtneps_pbh(_mm512_div_ps(g, d));
+    const __m512 y = _mm512_mul_ps(bf16x16_to_f32((__m256i)act), u);
+    _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(y));
+  }
+}
+#endif
+
+// out[t] = round(round(silu(gate[t])) * up[t]) with x[t] = [gate | up].
+template <typename T>
+void silu_and_mul_rows(at::Tensor& out, const at::Tensor& x) {
+  using E = Elem<T>;
+  const int64_t rows = x.size(0), n = out.size(1);
+  const auto* x_ptr = raw_ptr<T>(x);
+  auto* out_ptr = raw_ptr<T>(out);
+  const int64_t x_s = x.stride(0), o_s = out.stride(0);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const auto* gate = x_ptr + r * x_s;
+      const auto* up = gate + n;
+      auto* o = out_ptr + r * o_s;
+#ifdef PDSERVE_AVX512_BF16
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        silu_and_mul_row_avx512_bf16(gate, up, o, n);
+        continue;
+      }
+#endif
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = E::widen(gate[i]);
+        const float act = round_to<T>(g / (1.0f + exp_f32(-g)));
+        o[i] = E::narrow(act * E::widen(up[i]));
+      }
+    }
+  });
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  check_rows(x, "silu_and_mul: x", 2);
+  check_rows(out, "silu_and_mul: out", 2);
+  TORCH_CHECK(x.size(1) == 2 * out.size(1) && x.size(0) == out.size(0),
+              "silu_and_mul: x must be [tokens, 2 * d] and out [tokens, d]");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "silu_and_mul: out must have x's dtype");
+  PDSERVE_DISPATCH_FLOAT(x.scalar_type(), "silu_and_mul", silu_and_mul_rows<scalar_t>(out, x));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &fused_add_rms_norm);
+  m.def("rotary_embedding(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
+  m.impl("rotary_embedding", c10::DispatchKey::CPU, &rotary_embedding);
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+}

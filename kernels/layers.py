@@ -1,0 +1,113 @@
+"""Fused elementwise layers: RMSNorm (with the residual add), rotary embedding, SiLU-and-mul.
+
+Each entry point sends CPU tensors to a C++ kernel (``kernels/csrc/cpu_layers.cpp``,
+``pdserve.kernels.cpu_ext``) where it is built, and everything else to its ``*_ref``,
+plain PyTorch in transformers' order of operations (fp32 statistics, the cast back to
+the activation dtype in the same places). The kernels round where the references round,
+so both agree to the order of fp32 sums. Names and in-place contracts follow vLLM's
+custom ops (``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``, ``silu_and_mul``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels import cpu_ext
+
+
+def _on_cpu_kernels(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors) and cpu_ext.load()
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467).
+
+    Args:
+        x: ``[tokens, hidden]`` float; weight: ``[hidden]`` in ``x``'s dtype.
+
+    Returns:
+        ``weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype)``, statistics in fp32.
+    """
+    # mean(x^2) as one fused fp32 reduction: ||x||^2 / dim.
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    inv_rms = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(eps))
+    return weight * (x.float() * inv_rms).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm_ref``, fused on CPU. ``x: [..., hidden]`` (last dim contiguous)."""
+    if x.dim() == 2 and _on_cpu_kernels(x) and weight.dtype == x.dtype and x.stride(-1) == 1:
+        out = torch.empty(x.shape, dtype=x.dtype)
+        torch.ops.pdserve_cpu.rms_norm(out, x, weight, eps)
+        return out
+    return rms_norm_ref(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual`` (in ``x``'s dtype), then ``rms_norm(residual)``.
+
+    Args:
+        x, residual: ``[tokens, hidden]``, same dtype; weight ``[hidden]``.
+
+    Returns:
+        ``(normed, residual)``. On the CPU kernel both are written in place (``x`` holds
+        the norm, ``residual`` the sum), as vLLM's op; callers must use the returned
+        tensors and not rely on either input afterwards.
+    """
+    if (_on_cpu_kernels(x, residual) and x.dim() == 2 and weight.dtype == x.dtype
+            and x.stride(-1) == 1 and residual.stride(-1) == 1):
+        torch.ops.pdserve_cpu.fused_add_rms_norm(x, residual, weight, eps)
+        return x, residual
+    residual = x + residual
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+def rotary_embedding_ref(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE (RoFormer, https://arxiv.org/abs/2104.09864), as transformers'
+    Llama: ``x * cos + rotate_half(x) * sin``.
+
+    Args:
+        query: ``[tokens, heads, head_dim]``; key: ``[tokens, kv_heads, head_dim]``.
+        cos, sin: ``[tokens, head_dim]`` in the query's dtype.
+
+    Returns:
+        New rotated ``(query, key)``.
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def rotary_embedding(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_embedding_ref``; on CPU the rotation is done in place (query and key may be
+    strided views, e.g. of the fused qkv projection) and the inputs are returned."""
+    if (_on_cpu_kernels(query, key) and query.stride(-1) == 1 and key.stride(-1) == 1
+            and cos.stride(-1) == 1 and sin.stride(-1) == 1
+            and cos.dtype == sin.dtype == query.dtype == key.dtype):
+        torch.ops.pdserve_cpu.rotary_embedding(query, key, cos, sin)
+        return query, key
+    return rotary_embedding_ref(query, key, cos, sin)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate (Shazeer 2020, https://arxiv.org/abs/2002.05202): ``x = [gate | up]``
+    ``[tokens, 2 * d]`` -> ``silu(gate) * up`` ``[tokens, d]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul_ref``, fused on CPU."""
+    if x.dim() == 2 and _on_cpu_kernels(x) and x.stride(-1) == 1:
+        out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+        torch.ops.pdserve_cpu.silu_and_mul(out, x)
+        return out
+    return silu_and_mul_ref(x)
