@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.kernels import cpu_ext
 from pdserve.kernels._triton_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -117,12 +118,22 @@ def store_kv_triton(
     )
 
 
+def _rows_packed(t: torch.Tensor) -> bool:
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
 def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
     """Dispatching entry point; see ``store_kv_ref`` for the contract.
 
-    CUDA tensors go to ``store_kv_triton``, others to ``store_kv_ref``.
+    CUDA tensors go to ``store_kv_triton``; CPU tensors of the caches' dtype, each token's
+    row packed, to the C++ kernel (``kernels/csrc/cpu_attention.cpp``: one copy per token,
+    slots range-checked, RuntimeError naming the bad slot) where it is built; the rest to
+    ``store_kv_ref``.
     """
     if use_triton(key_cache):
         store_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+    elif (key_cache.device.type == "cpu" and key.dtype == value.dtype == key_cache.dtype
+          and _rows_packed(key) and _rows_packed(value) and cpu_ext.load()):
+        torch.ops.pdserve_cpu.store_kv(key, value, key_cache, value_cache, slot_mapping)
     else:
         store_kv_ref(key, value, key_cache, value_cache, slot_mapping)

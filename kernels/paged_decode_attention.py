@@ -320,19 +320,20 @@ def paged_decode_attention_cpu(
     """``paged_decode_attention_ref`` as a C++ CPU kernel (``kernels/csrc/cpu_attention.cpp``);
     same contract.
 
-    Algorithm: one task per (sequence, kv head) on torch's intra-op threads reads that kv
-    head's K and V rows in place through the block table (the reference gathers whole
-    blocks and copies them kv-head-major first), for all query heads of its group at once,
-    with an fp32 two-pass softmax. Any head dim up to 512, any block size, int32/int64
+    Algorithm: tasks on torch's intra-op threads, one per sequence (one per (sequence, kv
+    head) when there are fewer than 4 sequences per thread), read K and V rows in place
+    through the block table, prefetching a few tokens ahead (the reference gathers whole
+    blocks and copies them kv-head-major first), for all query heads of a kv head's group
+    at once, with an fp32 two-pass softmax; bf16 head dims 64/128/256 use AVX512-BF16
+    dot products where the CPU has them. Any head dim up to 512, any block size, int32/int64
     tables; fp32, bf16 and fp16 (the caches in the query's dtype).
 
     Raises:
-        ValueError: naming the argument whose shape, dtype, device or strides are wrong.
-        RuntimeError: a sequence length outside its block table or a block id outside the
-            cache (checked in the kernel), or the C++ kernels are not built
-            (``pdserve.kernels.cpu_ext.load()`` returned False).
+        RuntimeError: naming the argument whose shape, dtype or strides are wrong, a
+            sequence length outside its block table or a block id outside the cache (all
+            checked in C++, so the per-layer call costs no Python checks), or the C++
+            kernels are not built (``pdserve.kernels.cpu_ext.load()`` returned False).
     """
-    _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens)
     if query.is_cuda or not cpu_ext.load():
         raise RuntimeError("paged_decode_attention_cpu: needs CPU tensors and the C++ CPU "
                            "kernels (pdserve.kernels.cpu_ext)")

@@ -86,7 +86,20 @@ struct DecodeTask {
     return v + static_cast<int64_t>(table[t / block_size]) * v_b + (t % block_size) * v_t;
   }
   int64_t num_heads() const { return (kv_end - kv_begin) * group; }
+
+  // Asks for token t's rows of this task's kv heads (`row`: its K or V row of kv head
+  // kv_begin) ahead of use: the blocks of a sequence are scattered, so the hardware
+  // prefetcher restarts at every block.
+  void prefetch(const scalar_t* row, int64_t row_stride) const {
+    const char* first = reinterpret_cast<const char*>(row);
+    const char* last = reinterpret_cast<const char*>(row + (kv_end - kv_begin - 1) * row_stride +
+                                                      head_dim) - 1;
+    for (const char* line = first; line <= last; line += 64) __builtin_prefetch(line);
+  }
 };
+
+// Tokens ahead whose rows a task prefetches (a block of 16 is ~16 * 512 B of K or V).
+constexpr int64_t kPrefetchTokens = 8;
 
 // Portable path: every dtype and head dim; loops left to the compiler's vectorizer.
 // `scores` holds num_heads * seq_len floats, `acc` num_heads * head_dim, `row` head_dim.
@@ -153,6 +166,8 @@ void decode_task_avx512_bf16(const DecodeTask<c10::BFloat16, index_t>& task, flo
   const int64_t n = task.seq_len, h0 = task.kv_begin * task.group;
   for (int64_t t = 0; t < n; ++t) {
     const c10::BFloat16* k_row = task.k_row(t);
+    if (t + kPrefetchTokens < n)
+      task.prefetch(task.k_row(t + kPrefetchTokens) + task.kv_begin * task.k_h, task.k_h);
     for (int64_t kv = task.kv_begin; kv < task.kv_end; ++kv) {
       __m512bh k[kChunks];
       for (int c = 0; c < kChunks; ++c)
@@ -172,6 +187,8 @@ void decode_task_avx512_bf16(const DecodeTask<c10::BFloat16, index_t>& task, flo
   std::fill(acc, acc + task.num_heads() * kHeadDim, 0.0f);
   for (int64_t t = 0; t < n; ++t) {
     const c10::BFloat16* v_row = task.v_row(t);
+    if (t + kPrefetchTokens < n)
+      task.prefetch(task.v_row(t + kPrefetchTokens) + task.kv_begin * task.v_h, task.v_h);
     for (int64_t kv = task.kv_begin; kv < task.kv_end; ++kv) {
       __m512 v[2 * kChunks];
       for (int c = 0; c < 2 * kChunks; ++c) v[c] = load_bf16x16(v_row + kv * task.v_h + 16 * c);
@@ -326,9 +343,65 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query,
   }
 }
 
+// key/value [tokens, num_kv_heads, head_dim] (each token's row packed, any token stride)
+// into the caches' slots (block_id * block_size + offset; -1 skips the token). Slots are
+// checked against the cache size.
+template <typename index_t>
+void store_kv_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                   at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const int64_t tokens = key.size(0), num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
+  const index_t* slots = slot_mapping.const_data_ptr<index_t>();
+  const char* k_src = static_cast<const char*>(key.const_data_ptr());
+  const char* v_src = static_cast<const char*>(value.const_data_ptr());
+  char* k_dst = static_cast<char*>(key_cache.data_ptr());
+  char* v_dst = static_cast<char*>(value_cache.data_ptr());
+  const int64_t k_s = key.stride(0) * key.element_size(), v_s = value.stride(0) * value.element_size();
+  at::parallel_for(0, tokens, std::max<int64_t>(1, (1 << 16) / row_bytes), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      TORCH_CHECK(slot < num_slots, "store_kv: slot_mapping[", t, "] = ", slot,
+                  " is outside the cache's ", num_slots, " slots");
+      std::memcpy(k_dst + slot * row_bytes, k_src + t * k_s, row_bytes);
+      std::memcpy(v_dst + slot * row_bytes, v_src + t * v_s, row_bytes);
+    }
+  });
+}
+
+void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
+              at::Tensor value_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key_cache.dim() == 4 &&
+                  value_cache.sizes() == key_cache.sizes() &&
+                  key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
+              "store_kv: key/value must be [tokens, num_kv_heads, head_dim] of the caches");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "store_kv: the caches must be contiguous");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+                  value.stride(1) == value.size(2),
+              "store_kv: each token's [num_kv_heads, head_dim] row must be packed");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+                  value.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "store_kv: key, value and the caches must share a dtype");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
+                  slot_mapping.is_contiguous(),
+              "store_kv: slot_mapping must be contiguous [tokens]");
+  if (slot_mapping.scalar_type() == at::kInt) {
+    store_kv_rows<int32_t>(key, value, key_cache, value_cache, slot_mapping);
+  } else {
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "store_kv: slot_mapping must be int32/int64");
+    store_kv_rows<int64_t>(key, value, key_cache, value_cache, slot_mapping);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def(
+      "store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale) -> ()");

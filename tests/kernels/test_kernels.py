@@ -535,7 +535,7 @@ def test_paged_decode_attention_cpu_rejects_what_would_read_out_of_bounds():
     with pytest.raises(RuntimeError, match=r"block_tables\[1, 2\]"):
         decode.paged_decode_attention_cpu(query, key_cache, value_cache, bad_block, seq_lens,
                                           0.1)
-    with pytest.raises(ValueError, match="value_cache"):
+    with pytest.raises(RuntimeError, match="the caches must have the query's dtype"):
         decode.paged_decode_attention_cpu(query, key_cache, value_cache.half(), block_tables,
                                           seq_lens, 0.1)
 
@@ -581,3 +581,20 @@ def test_fused_cpu_layers_reject_bad_shapes():
     with pytest.raises(RuntimeError, match="head_dim"):
         torch.ops.pdserve_cpu.rotary_embedding(torch.zeros(2, 1, 6), torch.zeros(2, 1, 6),
                                                torch.zeros(2, 4), torch.zeros(2, 4))
+
+
+@CPU_KERNELS
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_store_kv_cpu_kernel_is_the_reference(slot_dtype):
+    key_cache, value_cache = randn(6, 4, 2, 8, dtype=torch.bfloat16), randn(6, 4, 2, 8, seed=2)
+    value_cache = value_cache.bfloat16()
+    qkv = randn(5, 3 * 16, dtype=torch.bfloat16, seed=3)  # k and v as views of a fused qkv
+    key, value = qkv[:, 16:32].view(5, 2, 8), qkv[:, 32:].view(5, 2, 8)
+    slots = torch.tensor([3, -1, 23, 0, 9], dtype=slot_dtype)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    kv_store.store_kv_ref(key, value, expected_k, expected_v, slots)
+    torch.ops.pdserve_cpu.store_kv(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[2\] = 24"):
+        kv_store.store_kv(key, value, key_cache, value_cache,
+                          torch.tensor([3, -1, 24, 0, 9], dtype=slot_dtype))
