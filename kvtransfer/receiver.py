@@ -6,10 +6,13 @@ A pull's life (one request, one prefill worker):
    when there is none, it broke, or the prefill side invalidated it), writes the
    request's ``Ticket`` into this worker's store and returns a ``KVPull`` at once. The
    caller then asks the prefill worker to send (gRPC ``SendKV``).
-2. WAITING_FOR_INPUT: the channel's group is up; the pull waits for the prefill side to
-   claim the transfer (``"S"``) or to report that it cannot (``"F <reason>"``). At the
+2. WAITING_FOR_INPUT: the channel's group is up; over gloo the pull posts its header and
+   plane receives at once (straight into the cache's blocks, or into staging buffers), so
+   the sender's first bytes need no rendezvous round trip. It waits for the prefill side
+   to claim the transfer (``"S"``) or to report that it cannot (``"F <reason>"``). At the
    deadline the pull gives up by claiming ``"X"`` itself: a clean failure that leaves the
-   channel usable, since nothing was posted on the group.
+   channel usable, since nothing is ever sent on its tag (tags are never reused on a
+   channel); its posted receives are dropped.
 3. TRANSFERRING: header, then the payload planes straight into the cache's blocks (or
    through staging buffers and ``scatter_blocks``). Any error here aborts the channel.
 4. SUCCESS or FAILED (``failure_exception()``); the ticket is deleted at once, the claim
@@ -29,7 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer.channel import PairGroup
+from pdserve.kvtransfer.channel import PairGroup, PostedRecv
 from pdserve.kvtransfer.handle import KVTransfer
 from pdserve.kvtransfer.payload import PayloadSink, on_device
 from pdserve.kvtransfer.protocol import (
@@ -55,6 +58,7 @@ from pdserve.kvtransfer.protocol import (
 )
 
 _WATCH_TIMEOUT = datetime.timedelta(days=1)
+_MAX_TAG = (1 << 31) - 1  # gloo tags are C ints
 _CLAIM_KEY_TTL_S = 300.0  # longer than any sender waits before claiming
 
 
@@ -70,8 +74,15 @@ class _RecvChannel:
         self._next_tag = 0
 
     def next_tag(self) -> int:
-        self._next_tag = self._next_tag % (1 << 30) + 1
+        """A tag no earlier pull on this channel used (receives of a pull that was given
+        up stay posted on its tag, so tags are never reused: see ``exhausted``)."""
+        self._next_tag += 1
         return self._next_tag
+
+    @property
+    def exhausted(self) -> bool:
+        """All tags used: the next pull makes a new channel."""
+        return self._next_tag >= _MAX_TAG
 
     @property
     def failed(self) -> bool:
@@ -115,16 +126,19 @@ class KVPull(KVTransfer):
         self._claimed = threading.Event()
         self._claim_pushed: str | None = None  # what the prefill side's wake-up said
         self._cancelled = False
+        # receives posted before the claim (gloo): (sink, PostedRecv); dropped at the end
+        self._early: tuple[PayloadSink, PostedRecv] | None = None
 
     def cancel(self) -> KVPollState:
         """Stop the pull. Once this returns, nothing more is written into its blocks
-        (a transfer already under way is waited for, up to its deadline, and a later
-        one is received and discarded). Returns the final state."""
+        (a transfer already under way, or one whose receives are posted into the blocks,
+        is waited for, up to its deadline; a later one is received and discarded).
+        Returns the final state."""
         with self._lock:
             self._cancelled = True
-            transferring = self._state == KVPollState.TRANSFERRING
+            wait_for_end = self._state == KVPollState.TRANSFERRING or self._early is not None
         self._claimed.set()
-        if transferring:
+        if wait_for_end:
             self._done.wait(self.remaining_s(at_least_s=MIN_TRANSFER_S))
         self._fail(KVTransferError(f"pull of request {self.request_id} was cancelled"))
         return self.poll()
@@ -242,7 +256,7 @@ class KVReceiver:
         """The pair's usable channel, or a new one under a new generation (lock held)."""
         gen_key = f"{prefix}/gen"
         channel = self._channels.get(prefill_worker_id)
-        if (channel is not None and not channel.failed
+        if (channel is not None and not channel.failed and not channel.exhausted
                 and self._store.add(gen_key, 0) == channel.generation):
             return channel
         if channel is not None:
@@ -273,19 +287,50 @@ class KVReceiver:
                 pull._claimed.set()
 
     def _run(self, pull: KVPull) -> None:
+        stats, error = None, None
         try:
             group = pull.channel.wait_ready(pull.deadline)
             pull._advance(KVPollState.WAITING_FOR_INPUT)
+            self._post_early(pull, group)
             self._await_claim(pull)
             with self._counters.in_flight():
                 stats = self._receive(pull, group)
-            self._counters.add(stats)
-            pull._succeed(stats)
         except KVTransferError as exc:
-            self._counters.add(None)
-            pull._fail(exc)
+            error = exc
         finally:
+            # NOTE: receives still posted belong to a tag nobody sends on (the pull was
+            # given up, or failed); gloo keeps only weak references, so this frees them.
+            # Before the end is signalled: cancel() returns only after this.
+            pull._early = None
+            self._counters.add(stats)
+            if error is None and stats is not None:
+                pull._succeed(stats)
+            else:
+                pull._fail(error or KVTransferError(f"pull of {pull.request_id} failed"))
             self._forget(pull)
+
+    def _post_early(self, pull: KVPull, group: PairGroup) -> None:
+        """Post the pull's receives before the prefill side claims it (gloo only; see
+        ``PairGroup.post_recv``). The claim protocol makes this safe: if the pull is
+        given up ("X" wins) or the sender reports failure, nothing is ever sent on its
+        tag; if it is cancelled after "S" won, ``cancel`` waits for the payload. A group
+        that cannot post is dead: it is aborted and the pull goes on without posting."""
+        with on_device(self.kv_cache):
+            sink = PayloadSink(self.kv_cache, pull.block_ids, self.geometry,
+                               group.device_payload)
+        with pull._lock:
+            if pull._cancelled or pull._state.finished:
+                return
+            try:
+                posted = group.post_recv(sink, pull.ticket.tag)
+            except KVTransferError:
+                # NOTE: the group is dead (e.g. its sender restarted); the claim protocol
+                # still decides how this pull ends (the sender reports why it cannot
+                # send), and the next pull makes a new channel.
+                pull.channel.fail()
+                return
+            if posted is not None:
+                pull._early = (sink, posted)
 
     def _await_claim(self, pull: KVPull) -> None:
         """Return once the prefill side claimed the pull; raise KVTransferError if it
@@ -316,11 +361,17 @@ class KVReceiver:
         drain = not pull._begin_transfer()  # cancelled: receive, then discard
         try:
             with on_device(self.kv_cache):
-                sink = PayloadSink(self.kv_cache, pull.block_ids, self.geometry,
-                                   group.device_payload, drain)
+                if pull._early is not None:
+                    # NOTE: posted into the blocks even if draining: cancel() waits for this
+                    sink, posted = pull._early
+                else:
+                    sink = PayloadSink(self.kv_cache, pull.block_ids, self.geometry,
+                                       group.device_payload, drain)
+                    posted = None
                 group.recv(sink, pull.ticket.tag, deadline,
-                           lambda header: self._check_header(pull, header))
-                sink.finish()
+                           lambda header: self._check_header(pull, header), posted)
+                if not drain:
+                    sink.finish()
         except KVTransferError:
             pull.channel.fail()
             raise

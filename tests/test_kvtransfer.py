@@ -203,6 +203,32 @@ def test_a_cancelled_pull_never_writes_its_blocks(receivers, prefill):
     assert handle.poll() == KVPollState.SUCCESS and reply[0] == "ok"
 
 
+def test_a_pull_cancelled_with_its_receives_posted_gets_nothing(receivers, prefill):
+    """Over gloo a pull posts its receives (into its blocks) before the sender claims it.
+    Cancelled then, it is given up: the late sender sends nothing, the blocks keep their
+    contents, and the next pull on the same channel (a new tag) lands right."""
+    receiver, source = receivers["bf16"], make_cache(torch.bfloat16, 7)
+    handle, reply = pull(prefill, receiver, "prefill-bf16", "before-posted", [3], [12])
+    assert handle.poll() == KVPollState.SUCCESS and reply[0] == "ok"  # the channel is up
+    before = receiver.kv_cache[:, :, [12]].clone()
+    handle = receiver.init("posted-then-cancelled", "prefill-bf16", [12], timeout_s=10.0)
+    deadline = time.monotonic() + 5.0
+    while handle._early is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert handle._early is not None and handle.poll() == KVPollState.WAITING_FOR_INPUT
+    assert handle.cancel() == KVPollState.FAILED
+    assert handle._early is None  # the posted receives were dropped
+    prefill.request("send", "prefill-bf16", "posted-then-cancelled", receiver, [5],
+                    timeout_s=2.0)
+    status, detail = prefill.reply()
+    assert status == "error" and ("gave up" in detail or "no pull" in detail), detail
+    assert torch.equal(receiver.kv_cache[:, :, [12]], before)
+    again, reply = pull(prefill, receiver, "prefill-bf16", "after-posted", [7], [12])
+    assert again.poll() == KVPollState.SUCCESS and reply[0] == "ok"
+    assert again.channel is handle.channel
+    assert torch.equal(receiver.kv_cache[:, :, [12]], source[:, :, [7]])
+
+
 def test_stalled_payload_times_out_then_killed_sender_fails_fast_then_restart_works(receivers):
     receiver, source = receivers["f32"], make_cache(torch.float32, 7)
     stalling = PrefillProcess({"prefill-stall": "f32"}, stall_s=4.0)
