@@ -54,8 +54,8 @@ def plain_group(address: str, rank: int) -> dist.ProcessGroupGloo:
 
 
 def prefill_main(conn, num_blocks: int, plain_address: str, threads: int) -> None:
-    """The sending process: answers ("pair", rid, decode_id, address, ids) and
-    ("plain", num_bytes) until None."""
+    """The sending process: answers ("pair", rid, decode_id, address, ids, timeout_s,
+    ticket) and ("plain", num_bytes) until None."""
     torch.set_num_threads(threads)
     sender = KVSender("bench-prefill", make_cache(num_blocks, 1), timeout_s=60)
     group = plain_group(plain_address, 0)
@@ -84,7 +84,8 @@ def time_plain(conn, group, payload: torch.Tensor) -> float:
 def time_pair(conn, receiver: KVReceiver, rid: str, src: list[int], dst: list[int]) -> float:
     start = time.perf_counter()
     pull = receiver.init(rid, "bench-prefill", dst, timeout_s=60)
-    conn.send(("pair", rid, receiver.worker_id, receiver.address, src))
+    # NOTE: with the ticket, as the decode worker's SendKV passes it
+    conn.send(("pair", rid, receiver.worker_id, receiver.address, src, None, pull.ticket_text))
     assert pull.wait(60) == KVPollState.SUCCESS, pull.failure_exception()
     elapsed = time.perf_counter() - start
     conn.recv()

@@ -119,14 +119,15 @@ class DecodeWorker(Worker):
                     self.grpc_address, self.kv_address)
 
     async def _request_kv(self, handle: KVHandle, decode_worker_id: str, kv_address: str,
-                          block_indices: list[int]) -> tuple[int, int]:
-        """Ask the prefill worker that holds ``handle`` to send ``block_indices``."""
+                          block_indices: list[int], ticket: str) -> tuple[int, int]:
+        """Ask the prefill worker that holds ``handle`` to send ``block_indices`` for the
+        pull whose ticket text is ``ticket`` ("" when nothing is pulled)."""
         address = self.prefill_address(handle.prefill_worker_id)
         reply = await self.prefill_clients.stub(address).SendKV(
             prefill_pb2.SendKVRequest(request_id=handle.request_id,
                                       decode_worker_id=decode_worker_id,
                                       decode_kv_address=kv_address,
-                                      block_indices=block_indices),
+                                      block_indices=block_indices, kv_ticket=ticket),
             timeout=self.config.kv_transfer_timeout_s)
         return reply.num_blocks, reply.num_bytes
 

@@ -29,8 +29,9 @@ from pdserve.kvtransfer import KVPollState, KVPull, KVReceiver, KVTransferError
 
 logger = logging.getLogger(__name__)
 
-# (handle, decode worker id, decode KV address, block indices) -> (blocks, bytes) sent
-RequestKV = Callable[[KVHandle, str, str, list[int]], Awaitable[tuple[int, int]]]
+# (handle, decode worker id, decode KV address, block indices, the pull's ticket text or
+# "" when nothing is pulled) -> (blocks, bytes) sent
+RequestKV = Callable[[KVHandle, str, str, list[int], str], Awaitable[tuple[int, int]]]
 
 
 @dataclass(slots=True)
@@ -134,7 +135,7 @@ class DecodeService:
                 num_bytes = await self._pull(request_id, handle, alloc.block_ids,
                                              alloc.block_indices)
             else:  # everything was cached here: just end the prefill worker's lease
-                await self.request_kv(handle, self.worker_id, self.receiver.address, [])
+                await self.request_kv(handle, self.worker_id, self.receiver.address, [], "")
                 num_bytes = 0
             ok = True
         finally:
@@ -166,7 +167,8 @@ class DecodeService:
                                   self.transfer_timeout_s)
         self._pulls[request_id] = pull
         send = asyncio.ensure_future(self.request_kv(handle, self.worker_id,
-                                                     self.receiver.address, block_indices))
+                                                     self.receiver.address, block_indices,
+                                                     pull.ticket_text))
         waiting = asyncio.ensure_future(asyncio.to_thread(pull.wait, self.transfer_timeout_s))
         try:
             await asyncio.wait({send, waiting}, return_when=asyncio.FIRST_COMPLETED)

@@ -129,6 +129,12 @@ class KVPull(KVTransfer):
         # receives posted before the claim (gloo): (sink, PostedRecv); dropped at the end
         self._early: tuple[PayloadSink, PostedRecv] | None = None
 
+    @property
+    def ticket_text(self) -> str:
+        """The ticket as written into the store; pass it to the prefill worker's send
+        (``KVSender.send(..., ticket=...)``) to spare it reading the store."""
+        return self.ticket.encode()
+
     def cancel(self) -> KVPollState:
         """Stop the pull. Once this returns, nothing more is written into its blocks
         (a transfer already under way, or one whose receives are posted into the blocks,
@@ -297,6 +303,7 @@ class KVReceiver:
                 stats = self._receive(pull, group)
         except KVTransferError as exc:
             error = exc
+            self._give_up(pull)
         finally:
             # NOTE: receives still posted belong to a tag nobody sends on (the pull was
             # given up, or failed); gloo keeps only weak references, so this frees them.
@@ -331,6 +338,13 @@ class KVReceiver:
                 return
             if posted is not None:
                 pull._early = (sink, posted)
+
+    def _give_up(self, pull: KVPull) -> None:
+        """Claim ``"X"`` for a failed pull unless a claim is there (a sender that holds the
+        ticket, e.g. from ``SendKV``, then finds it given up and sends nothing)."""
+        key = claim_key(pull.channel.prefix, pull.request_id, pull.ticket)
+        with contextlib.suppress(RuntimeError):  # the store is local; best effort
+            self._store.compare_set(key, "", CLAIM_GIVEN_UP)
 
     def _await_claim(self, pull: KVPull) -> None:
         """Return once the prefill side claimed the pull; raise KVTransferError if it

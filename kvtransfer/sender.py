@@ -100,9 +100,13 @@ class KVSender:
         self._counters = CounterSet()
 
     def send(self, request_id: str, decode_worker_id: str, decode_kv_address: str,
-             block_ids: Sequence[int], timeout_s: float | None = None) -> KVTransferStats:
+             block_ids: Sequence[int], timeout_s: float | None = None,
+             ticket: str | None = None) -> KVTransferStats:
         """Send blocks ``block_ids`` (the payload's order) of ``request_id`` to the decode
         worker that is pulling them; return blocks, bytes and seconds moved.
+
+        ``ticket``: the pull's ticket text (``KVPull.ticket_text``) when the decode worker
+        passed it along; then it is not read back from the decode worker's store.
 
         Raises:
             ValueError: block ids repeated or out of range.
@@ -111,17 +115,20 @@ class KVSender:
                 was given up, or moving the bytes failed or timed out.
         """
         transfer = KVTransfer(request_id, len(block_ids), self._deadline(timeout_s))
-        self._send(transfer, decode_worker_id, decode_kv_address, self._check(block_ids))
+        known = self._parse_ticket(ticket)
+        self._send(transfer, decode_worker_id, decode_kv_address, self._check(block_ids), known)
         if transfer.poll() != KVPollState.SUCCESS:
             raise transfer.failure_exception()
         return transfer.stats
 
     def start_send(self, request_id: str, decode_worker_id: str, decode_kv_address: str,
-                   block_ids: Sequence[int], timeout_s: float | None = None) -> KVTransfer:
+                   block_ids: Sequence[int], timeout_s: float | None = None,
+                   ticket: str | None = None) -> KVTransfer:
         """``send`` in a background thread; poll the returned ``KVTransfer``.
-        Raises ValueError at once for bad block ids."""
+        Raises ValueError at once for bad block ids or a malformed ticket."""
         transfer = KVTransfer(request_id, len(block_ids), self._deadline(timeout_s))
-        args = (transfer, decode_worker_id, decode_kv_address, self._check(block_ids))
+        args = (transfer, decode_worker_id, decode_kv_address, self._check(block_ids),
+                self._parse_ticket(ticket))
         threading.Thread(target=self._send, args=args, daemon=True,
                          name=f"kv-send-{request_id}").start()
         return transfer
@@ -152,6 +159,15 @@ class KVSender:
         for peer in peers:
             peer.close()
 
+    @staticmethod
+    def _parse_ticket(ticket: str | None) -> Ticket | None:
+        if not ticket:
+            return None
+        try:
+            return Ticket.decode(ticket)
+        except (ValueError, IndexError, KVTransferError) as exc:
+            raise ValueError(f"malformed KV ticket {ticket!r}: {exc}") from exc
+
     def _deadline(self, timeout_s: float | None) -> float:
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
 
@@ -173,11 +189,11 @@ class KVSender:
             return peer
 
     def _send(self, transfer: KVTransfer, decode_worker_id: str, address: str,
-              ids: list[int]) -> None:
+              ids: list[int], known: Ticket | None = None) -> None:
         peer = self._peer(decode_worker_id, address)
         stats = None
         try:
-            ticket = self._ticket(peer, transfer)
+            ticket = self._ticket(peer, transfer, known)
             group = self._group(peer, ticket, transfer)
             if (transfer.remaining_s() <= 0
                     or not self._claim(peer, transfer.request_id, ticket, CLAIM_SENDING)):
@@ -197,11 +213,13 @@ class KVSender:
         else:
             transfer._fail(error)
 
-    def _ticket(self, peer: _Peer, transfer: KVTransfer) -> Ticket:
-        """Wait (polling, bounded by the deadline) for the pull's ticket and check it."""
+    def _ticket(self, peer: _Peer, transfer: KVTransfer, known: Ticket | None) -> Ticket:
+        """The pull's ticket, checked: ``known`` (passed along by the decode worker), or
+        read from its store (polling, bounded by the deadline)."""
         delay_s = 0.0005
-        while (ticket := self._read_ticket(peer, transfer.request_id,
-                                           transfer.remaining_s(0.001))) is None:
+        ticket = known
+        while ticket is None and (ticket := self._read_ticket(
+                peer, transfer.request_id, transfer.remaining_s(0.001))) is None:
             if transfer.remaining_s() <= 0:
                 raise KVTransferError(f"no pull of request {transfer.request_id} is waiting at "
                                       f"{peer.address} ({peer.prefix})")
@@ -287,8 +305,12 @@ class KVSender:
         except KVTransferError:
             group.abort()
             gen = ticket.generation
+            # NOTE: only over a store connection already made: a decode worker that died
+            # refuses new ones, and TCPStore retries those until its timeout, which would
+            # hold this failed send (and its blocks) that long
+            store = peer.store
             with contextlib.suppress(RuntimeError):  # the decode side sees the closed group
-                store = peer.connect(self.connect_timeout_s)
-                store.compare_set(f"{peer.prefix}/gen", str(gen), str(gen + 1))
+                if store is not None:
+                    store.compare_set(f"{peer.prefix}/gen", str(gen), str(gen + 1))
             raise
         return KVTransferStats(len(ids), num_bytes, time.monotonic() - start)

@@ -45,7 +45,7 @@ class PrefillWorkerServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         try:
             num_blocks, num_bytes = await self.service.send_kv(
                 request.request_id, request.decode_worker_id, request.decode_kv_address,
-                list(request.block_indices))
+                list(request.block_indices), request.kv_ticket or None)
         except Exception as exc:  # noqa: BLE001 - mapped to a status
             if isinstance(exc, KeyError):  # fail the waiting pull now, not at its timeout
                 await asyncio.to_thread(self.service.sender.send_failure, request.request_id,

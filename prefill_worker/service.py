@@ -100,14 +100,15 @@ class PrefillService:
                         self.block_size, time.time() + self.lease_s)
 
     async def send_kv(self, request_id: str, decode_worker_id: str, decode_kv_address: str,
-                      block_indices: list[int]) -> tuple[int, int]:
+                      block_indices: list[int], ticket: str | None = None) -> tuple[int, int]:
         """Send the request's blocks at ``block_indices`` (positions in its prompt's block
         list) to the pulling decode worker, then unpin every block of the request.
-        Returns (blocks, bytes) sent.
+        ``ticket``: the pull's ticket text, when the decode worker passed it (else it is
+        read from the decode worker's store). Returns (blocks, bytes) sent.
 
         Raises:
             KeyError: no live lease for ``request_id`` (expired, released or sent).
-            ValueError: an index outside the request's blocks.
+            ValueError: an index outside the request's blocks, or a malformed ticket.
             KVTransferError: the transfer failed or timed out.
         """
         lease = self.leases.get(request_id)
@@ -123,7 +124,7 @@ class PrefillService:
                 return 0, 0
             stats = await asyncio.to_thread(
                 self.sender.send, request_id, decode_worker_id, decode_kv_address,
-                [lease.block_ids[i] for i in block_indices], self.transfer_timeout_s)
+                [lease.block_ids[i] for i in block_indices], self.transfer_timeout_s, ticket)
             return stats.num_blocks, stats.num_bytes
         finally:
             await self._unpin(request_id)

@@ -35,18 +35,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[int] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ...) -> None: ...
 
 class SendKVRequest(_message.Message):
-    __slots__ = ("request_id", "decode_worker_id", "decode_kv_address", "block_indices", "timeout_s")
+    __slots__ = ("request_id", "decode_worker_id", "decode_kv_address", "block_indices", "timeout_s", "kv_ticket")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TICKET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     decode_worker_id: str
     decode_kv_address: str
     block_indices: _containers.RepeatedScalarFieldContainer[int]
     timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., decode_kv_address: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    kv_ticket: str
+    def __init__(self, request_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., decode_kv_address: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., kv_ticket: _Optional[str] = ...) -> None: ...
 
 class SendKVResponse(_message.Message):
     __slots__ = ("num_blocks", "num_bytes", "seconds")
