@@ -186,6 +186,17 @@ async def wait_transfer_in_flight(stub, task: asyncio.Task, timeout_s: float) ->
     return False
 
 
+async def wait_no_transfer_in_flight(stub, timeout_s: float) -> bool:
+    """Poll ``stub``'s Health until no KV transfer is in flight (True) or ``timeout_s``
+    passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while (await health(stub)).num_kv_transfers_in_flight > 0:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
 def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints, tmp_path):
     """A decode worker (a plain process) dies while the payload moves: it is stopped
     (SIGSTOP) once the prefill worker reports the transfer in flight, the transfer is seen
@@ -208,6 +219,9 @@ def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints
                 infos[0]["grpc_address"])
             tries, landed = [], None
             for attempt in range(max_tries):
+                # an earlier try's send has ended: a transfer seen in flight is this one's
+                idle = await wait_no_transfer_in_flight(p, timeout_s=60)
+                assert idle, f"a send of an earlier try never ended: {tries}"
                 # a fresh prompt per try, so that the decode worker caches none of it
                 prompt = random_prompts([BIG_KV_PROMPT_TOKENS], seed=350 + attempt)[0]
                 task = asyncio.ensure_future(generate(p, dying, f"dies-{attempt}", prompt,
@@ -251,10 +265,10 @@ def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints
 
     assert landed is not None, f"no kill landed mid-transfer in {max_tries} tries: {tries}"
     killed = tries[landed][2]
-    assert isinstance(killed, grpc.aio.AioRpcError), killed  # its Decode stream broke
+    assert isinstance(killed, grpc.aio.AioRpcError), tries  # its Decode stream broke
     assert procs[1].returncode == -signal.SIGKILL
     assert state.num_free_blocks == state.num_total_blocks
-    assert final.num_kv_transfers_in_flight == 0
+    assert final.num_kv_transfers_in_flight == 0, tries
     # the killed send failed (its blocks were not freed by the 60 s lease); the missed
     # tries' sends and the last request's succeeded
     assert (sends.num_failed, sends.num_transfers) == (1, landed + 1)
