@@ -45,6 +45,11 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (e.g. between benchmark runs of the same prompts); False
+        while requests are running. See ``LLMEngine.reset_prefix_cache``."""
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -273,6 +273,11 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.kv_cache_manager.pool.num_free_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cached block (emitting ``removed`` KV events), as vLLM's
+        ``reset_prefix_cache``; False (nothing done) while a request holds blocks."""
+        return self.kv_cache_manager.pool.reset_prefix_cache()
+
     def is_idle_and_clean(self) -> bool:
         """True when no request is held and every block is free (for leak checks)."""
         return (not self.has_unfinished_requests()

@@ -29,7 +29,7 @@ def test_shared_prefix_hits_cache_and_gives_same_output(llm):
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == 64  # 4 full blocks of 16; the last token recomputed
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
-    llm.engine.kv_cache_manager.pool.reset_prefix_cache()
+    assert llm.reset_prefix_cache()
     cold = llm.generate([prefix + [1, 2, 3]], GREEDY)[0]
     assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == first.outputs[0].token_ids
     assert llm.engine.is_idle_and_clean()
