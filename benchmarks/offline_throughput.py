@@ -70,8 +70,8 @@ def transformers_runner(model_dir: Path, prompts: list[list[int]], output_len: i
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     ids = torch.tensor(prompts)
-    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0,
-                  attention_mask=torch.ones_like(ids))
+    kwargs = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0,
+              "attention_mask": torch.ones_like(ids)}
     with torch.inference_mode():
         model.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, **{
             **kwargs, "attention_mask": torch.ones_like(ids[:2])})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -20,7 +20,7 @@ from pdserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
 
-PromptType = Union[str, Sequence[int], dict]
+PromptType = str | Sequence[int] | dict
 
 
 class LLM:

@@ -22,6 +22,7 @@ from pdserve.engine.models.loader import load_model
 from pdserve.engine.request import Logprob, Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kernels import cpu_ext
 
 
 def kv_cache_block_bytes(config: ModelConfig, block_size: int) -> int:
@@ -54,6 +55,8 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.model = load_model(config, device, progress)
+        if device.type == "cpu":
+            cpu_ext.load()  # NOTE: builds the C++ CPU kernels now, not in the first request
         self.kv_cache = torch.empty(0)
         self.sampler = Sampler(seed)
 

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import subprocess
 import threading
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def _build_and_load() -> bool:
             verbose=False,
         )
         return all(hasattr(torch.ops.pdserve_cpu, op) for op in _OPS)
-    except Exception as exc:  # NOTE: any build failure means "use the references"
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:
+        # NOTE: any build or load failure means "use the references"
         logger.warning("pdserve C++ CPU kernels unavailable, using the PyTorch references "
                        "(%s: %s)", type(exc).__name__, str(exc).strip().splitlines()[-1:])
         return False

@@ -18,8 +18,8 @@ from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.layers import RMSNorm, RotaryEmbedding
-from pdserve.kernels.layers import rotary_embedding, silu_and_mul
 from pdserve.kernels.kv_store import store_kv
+from pdserve.kernels.layers import rotary_embedding, silu_and_mul
 from pdserve.kernels.paged_decode_attention import paged_decode_attention
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
 

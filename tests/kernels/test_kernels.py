@@ -546,8 +546,8 @@ def test_paged_decode_attention_cpu_rejects_what_would_read_out_of_bounds():
 def test_fused_cpu_layers_equal_their_references(num_tokens, dtype):
     """The C++ layers round where the references round: bf16/fp16 results are equal up to
     the order of fp32 sums (RMSNorm's statistic), fp32 results to ~1 ulp."""
-    exact = dict(rtol=0, atol=0) if dtype != torch.float32 else dict(rtol=1e-6, atol=1e-6)
-    near = dict(rtol=1e-2, atol=1e-2) if dtype != torch.float32 else exact
+    exact = {"rtol": 0, "atol": 0} if dtype != torch.float32 else {"rtol": 1e-6, "atol": 1e-6}
+    near = {"rtol": 1e-2, "atol": 1e-2} if dtype != torch.float32 else exact
     hidden, weight = randn(num_tokens, 96, dtype=dtype), randn(96, dtype=dtype, seed=2)
     torch.testing.assert_close(layers.rms_norm(hidden, weight, 1e-6),
                                layers.rms_norm_ref(hidden, weight, 1e-6), **near)
