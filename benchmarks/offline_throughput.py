@@ -4,10 +4,11 @@
 Workload W1: 32 prompts of 256 random token ids, 128 output tokens each (``ignore_eos``),
 greedy, on a ~125M-parameter Llama (hidden 768, 12 layers, 12 heads, 4 KV heads,
 intermediate 2048, vocab 32000) in bf16 that this script writes itself (random weights).
-Each is loaded and warmed up once, then timed ``--repeats`` times (default 3), the two
-alternating; prints each one's best output tokens per second (least time: the run least
-disturbed by other jobs on the machine), their ratio, and the ratio of each repeat's
-pair; ``--json`` writes the result with every time.
+Each is timed ``--repeats`` times (default 3), the two alternating, every run in a fresh
+process of its own (loaded and warmed up there, untimed), so neither engine's memory or
+threads are present while the other runs; prints each one's best output tokens per
+second (least time: the run least disturbed by other jobs on the machine), their ratio,
+and the ratio of each repeat's pair; ``--json`` writes the result with every time.
 
     python benchmarks/offline_throughput.py [--num-prompts 32 --input-len 256 --output-len 128]
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import platform
 import tempfile
@@ -23,6 +25,8 @@ import time
 from pathlib import Path
 
 import torch
+
+_RUN_TIMEOUT_S = 1800
 
 
 def write_checkpoint(path: Path, dtype: torch.dtype) -> Path:
@@ -88,6 +92,37 @@ def transformers_runner(model_dir: Path, prompts: list[list[int]], output_len: i
     return run
 
 
+def _run_in_child(name: str, model_dir: Path, prompts: list[list[int]], output_len: int,
+                  dtype: str, conn) -> None:
+    """Child process: load and warm up one engine, time one W1 run, send the seconds."""
+    if name == "pdserve":
+        run = pdserve_runner(model_dir, prompts, output_len, dtype)
+    else:
+        run = transformers_runner(model_dir, prompts, output_len, getattr(torch, dtype))
+    conn.send(run())
+    conn.close()
+
+
+def timed_run(name: str, model_dir: Path, prompts: list[list[int]], output_len: int,
+              dtype: str) -> float:
+    """One timed W1 run of ``name`` in a fresh process, so neither engine's memory,
+    threads or caches are there while the other runs; returns its wall seconds."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_run_in_child,
+                       args=(name, model_dir, prompts, output_len, dtype, child))
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(_RUN_TIMEOUT_S):
+            raise TimeoutError(f"{name} took over {_RUN_TIMEOUT_S} s")
+        return parent.recv()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -109,13 +144,11 @@ def main() -> None:
     prompts = torch.randint(0, 32000, (args.num_prompts, args.input_len), generator=gen).tolist()
     num_output = args.num_prompts * args.output_len
 
-    runners = {"pdserve": pdserve_runner(model_dir, prompts, args.output_len, args.dtype)}
-    if not args.skip_transformers:
-        runners["transformers"] = transformers_runner(model_dir, prompts, args.output_len, dtype)
-    times: dict[str, list[float]] = {name: [] for name in runners}
+    names = ["pdserve"] + ([] if args.skip_transformers else ["transformers"])
+    times: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.repeats):
-        for name, run in runners.items():
-            times[name].append(run())
+        for name in names:
+            times[name].append(timed_run(name, model_dir, prompts, args.output_len, args.dtype))
     result = {"workload": vars(args) | {"model_dir": str(model_dir), "json": None},
               "machine": f"{platform.processor() or platform.machine()}, "
                          f"{os.cpu_count()} cores, torch {torch.__version__}, "
