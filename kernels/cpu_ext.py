@@ -15,6 +15,7 @@ and returns False, and the kernels' dispatchers use the PyTorch references inste
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -28,9 +29,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PDSERVE_CPU_KERNELS"
-_SOURCES = ("cpu_attention.cpp", "cpu_layers.cpp")
-_OPS = ("paged_decode_attention", "store_kv", "rms_norm", "fused_add_rms_norm",
-        "rotary_embedding", "silu_and_mul")
+_SOURCES = ("cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_layers.cpp")
+_OPS = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "rms_norm",
+        "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
 _lock = threading.Lock()
 _loaded: bool | None = None
 
@@ -50,6 +51,17 @@ def load() -> bool:
         if _loaded is None:
             _loaded = enabled() and _build_and_load()
         return _loaded
+
+
+def has_prefill_attention() -> bool:
+    """Whether the C++ paged prefill attention runs here: built, and the CPU has
+    AVX512-BF16 (its only code path; elsewhere the reference serves)."""
+    return load() and _has_prefill_attention()
+
+
+@functools.cache
+def _has_prefill_attention() -> bool:
+    return bool(torch.ops.pdserve_cpu.has_paged_prefill_attention())
 
 
 def _build_and_load() -> bool:

@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import cpu_ext
 from pdserve.kernels._triton_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -270,15 +271,58 @@ def paged_prefill_attention_triton(
                         scale)
 
 
+def paged_prefill_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_prefill_attention_ref`` as a C++ kernel for AVX512-BF16 CPUs
+    (``kernels/csrc/cpu_prefill_attention.cpp``); same contract, for bf16 tensors and
+    head dims 64, 128 and 256.
+
+    Algorithm: one task per (sequence, kv head) on torch's intra-op threads reads the
+    context's K and V rows once through the block table (no gather of whole blocks),
+    packs them for ``vdpbf16ps``, and gives every query of the chunk, for all query heads
+    of the kv head's group, its causal scores, an fp32 two-pass softmax (probabilities
+    rounded to bf16, as the reference's attention does) and ``p V`` with fp32 sums.
+    Memory per task: the context's K and V (packed) and one score row per query head.
+
+    Raises:
+        RuntimeError: naming the argument whose shape, dtype or strides are wrong, a chunk
+            longer than its context, a context past its block table or a block id outside
+            the cache, or no such kernel here (``cpu_ext.has_prefill_attention()``).
+    """
+    if not cpu_ext.has_prefill_attention():
+        raise RuntimeError("paged_prefill_attention_cpu: needs the C++ CPU kernels and a CPU "
+                           "with AVX512-BF16")
+    out = torch.empty(query.shape, dtype=query.dtype)
+    if query.shape[0]:
+        torch.ops.pdserve_cpu.paged_prefill_attention(
+            out, query, key_cache, value_cache, block_tables, cu_seqlens_q.to(torch.int32),
+            seq_lens.to(torch.int32), scale)
+    return out
+
+
 def paged_prefill_attention(
     query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale
 ):
     """Dispatching entry point; see ``paged_prefill_attention_ref`` for the contract.
 
-    CUDA tensors go to ``paged_prefill_attention_triton``, others to the reference.
+    CUDA tensors go to ``paged_prefill_attention_triton``; bf16 CPU tensors with head dim
+    64, 128 or 256 to ``paged_prefill_attention_cpu`` where it runs; the rest to the
+    reference.
     """
     if use_triton(query):
         return paged_prefill_attention_triton(
+            query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale
+        )
+    if (query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.bfloat16
+            and query.shape[-1] in (64, 128, 256) and cpu_ext.has_prefill_attention()):
+        return paged_prefill_attention_cpu(
             query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale
         )
     return paged_prefill_attention_ref(

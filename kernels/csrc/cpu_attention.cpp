@@ -56,6 +56,7 @@ inline void load_as_float<c10::BFloat16>(const c10::BFloat16* __restrict__ src,
 // In place: s[t] <- exp(s[t] - max(s)); returns 1 / sum_t of the new s[t].
 inline float softmax_inplace(float* __restrict__ s, int64_t n) {
   float max_score = -INFINITY;
+#pragma omp simd reduction(max : max_score)
   for (int64_t t = 0; t < n; ++t) max_score = std::max(max_score, s[t]);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)

@@ -598,3 +598,51 @@ def test_store_kv_cpu_kernel_is_the_reference(slot_dtype):
     with pytest.raises(RuntimeError, match=r"slot_mapping\[2\] = 24"):
         kv_store.store_kv(key, value, key_cache, value_cache,
                           torch.tensor([3, -1, 24, 0, 9], dtype=slot_dtype))
+
+
+PREFILL_CPU_KERNEL = pytest.mark.skipif(
+    not cpu_ext.has_prefill_attention(),
+    reason="the C++ prefill attention needs the CPU kernels built and AVX512-BF16")
+
+
+@PREFILL_CPU_KERNEL
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [*GQA, (6, 2), (4, 4)])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_paged_prefill_attention_cpu_is_the_per_token_loop(block_size, num_heads,
+                                                           num_kv_heads, head_dim):
+    # chunks with and without a cached prefix, empty, one token, crossing blocks, > 64 keys
+    chunks = [*PREFILL_CHUNKS, (33, 90), (70, 70)]
+    args = prefill_inputs(chunks, block_size, num_heads, num_kv_heads, head_dim,
+                          torch.bfloat16, "cpu")
+    scale = head_dim**-0.5
+    actual = prefill.paged_prefill_attention_cpu(*args, scale)
+    assert_close(actual, prefill_loop(*args, scale))
+    assert_close(prefill.paged_prefill_attention(*args, scale), actual)
+
+
+@PREFILL_CPU_KERNEL
+def test_paged_prefill_attention_cpu_padding_int64_tables_and_bad_input():
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens = prefill_inputs(
+        [(3, 3), (4, 40)], 16, 4, 2, 64, torch.bfloat16, "cpu")
+    padded = block_tables.long().clone()
+    padded[0, 1:] = -1  # past each context: never read
+    padded[1, 3:] = -1
+    expected = prefill_loop(query, key_cache, value_cache, block_tables, cu_seqlens_q,
+                            seq_lens, 0.2)
+    assert_close(prefill.paged_prefill_attention_cpu(query, key_cache, value_cache, padded,
+                                                     cu_seqlens_q, seq_lens, 0.2), expected)
+    too_long = seq_lens.clone()
+    too_long[1] = padded.shape[1] * 16 + 1
+    with pytest.raises(RuntimeError, match="sequence 1"):
+        prefill.paged_prefill_attention_cpu(query, key_cache, value_cache, padded,
+                                            cu_seqlens_q, too_long, 0.2)
+    bad_block = block_tables.clone()
+    bad_block[1, 1] = key_cache.shape[0]
+    with pytest.raises(RuntimeError, match=r"block_tables\[1, 1\]"):
+        prefill.paged_prefill_attention_cpu(query, key_cache, value_cache, bad_block,
+                                            cu_seqlens_q, seq_lens, 0.2)
+    with pytest.raises(RuntimeError, match="bf16 only"):
+        prefill.paged_prefill_attention_cpu(query.float(), key_cache.float(),
+                                            value_cache.float(), block_tables, cu_seqlens_q,
+                                            seq_lens, 0.2)
