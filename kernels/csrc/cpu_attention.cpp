@@ -160,6 +160,22 @@ inline __m512 load_bf16x16(const c10::BFloat16* src) {
 // bf16 with head_dim = 32 * kChunks on AVX512-BF16: q . K by `vdpbf16ps` (bf16 products
 // summed in fp32, as the reference's bf16 matmul), P V by fp32 FMAs. Same buffers as the
 // generic path.
+// Softmax of s[0..n) in place, the result rounded to bf16 and written over the row's
+// start as bf16 p[0..n) (and p[n] = 0 for odd n; n >= 1): read as 32-bit words, the
+// (p[2i], p[2i+1]) pairs vdpbf16ps takes. Each 16-float load is done before the 16 bf16
+// it becomes are stored, at no higher address.
+inline void softmax_to_bf16_inplace(float* s, int64_t n) {
+  const float inv_sum = softmax_inplace(s, n);
+  uint16_t* p = reinterpret_cast<uint16_t*>(s);
+  const __m512 inv = _mm512_set1_ps(inv_sum);
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - t)) - 1);
+    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv);
+    _mm256_mask_storeu_epi16(p + t, m, (__m256i)_mm512_cvtneps_pbh(x));
+  }
+  if (n % 2) p[n] = 0;
+}
+
 template <int kChunks, typename index_t>
 void decode_task_avx512_bf16(const DecodeTask<c10::BFloat16, index_t>& task, float* scores,
                              float* acc) {
@@ -183,32 +199,54 @@ void decode_task_avx512_bf16(const DecodeTask<c10::BFloat16, index_t>& task, flo
       }
     }
   }
-  std::vector<float> inv_sum(task.num_heads());
-  for (int64_t h = 0; h < task.num_heads(); ++h) inv_sum[h] = softmax_inplace(scores + h * n, n);
+  // Softmax per head, the probabilities rounded to bf16 (as the reference's
+  // probs.to(bf16)) over the head's own scores: read as 32-bit words, (p[2i], p[2i+1]).
+  for (int64_t h = 0; h < task.num_heads(); ++h) softmax_to_bf16_inplace(scores + h * n, n);
+  // p V, two tokens at a time: rows t and t + 1 of V are interleaved (unpack lo/hi: each
+  // 32-bit lane a (v[t][d], v[t+1][d]) pair) and multiplied with the broadcast
+  // (p[t], p[t+1]) pair by vdpbf16ps, in token order over the blocks.
   std::fill(acc, acc + task.num_heads() * kHeadDim, 0.0f);
-  for (int64_t t = 0; t < n; ++t) {
-    const c10::BFloat16* v_row = task.v_row(t);
-    if (t + kPrefetchTokens < n)
-      task.prefetch(task.v_row(t + kPrefetchTokens) + task.kv_begin * task.v_h, task.v_h);
+  for (int64_t t = 0; t < n; t += 2) {
+    const c10::BFloat16* r0 = task.v_row(t);
+    const c10::BFloat16* r1 = t + 1 < n ? task.v_row(t + 1) : r0;  // its p is 0
+    for (int64_t ahead = t + kPrefetchTokens; ahead < std::min(n, t + kPrefetchTokens + 2); ++ahead)
+      task.prefetch(task.v_row(ahead) + task.kv_begin * task.v_h, task.v_h);
     for (int64_t kv = task.kv_begin; kv < task.kv_end; ++kv) {
-      __m512 v[2 * kChunks];
-      for (int c = 0; c < 2 * kChunks; ++c) v[c] = load_bf16x16(v_row + kv * task.v_h + 16 * c);
+      __m512bh lo[kChunks], hi[kChunks];
+      for (int c = 0; c < kChunks; ++c) {
+        const __m512i x = _mm512_loadu_si512(r0 + kv * task.v_h + 32 * c);
+        const __m512i y = _mm512_loadu_si512(r1 + kv * task.v_h + 32 * c);
+        lo[c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+        hi[c] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      }
       for (int64_t g = 0; g < task.group; ++g) {
         const int64_t h = (kv - task.kv_begin) * task.group + g;
-        const __m512 p = _mm512_set1_ps(scores[h * n + t]);
+        const uint32_t pair = reinterpret_cast<const uint32_t*>(scores + h * n)[t / 2];
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
         float* a = acc + h * kHeadDim;
-        for (int c = 0; c < 2 * kChunks; ++c)
-          _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(a + 16 * c)));
+        for (int c = 0; c < kChunks; ++c) {
+          _mm512_storeu_ps(a + 32 * c, _mm512_dpbf16_ps(_mm512_loadu_ps(a + 32 * c), lo[c], p));
+          _mm512_storeu_ps(a + 32 * c + 16,
+                           _mm512_dpbf16_ps(_mm512_loadu_ps(a + 32 * c + 16), hi[c], p));
+        }
       }
     }
   }
+  // Lane order -> dims: acc[32c .. 32c + 16) holds dims 32c + 8L + 0..3 of 128-bit lane L,
+  // acc[32c + 16 .. 32c + 32) dims 32c + 8L + 4..7; un-interleave, round to bf16, store.
+  const __m512i dims_0_15 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i dims_16_31 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t h = 0; h < task.num_heads(); ++h) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[h]);
     c10::BFloat16* o = task.out + (h0 + h) * task.o_h;
-    for (int c = 0; c < 2 * kChunks; ++c) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(acc + h * kHeadDim + 16 * c), inv);
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512 lo = _mm512_loadu_ps(acc + h * kHeadDim + 32 * c);
+      const __m512 hi = _mm512_loadu_ps(acc + h * kHeadDim + 32 * c + 16);
       // fp32 -> bf16 rounding to nearest even, as torch's cast.
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(x));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, dims_0_15, hi)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * c + 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, dims_16_31, hi)));
     }
   }
 }
