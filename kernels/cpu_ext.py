@@ -83,8 +83,10 @@ def _build_and_load() -> bool:
         return all(hasattr(torch.ops.pdserve_cpu, op) for op in _OPS)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:
         # NOTE: any build or load failure means "use the references"
+        lines = str(exc).strip().splitlines() or [""]
+        detail = next((line for line in lines if "error" in line.lower()), lines[-1])
         logger.warning("pdserve C++ CPU kernels unavailable, using the PyTorch references "
-                       "(%s: %s)", type(exc).__name__, str(exc).strip().splitlines()[-1:])
+                       "(%s: %s)", type(exc).__name__, detail.strip())
         return False
 
 
