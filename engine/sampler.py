@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.engine.request import Logprob, Request
+from pdserve.kernels.layers import argmax
 
 _MASK64 = (1 << 64) - 1
 
@@ -51,9 +52,9 @@ class Sampler:
         self._ban_stop_tokens(logits, requests)
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         if bool(greedy.all()):
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax(logits)
         else:
-            tokens = torch.where(greedy, logits.argmax(dim=-1), self._draw(logits, requests))
+            tokens = torch.where(greedy, argmax(logits), self._draw(logits, requests))
         token_list = tokens.tolist()
         return [(t, _logprob(raw_logprobs, i, t, p.logprobs))
                 for i, (t, p) in enumerate(zip(token_list, params))]

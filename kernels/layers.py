@@ -111,3 +111,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         torch.ops.pdserve_cpu.silu_and_mul(out, x)
         return out
     return silu_and_mul_ref(x)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for fp32 ``[rows, n]``: the first index of each row's largest
+    value (a NaN counts as the largest), int64 ``[rows]``. On CPU a C++ kernel: two
+    vectorized passes per row, rows in parallel (torch's takes ~0.8 ms for 32 x 32000
+    on 2 cores, a per-step cost in greedy decoding)."""
+    if (x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0 and x.stride(-1) == 1
+            and _on_cpu_kernels(x)):
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        torch.ops.pdserve_cpu.argmax_rows(out, x)
+        return out
+    return x.argmax(dim=-1)

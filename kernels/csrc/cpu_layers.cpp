@@ -255,3 +255,46 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
 }
+
+namespace {
+
+// out[r] = the first index of the largest value of row r of x ([rows, n] fp32; a NaN
+// counts as the largest, as torch.argmax). Two vectorized passes per row (max, then the
+// first index holding it); rows in parallel.
+void argmax_rows(at::Tensor out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1 &&
+                  x.scalar_type() == at::kFloat,
+              "argmax_rows: x must be fp32 [rows, n >= 1] with a contiguous last dim");
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == x.size(0) && out.scalar_type() == at::kLong &&
+                  out.is_contiguous(),
+              "argmax_rows: out must be contiguous int64 [rows]");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  const float* ptr = x.const_data_ptr<float>();
+  int64_t* result = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = ptr + r * stride;
+      float best = row[0];
+      int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+      for (int64_t i = 0; i < n; ++i) {
+        best = std::max(best, row[i]);
+        nan |= row[i] != row[i];
+      }
+      int64_t index = 0;
+      if (nan) {
+        while (row[index] == row[index]) ++index;
+      } else {
+        while (row[index] != best) ++index;
+      }
+      result[r] = index;
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
+}

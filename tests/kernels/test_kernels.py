@@ -646,3 +646,15 @@ def test_paged_prefill_attention_cpu_padding_int64_tables_and_bad_input():
         prefill.paged_prefill_attention_cpu(query.float(), key_cache.float(),
                                             value_cache.float(), block_tables, cu_seqlens_q,
                                             seq_lens, 0.2)
+
+
+@CPU_KERNELS
+def test_argmax_cpu_kernel_is_torch_argmax():
+    x = randn(37, 1000)
+    x[3, 500] = x[3].max() + 1  # ties: the first index wins, as torch
+    x[3, 700] = x[3, 500]
+    x[5, 10] = float("nan")  # a NaN counts as the largest
+    x[5, 20] = float("nan")
+    x[6] = float("-inf")
+    assert torch.equal(layers.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(layers.argmax(x[:, :1]), torch.zeros(37, dtype=torch.int64))
