@@ -1,4 +1,5 @@
-"""Fused elementwise layers: RMSNorm (with the residual add), rotary embedding, SiLU-and-mul.
+"""Fused elementwise layers: RMSNorm (with the residual add), rotary embedding, SiLU-and-mul;
+and the greedy sampler's row argmax.
 
 Each entry point sends CPU tensors to a C++ kernel (``kernels/csrc/cpu_layers.cpp``,
 ``pdserve.kernels.cpu_ext``) where it is built, and everything else to its ``*_ref``,

@@ -1,14 +1,17 @@
-// Paged decode attention for CPUs, built on first use by pdserve/kernels/cpu_ext.py.
+// Paged decode attention and the KV store for CPUs, built on first use by
+// pdserve/kernels/cpu_ext.py.
 //
-// One task per (sequence, kv head) reads that kv head's K and V rows straight from the
-// paged cache through the block table (no gather, no copy), for the query heads that
-// share it (grouped-query attention), in fp32:
+// A task (one sequence, or one (sequence, kv head) when sequences are few) reads K and
+// V rows straight from the paged cache through the block table (no gather, no copy),
+// for the query heads that share each kv head (grouped-query attention):
 //   scores[g][t] = scale * q[g] . K[t]        (pass 1, over the context's blocks)
-//   p[g][t]      = softmax_t(scores[g][t])     (max-subtracted, exp in fp32)
+//   p[g][t]      = softmax_t(scores[g][t])     (max-subtracted, exp and sums in fp32)
 //   out[g]       = sum_t p[g][t] * V[t]        (pass 2)
-// Tasks run on torch's intra-op thread pool (at::parallel_for). The loops are written
-// for the compiler's vectorizer (`omp simd`), so one source serves AVX2, AVX-512 and
-// Arm builds; it is compiled with -march=native on the machine that runs it.
+// Tasks run on torch's intra-op thread pool (at::parallel_for). The portable path is
+// written for the compiler's vectorizer (`omp simd`), so one source serves AVX2, AVX-512
+// and Arm builds (compiled with -march=native on the machine that runs it); bf16 with
+// head dim 64/128/256 on AVX512-BF16 CPUs takes an intrinsics path (vdpbf16ps, the
+// probabilities rounded to bf16 before p V as the reference does).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

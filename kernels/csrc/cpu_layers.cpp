@@ -1,5 +1,6 @@
 // Fused elementwise layers for CPUs: RMSNorm (with the residual add), rotary position
-// embedding and SiLU-and-mul, built on first use by pdserve/kernels/cpu_ext.py.
+// embedding and SiLU-and-mul, and a row argmax for greedy sampling; built on first use by
+// pdserve/kernels/cpu_ext.py.
 //
 // Each op does in one pass over memory what the PyTorch reference does in 4-10 ops, and
 // rounds to the activation dtype exactly where the reference (and transformers) rounds,
