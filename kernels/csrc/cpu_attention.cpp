@@ -36,39 +36,8 @@ namespace {
 
 constexpr int64_t kMaxHeadDim = 512;
 
-template <typename T>
-inline void load_as_float(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// bf16 -> fp32 is a 16-bit shift; spelled out so the loop vectorizes.
-template <>
-inline void load_as_float<c10::BFloat16>(const c10::BFloat16* __restrict__ src,
-                                         float* __restrict__ dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
-    float value;
-    std::memcpy(&value, &widened, sizeof(value));
-    dst[i] = value;
-  }
-}
-
-// In place: s[t] <- exp(s[t] - max(s)); returns 1 / sum_t of the new s[t].
-inline float softmax_inplace(float* __restrict__ s, int64_t n) {
-  float max_score = -INFINITY;
-#pragma omp simd reduction(max : max_score)
-  for (int64_t t = 0; t < n; ++t) max_score = std::max(max_score, s[t]);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = pdserve::exp_f32(s[t] - max_score);
-    sum += s[t];
-  }
-  return 1.0f / sum;
-}
+using pdserve::load_as_float;
+using pdserve::softmax_inplace;
 
 // What one task needs: the sequence's query, output, block table and length, the layer's
 // caches and their strides (in elements), and the kv heads [kv_begin, kv_end) it does.
@@ -154,31 +123,9 @@ void decode_task_generic(const DecodeTask<scalar_t, index_t>& task, float* score
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define PDSERVE_AVX512_BF16 1
 
-// 16 bf16 -> 16 fp32 (a widening shift).
-inline __m512 load_bf16x16(const c10::BFloat16* src) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 // bf16 with head_dim = 32 * kChunks on AVX512-BF16: q . K by `vdpbf16ps` (bf16 products
-// summed in fp32, as the reference's bf16 matmul), P V by fp32 FMAs. Same buffers as the
-// generic path.
-// Softmax of s[0..n) in place, the result rounded to bf16 and written over the row's
-// start as bf16 p[0..n) (and p[n] = 0 for odd n; n >= 1): read as 32-bit words, the
-// (p[2i], p[2i+1]) pairs vdpbf16ps takes. Each 16-float load is done before the 16 bf16
-// it becomes are stored, at no higher address.
-inline void softmax_to_bf16_inplace(float* s, int64_t n) {
-  const float inv_sum = softmax_inplace(s, n);
-  uint16_t* p = reinterpret_cast<uint16_t*>(s);
-  const __m512 inv = _mm512_set1_ps(inv_sum);
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - t)) - 1);
-    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv);
-    _mm256_mask_storeu_epi16(p + t, m, (__m256i)_mm512_cvtneps_pbh(x));
-  }
-  if (n % 2) p[n] = 0;
-}
-
+// summed in fp32, as the reference's bf16 matmul), the probabilities rounded to bf16 and
+// p V by `vdpbf16ps` on pairs of tokens. Same buffers as the generic path.
 template <int kChunks, typename index_t>
 void decode_task_avx512_bf16(const DecodeTask<c10::BFloat16, index_t>& task, float* scores,
                              float* acc) {
@@ -204,7 +151,10 @@ void decode_task_avx512_bf16(const DecodeTask<c10::BFloat16, index_t>& task, flo
   }
   // Softmax per head, the probabilities rounded to bf16 (as the reference's
   // probs.to(bf16)) over the head's own scores: read as 32-bit words, (p[2i], p[2i+1]).
-  for (int64_t h = 0; h < task.num_heads(); ++h) softmax_to_bf16_inplace(scores + h * n, n);
+  for (int64_t h = 0; h < task.num_heads(); ++h) {
+    float* s = scores + h * n;
+    pdserve::softmax_to_bf16_pairs(s, n, reinterpret_cast<uint16_t*>(s));
+  }
   // p V, two tokens at a time: rows t and t + 1 of V are interleaved (unpack lo/hi: each
   // 32-bit lane a (v[t][d], v[t+1][d]) pair) and multiplied with the broadcast
   // (p[t], p[t+1]) pair by vdpbf16ps, in token order over the blocks.

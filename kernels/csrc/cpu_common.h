@@ -8,8 +8,14 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace pdserve {
 
@@ -62,5 +68,43 @@ inline float exp_f32(float x) {
   p = p * r + 1.0f;
   return p * std::bit_cast<float>(static_cast<uint32_t>(k + 127) << 23);
 }
+
+// dst[0..n) = src[0..n) widened to fp32.
+template <typename T>
+inline void load_as_float(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  const auto* raw = reinterpret_cast<const typename Elem<T>::raw*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = Elem<T>::widen(raw[i]);
+}
+
+// In place: s[t] <- exp(s[t] - max(s)); returns 1 / sum_t of the new s[t].
+inline float softmax_inplace(float* __restrict__ s, int64_t n) {
+  float max_score = -INFINITY;
+#pragma omp simd reduction(max : max_score)
+  for (int64_t t = 0; t < n; ++t) max_score = std::max(max_score, s[t]);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_f32(s[t] - max_score);
+    sum += s[t];
+  }
+  return 1.0f / sum;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// Softmax of s[0..n) (n >= 1), rounded to bf16 into p[0..n) and p[n] = 0 for odd n, as
+// the references round their probabilities. Read as 32-bit words, p then holds the
+// (p[2i], p[2i+1]) pairs vdpbf16ps takes. p may be s itself: each 16-float load comes
+// before the 16 bf16 it becomes are stored, at no higher address.
+inline void softmax_to_bf16_pairs(float* s, int64_t n, uint16_t* p) {
+  const __m512 inv = _mm512_set1_ps(softmax_inplace(s, n));
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - t)) - 1);
+    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv);
+    _mm256_mask_storeu_epi16(p + t, m, (__m256i)_mm512_cvtneps_pbh(x));
+  }
+  if (n % 2) p[n] = 0;
+}
+#endif
 
 }  // namespace pdserve

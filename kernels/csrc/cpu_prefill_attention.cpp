@@ -41,29 +41,6 @@ struct PrefillArgs {
   float scale;
 };
 
-// Softmax of s[0..n), rounded to bf16 into p[0..2 * num_pairs) (p past n is 0): read
-// as 32-bit words, p holds the (p[2i], p[2i+1]) pairs vdpbf16ps takes.
-void softmax_to_bf16(float* s, int64_t n, uint16_t* p, int64_t num_pairs) {
-  float max_score = -INFINITY;
-#pragma omp simd reduction(max : max_score)
-  for (int64_t t = 0; t < n; ++t) max_score = std::max(max_score, s[t]);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = pdserve::exp_f32(s[t] - max_score);
-    sum += s[t];
-  }
-  const __m512 inv = _mm512_set1_ps(1.0f / sum);
-  for (int64_t t = 0; t < 2 * num_pairs; t += 16) {
-    const int64_t left = std::min<int64_t>(16, n - t);
-    const __mmask16 valid = left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-    const __mmask16 store = static_cast<__mmask16>(
-        (1u << std::min<int64_t>(16, 2 * num_pairs - t)) - 1);
-    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, s + t), inv);
-    _mm256_mask_storeu_epi16(p + t, store, (__m256i)_mm512_cvtneps_pbh(x));
-  }
-}
-
 // One (sequence, kv head): queries [q_begin, q_begin + q_len) of the flat batch sit at
 // positions ctx - q_len ... ctx - 1 of a context of ctx tokens.
 template <int kChunks, typename index_t>
@@ -138,8 +115,9 @@ void prefill_task(const PrefillArgs& a, const index_t* table, int64_t q_begin, i
       }
     }
     for (int64_t g = 0; g < a.group; ++g)
-      softmax_to_bf16(scores.data() + g * row_stride, n,
-                      reinterpret_cast<uint16_t*>(p_pairs.data() + g * num_key_pairs), pairs);
+      pdserve::softmax_to_bf16_pairs(
+          scores.data() + g * row_stride, n,
+          reinterpret_cast<uint16_t*>(p_pairs.data() + g * num_key_pairs));
     // p V: one head at a time, its accumulators in registers, two sets (even and odd
     // key pairs) for twice the independent vdpbf16ps chains.
     for (int64_t g = 0; g < a.group; ++g) {
