@@ -16,12 +16,10 @@ wire, per transfer:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import hashlib
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -226,30 +224,26 @@ class CounterSet:
         self._lock = threading.Lock()
         self._totals = KVTransferCounters()
 
-    def add(self, stats: KVTransferStats | None) -> None:
-        """Count one transfer: ``stats`` for a success, None for a failure."""
+    def start(self) -> None:
+        """A payload starts moving (``num_in_flight`` + 1); end it with ``add(...,
+        moving=True)``."""
         with self._lock:
             t = self._totals
+            self._totals = dataclasses.replace(t, num_in_flight=t.num_in_flight + 1)
+
+    def add(self, stats: KVTransferStats | None, moving: bool = False) -> None:
+        """Count one transfer: ``stats`` for a success, None for a failure. ``moving``:
+        it was ``start``ed, and leaves ``num_in_flight`` in the same update, so a reader
+        never sees it neither in flight nor counted."""
+        with self._lock:
+            t = dataclasses.replace(self._totals,
+                                    num_in_flight=self._totals.num_in_flight - int(moving))
             if stats is None:
                 self._totals = dataclasses.replace(t, num_failed=t.num_failed + 1)
             else:
                 self._totals = dataclasses.replace(
                     t, num_transfers=t.num_transfers + 1, num_bytes=t.num_bytes + stats.num_bytes,
                     seconds=t.seconds + stats.seconds)
-
-    @contextlib.contextmanager
-    def in_flight(self) -> Iterator[None]:
-        """Count a payload as moving for the duration of the ``with`` block."""
-        self._add_in_flight(1)
-        try:
-            yield
-        finally:
-            self._add_in_flight(-1)
-
-    def _add_in_flight(self, delta: int) -> None:
-        with self._lock:
-            t = self._totals
-            self._totals = dataclasses.replace(t, num_in_flight=t.num_in_flight + delta)
 
     def snapshot(self) -> KVTransferCounters:
         with self._lock:

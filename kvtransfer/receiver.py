@@ -293,14 +293,15 @@ class KVReceiver:
                 pull._claimed.set()
 
     def _run(self, pull: KVPull) -> None:
-        stats, error = None, None
+        stats, error, moving = None, None, False
         try:
             group = pull.channel.wait_ready(pull.deadline)
             pull._advance(KVPollState.WAITING_FOR_INPUT)
             self._post_early(pull, group)
             self._await_claim(pull)
-            with self._counters.in_flight():
-                stats = self._receive(pull, group)
+            self._counters.start()
+            moving = True
+            stats = self._receive(pull, group)
         except KVTransferError as exc:
             error = exc
             self._give_up(pull)
@@ -309,7 +310,7 @@ class KVReceiver:
             # given up, or failed); gloo keeps only weak references, so this frees them.
             # Before the end is signalled: cancel() returns only after this.
             pull._early = None
-            self._counters.add(stats)
+            self._counters.add(stats, moving)
             if error is None and stats is not None:
                 pull._succeed(stats)
             else:

@@ -191,7 +191,7 @@ class KVSender:
     def _send(self, transfer: KVTransfer, decode_worker_id: str, address: str,
               ids: list[int], known: Ticket | None = None) -> None:
         peer = self._peer(decode_worker_id, address)
-        stats = None
+        stats, moving = None, False
         try:
             ticket = self._ticket(peer, transfer, known)
             group = self._group(peer, ticket, transfer)
@@ -200,14 +200,15 @@ class KVSender:
                 raise KVTransferError(f"decode worker {decode_worker_id} gave up on request "
                                       f"{transfer.request_id} before it was sent")
             transfer._advance(KVPollState.TRANSFERRING)
-            with self._counters.in_flight():
-                stats = self._move(group, peer, ticket, transfer, ids)
+            self._counters.start()
+            moving = True
+            stats = self._move(group, peer, ticket, transfer, ids)
         except KVTransferError as exc:
             error = exc
         except RuntimeError as exc:  # the store connection broke (DistError is one)
             peer.store = None
             error = KVTransferError(f"decode worker {decode_worker_id} store at {address}: {exc}")
-        self._counters.add(stats)
+        self._counters.add(stats, moving)
         if stats is not None:
             transfer._succeed(stats)
         else:

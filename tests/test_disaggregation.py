@@ -243,7 +243,10 @@ def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints
             state = await wait_all_blocks_free(p, timeout_s=30)
             after = random_prompts([BIG_KV_PROMPT_TOKENS], seed=349)[0]
             served = await generate(p, survivor, "after", after, greedy, timeout_s=60)
-            return (tries, landed, state, after, served, await health(p),
+            # NOTE: the sender's thread ends its send just after the decode side has the
+            # bytes (and may stream tokens), so the gauge drops to 0 shortly after
+            idle = await wait_no_transfer_in_flight(p, timeout_s=30)
+            return (tries, landed, state, after, served, idle, await health(p),
                     prefill.service.sender.counters())
         finally:
             await prefill.stop()
@@ -255,7 +258,7 @@ def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints
                 proc, info = start_decode_process(checkpoint, redis.url, tmp_path / f"d{i}.json")
                 procs.append(proc)
                 infos.append(info)
-            tries, landed, state, after, served, final, sends = asyncio.run(
+            tries, landed, state, after, served, idle, final, sends = asyncio.run(
                 main(redis.url, procs, infos))
         finally:
             for proc in procs:
@@ -268,7 +271,7 @@ def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints
     assert isinstance(killed, grpc.aio.AioRpcError), tries  # its Decode stream broke
     assert procs[1].returncode == -signal.SIGKILL
     assert state.num_free_blocks == state.num_total_blocks
-    assert final.num_kv_transfers_in_flight == 0, tries
+    assert idle and final.num_kv_transfers_in_flight == 0, tries
     # the killed send failed (its blocks were not freed by the 60 s lease); the missed
     # tries' sends and the last request's succeeded
     assert (sends.num_failed, sends.num_transfers) == (1, landed + 1)
