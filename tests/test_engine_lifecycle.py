@@ -205,3 +205,21 @@ def test_sampling_filters_keep_only_allowed_tokens():
         for i, (token, _) in enumerate(sampler.sample(logits.clone(), requests)):
             seen[i].add(token)
     assert seen == allowed
+
+
+def test_cpu_kv_cache_sits_zeroed_on_huge_page_aligned_memory(llm):
+    import gc
+    import sys
+
+    from pdserve.engine.model_runner import cpu_zeros_on_huge_pages
+
+    cache = cpu_zeros_on_huge_pages((3, 5, 7), torch.bfloat16)
+    assert cache.shape == (3, 5, 7) and cache.dtype == torch.bfloat16 and cache.is_contiguous()
+    assert not cache.any()
+    if sys.platform == "linux":
+        assert cache.data_ptr() % (2 << 20) == 0
+    gc.collect()  # NOTE: the tensor alone must keep its mapping alive
+    cache.fill_(1.5)
+    assert cache.float().sum().item() == 1.5 * 3 * 5 * 7
+    kv = llm.engine.model_runner.kv_cache
+    assert kv.shape[0] == llm.engine.model_runner.config.num_layers and kv.is_contiguous()
