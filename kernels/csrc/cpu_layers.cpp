@@ -167,26 +167,6 @@ void rotary_embedding(at::Tensor query, at::Tensor key, const at::Tensor& cos,
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PDSERVE_AVX512_BF16 1
 
-// exp on 16 lanes: the scalar exp_f32's argument split and polynomial, with 2^n applied
-// by vscalefps, which overflows to inf and underflows through the denormals to 0 as expf
-// (the clamp to [-104, 89] only keeps +-inf inputs out of the argument split).
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.0f)), _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 inline __m512 bf16x16_to_f32(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
@@ -198,7 +178,7 @@ void silu_and_mul_row_avx512_bf16(const uint16_t* gate, const uint16_t* up, uint
     const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
     const __m512 g = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, gate + i));
     const __m512 u = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, up + i));
-    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), pdserve::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)));
     const __m256bh act = _mm512_cvtneps_pbh(_mm512_div_ps(g, d));
     const __m512 y = _mm512_mul_ps(bf16x16_to_f32((__m256i)act), u);
     _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(y));

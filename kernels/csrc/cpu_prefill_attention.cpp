@@ -8,8 +8,9 @@
 //   scores = scale * q . K[0..pos]    (causal: keys up to the query's position)
 //   p      = softmax(scores), rounded to bf16 as the reference's probabilities
 //   out    = p V
-// with fp32 sums. Scores are kept whole per query row (two-pass softmax), which bounds
-// a row by the context length: 4 bytes per key.
+// with fp32 sums, four (query, head) rows at a time so that each K and V load serves
+// four rows (register blocking, as a GEMM micro-kernel). Scores are kept whole per row
+// (two-pass softmax), which bounds a row by the context length: 4 bytes per key.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -41,6 +42,49 @@ struct PrefillArgs {
   float scale;
 };
 
+// Rows of a task: (query i, query head g) pairs in the order r = i * group + g. The
+// q . K loop takes kRows rows at a time against four 16-key tiles (16 accumulators: each
+// K load serves kRows rows, each q broadcast four tiles); p V takes kPvRows rows at a
+// time (their 2 * kChunks accumulators each fill 16 registers), each V load serving
+// every row.
+constexpr int kRows = 4;
+
+// p V for rows [j0, j0 + kPvRows) of a row block over key pairs [0, pairs): adds
+// p[row][k] * (V[2k], V[2k+1]) into registers, then rounds the rows to bf16 into out.
+template <int kChunks, int kPvRows>
+void pv_rows(const uint32_t* v_packed, const uint32_t* p_pairs, int64_t pair_stride,
+             int64_t pairs, uint16_t* const* out_rows) {
+  __m512 acc[kPvRows][2 * kChunks];
+  for (int j = 0; j < kPvRows; ++j)
+    for (int c = 0; c < 2 * kChunks; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < pairs; ++k) {
+    __m512bh p[kPvRows];
+    for (int j = 0; j < kPvRows; ++j)
+      p[j] = (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pairs[j * pair_stride + k]));
+    const uint32_t* vk = v_packed + k * 2 * kChunks * 16;
+    for (int c = 0; c < 2 * kChunks; ++c) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(vk + 16 * c);
+      for (int j = 0; j < kPvRows; ++j) acc[j][c] = _mm512_dpbf16_ps(acc[j][c], v, p[j]);
+    }
+  }
+  // Lane order of the accumulators -> dims (see the V packing): vector 2c holds dims
+  // 32c + 8L + 0..3 of 128-bit lane L, vector 2c + 1 dims 32c + 8L + 4..7.
+  const __m512i dims_0_15 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i dims_16_31 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int j = 0; j < kPvRows; ++j) {
+    uint16_t* o = out_rows[j];
+    if (o == nullptr) continue;  // a padding row
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512 d0 = _mm512_permutex2var_ps(acc[j][2 * c], dims_0_15, acc[j][2 * c + 1]);
+      const __m512 d1 = _mm512_permutex2var_ps(acc[j][2 * c], dims_16_31, acc[j][2 * c + 1]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * c), (__m256i)_mm512_cvtneps_pbh(d0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * c + 16),
+                          (__m256i)_mm512_cvtneps_pbh(d1));
+    }
+  }
+}
+
 // One (sequence, kv head): queries [q_begin, q_begin + q_len) of the flat batch sit at
 // positions ctx - q_len ... ctx - 1 of a context of ctx tokens.
 template <int kChunks, typename index_t>
@@ -48,8 +92,8 @@ void prefill_task(const PrefillArgs& a, const index_t* table, int64_t q_begin, i
                   int64_t ctx, int64_t kv, std::vector<uint32_t>& k_packed,
                   std::vector<uint32_t>& v_packed, std::vector<float>& scores,
                   std::vector<uint32_t>& p_pairs) {
-  // NOTE: p_pairs holds, per head, num_key_pairs 32-bit words = 2 bf16 per word.
   constexpr int kPairs = 16 * kChunks;  // (d, d+1) pairs per row
+  constexpr int kPvRows = 16 / (2 * kChunks) < kRows ? 16 / (2 * kChunks) : kRows;
   const int64_t num_tiles = (ctx + 15) / 16, num_key_pairs = (ctx + 1) / 2;
   // K: tile j holds keys 16j..16j+15 as [kPairs][16 keys] 32-bit (d, d+1) pairs.
   k_packed.assign(num_tiles * kPairs * 16, 0u);
@@ -75,82 +119,56 @@ void prefill_task(const PrefillArgs& a, const index_t* table, int64_t q_begin, i
       _mm512_storeu_si512(dst + 32 * c + 16, _mm512_unpackhi_epi16(x, y));
     }
   }
-  // Lane order of the P V accumulators -> dims (see the V packing): vector 2c holds dims
-  // 32c + 8L + 0..3 of 128-bit lane L, vector 2c + 1 dims 32c + 8L + 4..7.
-  const __m512i dims_0_15 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i dims_16_31 =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  const int64_t row_stride = num_tiles * 16;
-  scores.resize(a.group * row_stride);
-  p_pairs.resize(a.group * num_key_pairs);
-  for (int64_t i = 0; i < q_len; ++i) {
-    const int64_t pos = ctx - q_len + i, n = pos + 1;  // keys 0..pos
-    const int64_t tiles = (n + 15) / 16, pairs = (n + 1) / 2;
-    const uint16_t* q_tok = a.q + (q_begin + i) * a.q_t + kv * a.group * a.q_h;
-    // q . K, four 16-key tiles at a time (four independent vdpbf16ps chains sharing
-    // each broadcast q pair).
-    for (int64_t g = 0; g < a.group; ++g) {
-      const uint32_t* qg = reinterpret_cast<const uint32_t*>(q_tok + g * a.q_h);
-      float* s = scores.data() + g * row_stride;
-      for (int64_t j = 0; j < tiles; j += 4) {
-        const uint32_t* k0 = k_packed.data() + j * kPairs * 16;
-        // NOTE: past the last tile the loads repeat tile j (in bounds); never stored.
-        const uint32_t* k1 = j + 1 < tiles ? k0 + kPairs * 16 : k0;
-        const uint32_t* k2 = j + 2 < tiles ? k0 + 2 * kPairs * 16 : k0;
-        const uint32_t* k3 = j + 3 < tiles ? k0 + 3 * kPairs * 16 : k0;
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
-        for (int dp = 0; dp < kPairs; ++dp) {
-          const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(qg[dp]));
-          acc0 = _mm512_dpbf16_ps(acc0, qp, (__m512bh)_mm512_loadu_si512(k0 + dp * 16));
-          acc1 = _mm512_dpbf16_ps(acc1, qp, (__m512bh)_mm512_loadu_si512(k1 + dp * 16));
-          acc2 = _mm512_dpbf16_ps(acc2, qp, (__m512bh)_mm512_loadu_si512(k2 + dp * 16));
-          acc3 = _mm512_dpbf16_ps(acc3, qp, (__m512bh)_mm512_loadu_si512(k3 + dp * 16));
-        }
-        const __m512 scale = _mm512_set1_ps(a.scale);
-        _mm512_storeu_ps(s + j * 16, _mm512_mul_ps(acc0, scale));
-        if (j + 1 < tiles) _mm512_storeu_ps(s + (j + 1) * 16, _mm512_mul_ps(acc1, scale));
-        if (j + 2 < tiles) _mm512_storeu_ps(s + (j + 2) * 16, _mm512_mul_ps(acc2, scale));
-        if (j + 3 < tiles) _mm512_storeu_ps(s + (j + 3) * 16, _mm512_mul_ps(acc3, scale));
-      }
+  const int64_t row_stride = num_tiles * 16, pair_stride = row_stride / 2;
+  scores.resize(kRows * row_stride);
+  p_pairs.resize(kRows * pair_stride);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  const int64_t num_rows = q_len * a.group;
+  for (int64_t r0 = 0; r0 < num_rows; r0 += kRows) {
+    // The block's rows; past the last row, padding rows repeat it (computed, not stored).
+    const uint32_t* q_rows[kRows];
+    uint16_t* out_rows[kRows];
+    int64_t n_row[kRows];  // keys 0 .. pos of the row's query
+    for (int j = 0; j < kRows; ++j) {
+      const int64_t r = std::min(r0 + j, num_rows - 1), i = r / a.group, g = r % a.group;
+      q_rows[j] = reinterpret_cast<const uint32_t*>(a.q + (q_begin + i) * a.q_t +
+                                                    (kv * a.group + g) * a.q_h);
+      out_rows[j] = r0 + j < num_rows ? a.out + (q_begin + i) * a.o_t + (kv * a.group + g) * a.o_h
+                                      : nullptr;
+      n_row[j] = ctx - q_len + i + 1;
     }
-    for (int64_t g = 0; g < a.group; ++g)
-      pdserve::softmax_to_bf16_pairs(
-          scores.data() + g * row_stride, n,
-          reinterpret_cast<uint16_t*>(p_pairs.data() + g * num_key_pairs));
-    // p V: one head at a time, its accumulators in registers, two sets (even and odd
-    // key pairs) for twice the independent vdpbf16ps chains.
-    for (int64_t g = 0; g < a.group; ++g) {
-      const uint32_t* p = p_pairs.data() + g * num_key_pairs;
-      __m512 acc[2 * kChunks], odd[2 * kChunks];
-      for (int c = 0; c < 2 * kChunks; ++c) acc[c] = odd[c] = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + 1 < pairs; k += 2) {
-        const __m512bh p0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[k]));
-        const __m512bh p1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[k + 1]));
-        const uint32_t* v0 = v_packed.data() + k * 2 * kChunks * 16;
-        const uint32_t* v1 = v0 + 2 * kChunks * 16;
-        for (int c = 0; c < 2 * kChunks; ++c) {
-          acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_loadu_si512(v0 + 16 * c), p0);
-          odd[c] = _mm512_dpbf16_ps(odd[c], (__m512bh)_mm512_loadu_si512(v1 + 16 * c), p1);
+    const int64_t n_max = n_row[kRows - 1];  // rows go in query order
+    const int64_t tiles = (n_max + 15) / 16, pairs = (n_max + 1) / 2;
+    // q . K, four 16-key tiles at a time for all kRows rows; a row's keys past its own
+    // query are computed here and never read.
+    for (int64_t tile = 0; tile < tiles; tile += 4) {
+      const uint32_t* kt[4];
+      for (int u = 0; u < 4; ++u)  // past the last tile the loads repeat `tile` (in bounds)
+        kt[u] = k_packed.data() + (tile + u < tiles ? tile + u : tile) * kPairs * 16;
+      __m512 acc[kRows][4];
+      for (int j = 0; j < kRows; ++j)
+        for (int u = 0; u < 4; ++u) acc[j][u] = _mm512_setzero_ps();
+      for (int dp = 0; dp < kPairs; ++dp) {
+        __m512bh k[4];
+        for (int u = 0; u < 4; ++u) k[u] = (__m512bh)_mm512_loadu_si512(kt[u] + dp * 16);
+        for (int j = 0; j < kRows; ++j) {
+          const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(q_rows[j][dp]));
+          for (int u = 0; u < 4; ++u) acc[j][u] = _mm512_dpbf16_ps(acc[j][u], qp, k[u]);
         }
       }
-      if (k < pairs) {
-        const __m512bh pk = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[k]));
-        const uint32_t* vk = v_packed.data() + k * 2 * kChunks * 16;
-        for (int c = 0; c < 2 * kChunks; ++c)
-          acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_loadu_si512(vk + 16 * c), pk);
-      }
-      for (int c = 0; c < 2 * kChunks; ++c) acc[c] = _mm512_add_ps(acc[c], odd[c]);
-      uint16_t* o = a.out + (q_begin + i) * a.o_t + (kv * a.group + g) * a.o_h;
-      for (int c = 0; c < kChunks; ++c) {
-        const __m512 d0 = _mm512_permutex2var_ps(acc[2 * c], dims_0_15, acc[2 * c + 1]);
-        const __m512 d1 = _mm512_permutex2var_ps(acc[2 * c], dims_16_31, acc[2 * c + 1]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * c), (__m256i)_mm512_cvtneps_pbh(d0));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * c + 16),
-                            (__m256i)_mm512_cvtneps_pbh(d1));
-      }
+      for (int j = 0; j < kRows; ++j)
+        for (int u = 0; u < 4 && tile + u < tiles; ++u)
+          _mm512_storeu_ps(scores.data() + j * row_stride + (tile + u) * 16,
+                           _mm512_mul_ps(acc[j][u], scale));
     }
+    for (int j = 0; j < kRows; ++j) {
+      uint16_t* p = reinterpret_cast<uint16_t*>(p_pairs.data() + j * pair_stride);
+      pdserve::softmax_to_bf16_pairs(scores.data() + j * row_stride, n_row[j], p);
+      std::fill(p + n_row[j], p + 2 * pairs, uint16_t{0});  // keys past the row's query
+    }
+    for (int j0 = 0; j0 < kRows; j0 += kPvRows)
+      pv_rows<kChunks, kPvRows>(v_packed.data(), p_pairs.data() + j0 * pair_stride, pair_stride,
+                                pairs, out_rows + j0);
   }
 }
 
