@@ -1,14 +1,16 @@
 """Block gather / scatter for KV transfer.
 
 ``gather_blocks`` packs blocks of the whole-worker KV cache into one contiguous buffer;
-``scatter_blocks`` unpacks such a buffer into given block ids. CUDA tensors use Triton,
-CPU tensors the references.
+``scatter_blocks`` unpacks such a buffer into given block ids. CUDA tensors use Triton;
+contiguous CPU tensors the C++ kernels of ``csrc/cpu_block_copy.cpp`` (one ``memcpy`` per
+block row) when they are built (``cpu_ext.load()``), other CPU tensors the references.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pdserve.kernels import cpu_ext
 from pdserve.kernels._triton_utils import (
     FLOAT_DTYPES,
     cdiv,
@@ -176,22 +178,95 @@ def scatter_blocks_triton(
     _launch(src, kv_cache, block_ids, n, num_blocks, gather=False)
 
 
+def _cpu_ids(block_ids: torch.Tensor) -> torch.Tensor:
+    if not isinstance(block_ids, torch.Tensor) or block_ids.dim() != 1:
+        raise ValueError(f"block_ids: expected a 1-D tensor, got {block_ids!r}")
+    if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex:
+        raise ValueError(f"block_ids: expected an integer dtype, got {block_ids.dtype}")
+    return block_ids.to("cpu", torch.int64).contiguous()
+
+
+def gather_blocks_cpu(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """``gather_blocks_ref`` as one ``memcpy`` per block row (``csrc/cpu_block_copy.cpp``);
+    same contract and result, any dtype.
+
+    Gathering 24 planes x 64 random bf16 blocks (12 MiB) takes about as long as copying
+    the same 12 MiB contiguously, where ``index_select`` of the reference took 2-3x that.
+
+    Args:
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
+            contiguous, on the CPU.
+        block_ids: ``[n]`` integer block ids in ``[0, num_blocks)`` (any order, may be
+            empty; moved to the CPU as int64).
+
+    Returns:
+        ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]``, the cache's dtype.
+
+    Raises:
+        ValueError: ``block_ids`` is not a 1-D integer tensor.
+        RuntimeError: the C++ kernels are not built (``cpu_ext.load()`` is False), or
+            ``kv_cache`` is not a contiguous 6-D CPU cache, or an id is out of range.
+    """
+    ids = _cpu_ids(block_ids)
+    num_layers, two, _, *block_shape = kv_cache.shape
+    out = kv_cache.new_empty((num_layers, two, ids.shape[0], *block_shape))
+    _cpu_ops("gather_blocks_cpu").gather_block_rows(out, kv_cache, ids)
+    return out
+
+
+def scatter_blocks_cpu(kv_cache: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+    """``scatter_blocks_ref`` as one ``memcpy`` per block row (``csrc/cpu_block_copy.cpp``);
+    same contract (``src`` is cast to the cache's dtype and made contiguous first).
+
+    Args:
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
+            contiguous, on the CPU; written in place.
+        block_ids: ``[n]`` distinct integer block ids in ``[0, num_blocks)``.
+        src: ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]`` on the CPU.
+
+    Raises:
+        ValueError: ``block_ids`` is not a 1-D integer tensor.
+        RuntimeError: the C++ kernels are not built, a tensor has the wrong shape or is
+            not on the CPU, or an id is out of range.
+    """
+    ids = _cpu_ids(block_ids)
+    src = src.to(kv_cache.dtype).contiguous()
+    _cpu_ops("scatter_blocks_cpu").scatter_block_rows(kv_cache, ids, src)
+
+
+def _cpu_ops(op: str):
+    if not cpu_ext.load():
+        raise RuntimeError(f"{op}: the C++ CPU kernels are not built (see cpu_ext)")
+    return torch.ops.pdserve_cpu
+
+
+def _use_cpu_kernel(kv_cache: torch.Tensor) -> bool:
+    return (kv_cache.device.type == "cpu" and kv_cache.dim() == 6 and kv_cache.is_contiguous()
+            and cpu_ext.load())
+
+
 def gather_blocks(kv_cache, block_ids):
     """Dispatching entry point; see ``gather_blocks_ref``.
 
-    CUDA caches go to ``gather_blocks_triton``, others to the reference.
+    CUDA caches go to ``gather_blocks_triton``, contiguous CPU caches to
+    ``gather_blocks_cpu`` when the C++ kernels are built, others to the reference.
     """
     if use_triton(kv_cache):
         return gather_blocks_triton(kv_cache, block_ids)
+    if _use_cpu_kernel(kv_cache):
+        return gather_blocks_cpu(kv_cache, block_ids)
     return gather_blocks_ref(kv_cache, block_ids)
 
 
 def scatter_blocks(kv_cache, block_ids, src) -> None:
     """Dispatching entry point; see ``scatter_blocks_ref``.
 
-    CUDA caches go to ``scatter_blocks_triton``, others to the reference.
+    CUDA caches go to ``scatter_blocks_triton``, contiguous CPU caches to
+    ``scatter_blocks_cpu`` when the C++ kernels are built, others to the reference.
     """
     if use_triton(kv_cache):
         scatter_blocks_triton(kv_cache, block_ids, src)
+    elif _use_cpu_kernel(kv_cache):
+        scatter_blocks_cpu(kv_cache, block_ids, src)
     else:
         scatter_blocks_ref(kv_cache, block_ids, src)

@@ -29,9 +29,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PDSERVE_CPU_KERNELS"
-_SOURCES = ("cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_layers.cpp")
+_SOURCES = ("cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_layers.cpp",
+            "cpu_block_copy.cpp")
 _OPS = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "rms_norm",
-        "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax_rows")
+        "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax_rows",
+        "gather_block_rows", "scatter_block_rows")
 _lock = threading.Lock()
 _loaded: bool | None = None
 
