@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
+from pdserve.kernels import cpu_ext
 from pdserve.kernels.block_copy import gather_blocks, scatter_blocks
 from pdserve.kvtransfer.protocol import KVGeometry
 
@@ -28,6 +29,14 @@ from pdserve.kvtransfer.protocol import KVGeometry
 def on_device(tensor: torch.Tensor):
     """``torch.cuda.device(tensor.device)`` for a CUDA tensor, else a no-op context."""
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def load_copy_kernels(kv_cache: torch.Tensor) -> None:
+    """Build / load the C++ block copy kernels now for a CPU cache (``cpu_ext.load``), so
+    that the first gather or scatter does not build them inside a transfer's timeout
+    (a first build takes 10-60 s). Never raises; without them the references serve."""
+    if kv_cache.device.type == "cpu":
+        cpu_ext.load()
 
 
 def consecutive_start(block_ids: list[int]) -> int | None:
@@ -60,13 +69,23 @@ def iter_send_planes(kv_cache: torch.Tensor, block_ids: list[int],
         for p in range(num_planes):
             yield host[p // 2, p % 2]
         return
+    if start is not None:
+        yield from cache_planes(kv_cache, start, len(block_ids))  # views, no copy
+        return
     ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
     for p in range(num_planes):
         layer, kv = divmod(p, 2)
-        if start is not None:
-            yield kv_cache[layer, kv, start:start + len(block_ids)]  # a view, no copy
-        else:
-            yield gather_blocks(kv_cache[layer:layer + 1, kv:kv + 1], ids)[0, 0]
+        yield gather_blocks(kv_cache[layer:layer + 1, kv:kv + 1], ids)[0, 0]
+
+
+def cache_planes(kv_cache: torch.Tensor, start: int, num_blocks: int) -> list[torch.Tensor]:
+    """The ``num_layers * 2`` planes of blocks ``start .. start + num_blocks - 1`` as views
+    of the cache, each contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    NOTE: one ``unbind`` makes all views in one call; indexing each plane costs ~10 us of
+    Python per plane, which a 1k-token pull (24 planes) pays on both sides."""
+    region = kv_cache[:, :, start:start + num_blocks]  # [num_layers, 2, n, ...]
+    return list(region.flatten(0, 1).unbind(0))
 
 
 def _stage_to_host(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
@@ -110,13 +129,17 @@ class PayloadSink:
 
     def _cache_buffers(self, kv_cache: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
         start = consecutive_start(self.block_ids)
-        self._ids = torch.tensor(self.block_ids, dtype=torch.int64, device=kv_cache.device)
         self._direct = start is not None
         if self._direct:
-            end = start + len(self.block_ids)
-            return [kv_cache[p // 2, p % 2, start:end] for p in range(self.num_planes)]
+            return cache_planes(kv_cache, start, len(self.block_ids))
+        self._ids = torch.tensor(self.block_ids, dtype=torch.int64, device=kv_cache.device)
         return [torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
                 for _ in range(self.num_planes)]
+
+    @property
+    def copies_planes(self) -> bool:
+        """Whether ``plane_done`` copies the plane (so call it as each plane lands)."""
+        return self.kv_cache is not None and not self._staged_on_host and not self._direct
 
     def plane_done(self, p: int) -> None:
         """Plane ``p`` has arrived: scatter it into the cache unless it landed there."""

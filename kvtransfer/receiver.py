@@ -3,12 +3,14 @@
 A pull's life (one request, one prefill worker):
 
 1. ``KVReceiver.init`` (BOOTSTRAPPING): picks the pair's channel (making a new generation
-   when there is none, it broke, or the prefill side invalidated it), writes the
-   request's ``Ticket`` into this worker's store and returns a ``KVPull`` at once. The
+   when there is none, it broke, or the prefill side invalidated it: checked in the store
+   only after a pull on it failed), writes the request's ``Ticket`` into this worker's
+   store and returns a ``KVPull`` at once; the pull then runs on a long-lived thread. The
    caller then asks the prefill worker to send (gRPC ``SendKV``).
 2. WAITING_FOR_INPUT: the channel's group is up; over gloo the pull posts its header and
-   plane receives at once (straight into the cache's blocks, or into staging buffers), so
-   the sender's first bytes need no rendezvous round trip. It waits for the prefill side
+   plane receives at once (straight into the cache's blocks, or into staging buffers):
+   in ``init`` itself when the channel is already up, else as soon as it is, so the
+   sender's first bytes need no rendezvous round trip. It waits for the prefill side
    to claim the transfer (``"S"``) or to report that it cannot (``"F <reason>"``). At the
    deadline the pull gives up by claiming ``"X"`` itself: a clean failure that leaves the
    channel usable, since nothing is ever sent on its tag (tags are never reused on a
@@ -34,7 +36,7 @@ import torch.distributed as dist
 
 from pdserve.kvtransfer.channel import PairGroup, PostedRecv
 from pdserve.kvtransfer.handle import KVTransfer
-from pdserve.kvtransfer.payload import PayloadSink, on_device
+from pdserve.kvtransfer.payload import PayloadSink, load_copy_kernels, on_device
 from pdserve.kvtransfer.protocol import (
     CLAIM_FAILED_PREFIX,
     CLAIM_GIVEN_UP,
@@ -56,6 +58,7 @@ from pdserve.kvtransfer.protocol import (
     split_address,
     ticket_key,
 )
+from pdserve.kvtransfer.threads import TransferThreads
 
 _WATCH_TIMEOUT = datetime.timedelta(days=1)
 _MAX_TAG = (1 << 31) - 1  # gloo tags are C ints
@@ -72,6 +75,10 @@ class _RecvChannel:
         self.error: KVTransferError | None = None
         self.ready = threading.Event()
         self._next_tag = 0
+        # NOTE: False once a pull on it failed: the next pull then checks the pair's
+        # generation in the store (the prefill side may have bumped it); while pulls
+        # succeed, the channel is known good and that round trip is skipped.
+        self.verified = True
 
     def next_tag(self) -> int:
         """A tag no earlier pull on this channel used (receives of a pull that was given
@@ -128,6 +135,7 @@ class KVPull(KVTransfer):
         self._cancelled = False
         # receives posted before the claim (gloo): (sink, PostedRecv); dropped at the end
         self._early: tuple[PayloadSink, PostedRecv] | None = None
+        self._posted = False  # _post_early ran (from init, or from the pull's thread)
 
     @property
     def ticket_text(self) -> str:
@@ -179,6 +187,7 @@ class KVReceiver:
         self.worker_id = worker_id
         self.kv_cache = kv_cache
         self.geometry = KVGeometry.of(kv_cache)
+        load_copy_kernels(kv_cache)
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._host, port = split_address(address)
@@ -192,6 +201,7 @@ class KVReceiver:
         self._retired: deque[tuple[float, str]] = deque()  # (delete at, claim key)
         self._counters = CounterSet()
         self._closed = threading.Event()
+        self._threads = TransferThreads(f"kv-pull-{worker_id}")
         self._watch_store = self._store.clone()
         self._watch_store.set_timeout(_WATCH_TIMEOUT)
         self._watcher = threading.Thread(target=self._watch_claims, daemon=True,
@@ -204,7 +214,9 @@ class KVReceiver:
         into local ``block_ids`` (payload order); returns at once (BOOTSTRAPPING).
 
         Ask the prefill worker to send only after this returns. ``timeout_s`` (default
-        ``self.timeout_s``) bounds the whole pull.
+        ``self.timeout_s``) bounds the whole pull. When the pair's channel is up (every
+        pull but a channel's first), this also posts the pull's receives, so the
+        sender's bytes never wait for a receive; about 0.3 ms of CPU for 24 planes.
 
         Raises:
             ValueError: no blocks, ids out of range or repeated, or a pull of this request
@@ -228,8 +240,13 @@ class KVReceiver:
             except (RuntimeError, dist.DistError) as exc:
                 raise KVTransferError(f"KV receiver store failed: {exc}") from exc
             self._pulls[(prefill_worker_id, request_id)] = pull
-        threading.Thread(target=self._run, args=(pull,), daemon=True,
-                         name=f"kv-pull-{request_id}").start()
+        if channel.ready.is_set() and channel.group is not None:
+            pull._advance(KVPollState.WAITING_FOR_INPUT)
+            self._post_early(pull, channel.group)
+        try:
+            self._threads.submit(self._run, pull)
+        except RuntimeError:  # NOTE: closed meanwhile; close() failed the pull
+            self._forget(pull)
         return pull
 
     def counters(self) -> KVTransferCounters:
@@ -247,6 +264,7 @@ class KVReceiver:
             pull._fail(KVTransferError("the KV receiver closed"))
         for channel in channels:
             channel.fail()
+        self._threads.close()
         with contextlib.suppress(RuntimeError):  # closing anyway
             self._store.queue_push(CLAIM_QUEUE_KEY, "\n")  # wakes the watcher
         self._watcher.join(timeout=5.0)
@@ -263,7 +281,8 @@ class KVReceiver:
         gen_key = f"{prefix}/gen"
         channel = self._channels.get(prefill_worker_id)
         if (channel is not None and not channel.failed and not channel.exhausted
-                and self._store.add(gen_key, 0) == channel.generation):
+                and (channel.verified or self._store.add(gen_key, 0) == channel.generation)):
+            channel.verified = True
             return channel
         if channel is not None:
             channel.fail()
@@ -296,8 +315,8 @@ class KVReceiver:
         stats, error, moving = None, None, False
         try:
             group = pull.channel.wait_ready(pull.deadline)
-            pull._advance(KVPollState.WAITING_FOR_INPUT)
-            self._post_early(pull, group)
+            if pull._advance(KVPollState.WAITING_FOR_INPUT) and not pull._posted:
+                self._post_early(pull, group)
             self._await_claim(pull)
             self._counters.start()
             moving = True
@@ -314,6 +333,7 @@ class KVReceiver:
             if error is None and stats is not None:
                 pull._succeed(stats)
             else:
+                pull.channel.verified = False
                 pull._fail(error or KVTransferError(f"pull of {pull.request_id} failed"))
             self._forget(pull)
 
@@ -323,6 +343,7 @@ class KVReceiver:
         given up ("X" wins) or the sender reports failure, nothing is ever sent on its
         tag; if it is cancelled after "S" won, ``cancel`` waits for the payload. A group
         that cannot post is dead: it is aborted and the pull goes on without posting."""
+        pull._posted = True
         with on_device(self.kv_cache):
             sink = PayloadSink(self.kv_cache, pull.block_ids, self.geometry,
                                group.device_payload)

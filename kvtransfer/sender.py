@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from pdserve.kvtransfer.channel import PairGroup
 from pdserve.kvtransfer.handle import KVTransfer
-from pdserve.kvtransfer.payload import iter_send_planes, on_device
+from pdserve.kvtransfer.payload import iter_send_planes, load_copy_kernels, on_device
 from pdserve.kvtransfer.protocol import (
     CLAIM_FAILED_PREFIX,
     CLAIM_QUEUE_KEY,
@@ -92,6 +92,7 @@ class KVSender:
         self.worker_id = worker_id
         self.kv_cache = kv_cache
         self.geometry = KVGeometry.of(kv_cache)
+        load_copy_kernels(kv_cache)
         self.host = host
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
