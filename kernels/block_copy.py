@@ -46,23 +46,45 @@ def _as_rows(tensor: torch.Tensor, num_planes: int, num_rows: int) -> torch.Tens
     return flat
 
 
-def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Pack blocks into a new contiguous buffer.
+def _check_out(out: torch.Tensor | None, kv_cache: torch.Tensor, n: int) -> None:
+    """Raise ValueError unless ``out`` is None or a contiguous ``[num_layers, 2, n,
+    block...]`` tensor of the cache's dtype on its device."""
+    if out is None:
+        return
+    expected = (*kv_cache.shape[:2], n, *kv_cache.shape[3:])
+    if (not isinstance(out, torch.Tensor) or tuple(out.shape) != expected
+            or out.dtype != kv_cache.dtype or out.device != kv_cache.device
+            or not out.is_contiguous()):
+        raise ValueError(f"out: expected a contiguous {expected} {kv_cache.dtype} tensor on "
+                         f"{kv_cache.device}, got {out!r:.200}")
+
+
+def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack blocks into a contiguous buffer (``out``, or a new one).
 
     Args:
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
             contiguous.
         block_ids: ``[n]`` int64 block ids (any order, may be empty).
+        out: ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]``, contiguous, the
+            cache's dtype and device; written and returned (None: a new tensor).
 
     Returns:
         ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]``, same dtype/device.
+
+    Raises:
+        ValueError: ``out`` has the wrong shape, dtype or device, or is not contiguous.
     """
     num_layers, two, num_blocks, *block_shape = kv_cache.shape
     ids = block_ids.to(kv_cache.device, torch.long)
+    _check_out(out, kv_cache, ids.shape[0])
     if kv_cache.numel() == 0 or not kv_cache.is_contiguous():
-        return kv_cache.index_select(2, ids)
-    rows = _as_rows(kv_cache, num_layers * two, num_blocks).index_select(1, ids)
-    return rows.view(kv_cache.dtype).view(num_layers, two, ids.shape[0], *block_shape)
+        packed = kv_cache.index_select(2, ids)
+    else:
+        rows = _as_rows(kv_cache, num_layers * two, num_blocks).index_select(1, ids)
+        packed = rows.view(kv_cache.dtype).view(num_layers, two, ids.shape[0], *block_shape)
+    return packed if out is None else out.copy_(packed)
 
 
 def scatter_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor) -> None:
@@ -133,21 +155,24 @@ def _launch(src, dst, block_ids, src_blocks, dst_blocks, gather: bool) -> None:
     )
 
 
-def gather_blocks_triton(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """``gather_blocks_ref`` as one Triton copy kernel; same contract.
+def gather_blocks_triton(kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gather_blocks_ref`` as one Triton copy kernel; same contract (``out`` included).
 
     ``block_ids`` may be on another device (it is moved, as in the reference); ids are not
     range-checked.
 
     Raises:
-        ValueError: naming ``kv_cache`` (not 6-D, not contiguous, not fp16/bf16/fp32) or
-            ``block_ids`` (not a 1-D integer tensor).
+        ValueError: naming ``kv_cache`` (not 6-D, not contiguous, not fp16/bf16/fp32),
+            ``block_ids`` (not a 1-D integer tensor) or ``out``.
         RuntimeError: triton is not installed.
     """
     _check_cache_and_ids("gather_blocks_triton", kv_cache, block_ids)
     num_layers, two, num_blocks, *block_shape = kv_cache.shape
     n = block_ids.shape[0]
-    out = kv_cache.new_empty((num_layers, two, n, *block_shape))
+    _check_out(out, kv_cache, n)
+    if out is None:
+        out = kv_cache.new_empty((num_layers, two, n, *block_shape))
     if n == 0 or out.numel() == 0:
         return out
     block_ids = block_ids.to(kv_cache.device, torch.int64)
@@ -186,7 +211,8 @@ def _cpu_ids(block_ids: torch.Tensor) -> torch.Tensor:
     return block_ids.to("cpu", torch.int64).contiguous()
 
 
-def gather_blocks_cpu(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def gather_blocks_cpu(kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """``gather_blocks_ref`` as one ``memcpy`` per block row (``csrc/cpu_block_copy.cpp``);
     same contract and result, any dtype.
 
@@ -198,18 +224,24 @@ def gather_blocks_cpu(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.
             contiguous, on the CPU.
         block_ids: ``[n]`` integer block ids in ``[0, num_blocks)`` (any order, may be
             empty; moved to the CPU as int64).
+        out: ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]``, contiguous, the
+            cache's dtype, on the CPU; written and returned (None: a new tensor). A
+            reused ``out`` spares the page faults of fresh memory, which cost more than
+            the copy from a few MiB up.
 
     Returns:
         ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]``, the cache's dtype.
 
     Raises:
-        ValueError: ``block_ids`` is not a 1-D integer tensor.
+        ValueError: ``block_ids`` is not a 1-D integer tensor, or ``out`` does not fit.
         RuntimeError: the C++ kernels are not built (``cpu_ext.load()`` is False), or
             ``kv_cache`` is not a contiguous 6-D CPU cache, or an id is out of range.
     """
     ids = _cpu_ids(block_ids)
     num_layers, two, _, *block_shape = kv_cache.shape
-    out = kv_cache.new_empty((num_layers, two, ids.shape[0], *block_shape))
+    _check_out(out, kv_cache, ids.shape[0])
+    if out is None:
+        out = kv_cache.new_empty((num_layers, two, ids.shape[0], *block_shape))
     _cpu_ops("gather_blocks_cpu").gather_block_rows(out, kv_cache, ids)
     return out
 
@@ -245,17 +277,18 @@ def _use_cpu_kernel(kv_cache: torch.Tensor) -> bool:
             and cpu_ext.load())
 
 
-def gather_blocks(kv_cache, block_ids):
-    """Dispatching entry point; see ``gather_blocks_ref``.
+def gather_blocks(kv_cache, block_ids, out=None):
+    """Dispatching entry point; see ``gather_blocks_ref`` (``out``: where to pack, or
+    None for a new tensor).
 
     CUDA caches go to ``gather_blocks_triton``, contiguous CPU caches to
     ``gather_blocks_cpu`` when the C++ kernels are built, others to the reference.
     """
     if use_triton(kv_cache):
-        return gather_blocks_triton(kv_cache, block_ids)
+        return gather_blocks_triton(kv_cache, block_ids, out)
     if _use_cpu_kernel(kv_cache):
-        return gather_blocks_cpu(kv_cache, block_ids)
-    return gather_blocks_ref(kv_cache, block_ids)
+        return gather_blocks_cpu(kv_cache, block_ids, out)
+    return gather_blocks_ref(kv_cache, block_ids, out)
 
 
 def scatter_blocks(kv_cache, block_ids, src) -> None:

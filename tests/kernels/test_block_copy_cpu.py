@@ -104,3 +104,26 @@ def test_one_plane_views_as_the_kv_transfer_passes_them():
     block_copy.scatter_blocks_ref(expected[1:2, 0:1], block_ids.flip(0), packed)
     block_copy.scatter_blocks_cpu(plane, block_ids.flip(0), packed)
     torch.testing.assert_close(kv_cache, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gather", ["gather_blocks_cpu", "gather_blocks_ref", "gather_blocks"])
+def test_gather_into_a_given_buffer_writes_and_returns_it(gather):
+    kv_cache = make_cache(20, torch.bfloat16)
+    block_ids = random_ids(20, 6, seed=8)
+    out = torch.full((3, 2, 6, 16, 2, 64), 7.0, dtype=torch.bfloat16)
+    got = getattr(block_copy, gather)(kv_cache, block_ids, out)
+    assert got is out
+    torch.testing.assert_close(out, block_copy.gather_blocks_ref(kv_cache, block_ids),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gather", ["gather_blocks_cpu", "gather_blocks_ref"])
+def test_gather_refuses_an_out_that_does_not_fit(gather):
+    kv_cache = make_cache(20, torch.bfloat16)
+    block_ids = random_ids(20, 6, seed=8)
+    bad = [torch.empty(3, 2, 5, 16, 2, 64, dtype=torch.bfloat16),  # wrong block count
+           torch.empty(3, 2, 6, 16, 2, 64, dtype=torch.float32),  # wrong dtype
+           torch.empty(3, 2, 6, 16, 64, 2, dtype=torch.bfloat16).transpose(4, 5)]  # strided
+    for out in bad:
+        with pytest.raises(ValueError, match="out"):
+            getattr(block_copy, gather)(kv_cache, block_ids, out)
