@@ -11,7 +11,9 @@ sender blocks ``[7, 8, 9]`` (consecutive), receiver blocks ``[3, 0, 5]``: the se
 each plane into a staging buffer and scatters it into blocks 3, 0, 5.
 
 CUDA caches over gloo stage the whole payload through pinned host memory; over NCCL the
-planes are CUDA tensors.
+planes are CUDA tensors. A CPU cache's staging planes are views of one buffer per
+transfer from a ``StagingPool`` (``staging.py``) when the caller passes one, so they are
+reused across transfers instead of faulted in afresh each time.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.block_copy import gather_blocks, scatter_blocks
 from pdserve.kvtransfer.protocol import KVGeometry
+from pdserve.kvtransfer.staging import StagingLease, StagingPool
 
 
 def on_device(tensor: torch.Tensor):
@@ -53,14 +56,27 @@ def _plane_shape(geometry: KVGeometry, num_blocks: int) -> tuple[int, ...]:
     return (num_blocks, geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
 
 
-def iter_send_planes(kv_cache: torch.Tensor, block_ids: list[int],
-                     device_payload: bool) -> Iterator[torch.Tensor]:
+def send_staging_bytes(kv_cache: torch.Tensor, block_ids: list[int]) -> int:
+    """Bytes of CPU staging that sending ``block_ids`` of ``kv_cache`` needs from a
+    ``StagingPool``: the whole payload when the cache is on the CPU and the ids are not
+    consecutive, else 0 (planes sent in place, or a CUDA cache's own staging)."""
+    if kv_cache.is_cuda or consecutive_start(block_ids) is not None:
+        return 0
+    plane_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size() * len(block_ids)
+    return kv_cache.shape[0] * 2 * plane_bytes
+
+
+def iter_send_planes(kv_cache: torch.Tensor, block_ids: list[int], device_payload: bool,
+                     staging: StagingLease | None = None) -> Iterator[torch.Tensor]:
     """Yield the payload's planes in order, each contiguous ``[n, block_size,
     num_kv_heads, head_dim]`` in the cache's dtype, ready to send.
 
     Planes are gathered lazily, so gathering plane ``p + 1`` overlaps sending plane ``p``.
     ``device_payload``: the group carries tensors on the cache's device (NCCL); False
     with a CUDA cache stages the payload through pinned host memory for gloo.
+    ``staging``: where a CPU cache's planes are gathered, of at least
+    ``send_staging_bytes`` bytes (None: a new tensor per plane). The planes are views of
+    it: give it back only after they are sent.
     """
     num_planes = kv_cache.shape[0] * 2
     start = consecutive_start(block_ids)
@@ -73,9 +89,13 @@ def iter_send_planes(kv_cache: torch.Tensor, block_ids: list[int],
         yield from cache_planes(kv_cache, start, len(block_ids))  # views, no copy
         return
     ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+    outs = [None] * num_planes
+    if staging is not None and not kv_cache.is_cuda:
+        shape = (1, 1, len(block_ids), *kv_cache.shape[3:])
+        outs = staging.planes(num_planes, shape, kv_cache.dtype)
     for p in range(num_planes):
         layer, kv = divmod(p, 2)
-        yield gather_blocks(kv_cache[layer:layer + 1, kv:kv + 1], ids)[0, 0]
+        yield gather_blocks(kv_cache[layer:layer + 1, kv:kv + 1], ids, outs[p])[0, 0]
 
 
 def cache_planes(kv_cache: torch.Tensor, start: int, num_blocks: int) -> list[torch.Tensor]:
@@ -106,14 +126,20 @@ class PayloadSink:
         geometry: the cache's geometry.
         device_payload: the group carries tensors on the cache's device (NCCL).
         drain: receive and discard (the pull was cancelled after the sender started).
+        staging: where a CPU cache's staging planes come from (None: new tensors). The
+            sink holds one buffer of it until ``release``; call ``release`` however the
+            transfer ends.
     """
 
     def __init__(self, kv_cache: torch.Tensor, block_ids: list[int], geometry: KVGeometry,
-                 device_payload: bool, drain: bool = False) -> None:
+                 device_payload: bool, drain: bool = False,
+                 staging: StagingPool | None = None) -> None:
         self.kv_cache = None if drain else kv_cache
         self.block_ids = block_ids
         self.num_planes = geometry.num_layers * 2
         self._direct = False
+        self._staging = staging
+        self._lease: StagingLease | None = None
         shape = _plane_shape(geometry, len(block_ids))
         self._staged_on_host = kv_cache.is_cuda and not device_payload and not drain
         if drain:
@@ -133,8 +159,18 @@ class PayloadSink:
         if self._direct:
             return cache_planes(kv_cache, start, len(self.block_ids))
         self._ids = torch.tensor(self.block_ids, dtype=torch.int64, device=kv_cache.device)
+        if self._staging is not None and not kv_cache.is_cuda:
+            plane_bytes = kv_cache.dtype.itemsize * shape[0] * shape[1] * shape[2] * shape[3]
+            self._lease = self._staging.take(self.num_planes * plane_bytes)
+            return self._lease.planes(self.num_planes, shape, kv_cache.dtype)
         return [torch.empty(shape, dtype=kv_cache.dtype, device=kv_cache.device)
                 for _ in range(self.num_planes)]
+
+    def release(self, reusable: bool) -> None:
+        """Give the staging buffer back to its pool (if the sink took one); idempotent.
+        ``reusable``: the transfer succeeded, so no receive can still write into it."""
+        if self._lease is not None:
+            self._staging.give_back(self._lease, reusable)
 
     @property
     def copies_planes(self) -> bool:
@@ -148,7 +184,7 @@ class PayloadSink:
         layer, kv = divmod(p, 2)
         scatter_blocks(self.kv_cache[layer:layer + 1, kv:kv + 1], self._ids,
                        self.buffers[p][None, None])
-        self.buffers[p] = None  # NOTE: frees the staging plane early
+        self.buffers[p] = None  # NOTE: frees the staging plane early (without a pool)
 
     def finish(self) -> None:
         """All planes arrived: finish the copy into the cache (and wait for the GPU)."""

@@ -19,6 +19,8 @@ A pull's life (one request, one prefill worker):
    through staging buffers and ``scatter_blocks``). Any error here aborts the channel.
 4. SUCCESS or FAILED (``failure_exception()``); the ticket is deleted at once, the claim
    key minutes later (so a very late prefill side finds ``"X"`` and sends nothing).
+   The pull's staging buffer, if it took one, goes back to the receiver's
+   ``StagingPool`` first (dropped after a failure: an aborted receive may still hold it).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from pdserve.kvtransfer.protocol import (
     split_address,
     ticket_key,
 )
+from pdserve.kvtransfer.staging import DEFAULT_STAGING_BYTES, StagingPool
 from pdserve.kvtransfer.threads import TransferThreads
 
 _WATCH_TIMEOUT = datetime.timedelta(days=1)
@@ -135,6 +138,7 @@ class KVPull(KVTransfer):
         self._cancelled = False
         # receives posted before the claim (gloo): (sink, PostedRecv); dropped at the end
         self._early: tuple[PayloadSink, PostedRecv] | None = None
+        self._sink: PayloadSink | None = None  # the sink the payload goes to; released at the end
         self._posted = False  # _post_early ran (from init, or from the pull's thread)
 
     @property
@@ -177,19 +181,25 @@ class KVReceiver:
             host is also the address gloo binds to. ``self.address`` is the real one.
         timeout_s: default seconds a pull may take from ``init`` to its end.
         connect_timeout_s: seconds a new channel waits for its prefill worker.
+        staging_bytes: the most bytes of staging buffers (CPU caches: payloads whose local
+            block ids are not consecutive are received into them, then scattered) kept
+            for reuse across pulls (``StagingPool``); 0 allocates them for each pull.
 
     Raises:
-        ValueError: a malformed cache or address. RuntimeError: the port is taken.
+        ValueError: a malformed cache or address, or a negative ``staging_bytes``.
+        RuntimeError: the port is taken.
     """
 
     def __init__(self, worker_id: str, kv_cache: torch.Tensor, address: str = "127.0.0.1:0",
-                 *, timeout_s: float = 30.0, connect_timeout_s: float = 30.0) -> None:
+                 *, timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.worker_id = worker_id
         self.kv_cache = kv_cache
         self.geometry = KVGeometry.of(kv_cache)
         load_copy_kernels(kv_cache)
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.staging = StagingPool(staging_bytes)
         self._host, port = split_address(address)
         self._store = dist.TCPStore(self._host, port, None, True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=connect_timeout_s))
@@ -246,6 +256,8 @@ class KVReceiver:
         try:
             self._threads.submit(self._run, pull)
         except RuntimeError:  # NOTE: closed meanwhile; close() failed the pull
+            pull._early = None
+            self._release_sink(pull, reusable=False)
             self._forget(pull)
         return pull
 
@@ -255,7 +267,8 @@ class KVReceiver:
         return self._counters.snapshot()
 
     def close(self) -> None:
-        """Fail pulls in flight, abort channels, stop serving the store."""
+        """Fail pulls in flight, abort channels, stop serving the store, free staging
+        buffers (those of pulls still running once they end)."""
         with self._lock:
             self._closed.set()
             pulls, channels = list(self._pulls.values()), list(self._channels.values())
@@ -268,6 +281,7 @@ class KVReceiver:
         with contextlib.suppress(RuntimeError):  # closing anyway
             self._store.queue_push(CLAIM_QUEUE_KEY, "\n")  # wakes the watcher
         self._watcher.join(timeout=5.0)
+        self.staging.close()
 
     def _check_block_ids(self, block_ids: Sequence[int]) -> list[int]:
         ids = [int(b) for b in block_ids]
@@ -329,6 +343,7 @@ class KVReceiver:
             # given up, or failed); gloo keeps only weak references, so this frees them.
             # Before the end is signalled: cancel() returns only after this.
             pull._early = None
+            self._release_sink(pull, reusable=error is None and stats is not None)
             self._counters.add(stats, moving)
             if error is None and stats is not None:
                 pull._succeed(stats)
@@ -346,9 +361,10 @@ class KVReceiver:
         pull._posted = True
         with on_device(self.kv_cache):
             sink = PayloadSink(self.kv_cache, pull.block_ids, self.geometry,
-                               group.device_payload)
+                               group.device_payload, staging=self.staging)
         with pull._lock:
             if pull._cancelled or pull._state.finished:
+                sink.release(reusable=True)  # never posted
                 return
             try:
                 posted = group.post_recv(sink, pull.ticket.tag)
@@ -357,9 +373,20 @@ class KVReceiver:
                 # still decides how this pull ends (the sender reports why it cannot
                 # send), and the next pull makes a new channel.
                 pull.channel.fail()
+                sink.release(reusable=False)  # some receives may be posted
                 return
-            if posted is not None:
-                pull._early = (sink, posted)
+            if posted is None:  # NCCL: posted later, into a sink made then
+                sink.release(reusable=True)
+                return
+            pull._early = (sink, posted)
+            pull._sink = sink
+
+    @staticmethod
+    def _release_sink(pull: KVPull, reusable: bool) -> None:
+        """Give the pull's staging buffer back (see ``PayloadSink.release``)."""
+        sink, pull._sink = pull._sink, None
+        if sink is not None:
+            sink.release(reusable)
 
     def _give_up(self, pull: KVPull) -> None:
         """Claim ``"X"`` for a failed pull unless a claim is there (a sender that holds the
@@ -402,8 +429,8 @@ class KVReceiver:
                     sink, posted = pull._early
                 else:
                     sink = PayloadSink(self.kv_cache, pull.block_ids, self.geometry,
-                                       group.device_payload, drain)
-                    posted = None
+                                       group.device_payload, drain, staging=self.staging)
+                    pull._sink, posted = sink, None
                 group.recv(sink, pull.ticket.tag, deadline,
                            lambda header: self._check_header(pull, header), posted)
                 if not drain:

@@ -20,7 +20,12 @@ import torch.distributed as dist
 
 from pdserve.kvtransfer.channel import PairGroup
 from pdserve.kvtransfer.handle import KVTransfer
-from pdserve.kvtransfer.payload import iter_send_planes, load_copy_kernels, on_device
+from pdserve.kvtransfer.payload import (
+    iter_send_planes,
+    load_copy_kernels,
+    on_device,
+    send_staging_bytes,
+)
 from pdserve.kvtransfer.protocol import (
     CLAIM_FAILED_PREFIX,
     CLAIM_QUEUE_KEY,
@@ -41,6 +46,7 @@ from pdserve.kvtransfer.protocol import (
     split_address,
     ticket_key,
 )
+from pdserve.kvtransfer.staging import DEFAULT_STAGING_BYTES, StagingPool
 
 _ABSENT = "\x00absent"  # never a ticket
 
@@ -82,13 +88,17 @@ class KVSender:
         host: the local address gloo binds to (the host of this worker's KV address).
         timeout_s: default seconds one send may take.
         connect_timeout_s: seconds to reach a decode worker's store and channel.
+        staging_bytes: the most bytes of staging buffers (CPU caches: the planes of
+            payloads whose block ids are not consecutive are gathered into them) kept
+            for reuse across sends (``StagingPool``); 0 allocates them for each send.
 
     Raises:
-        ValueError: a malformed cache.
+        ValueError: a malformed cache, or a negative ``staging_bytes``.
     """
 
     def __init__(self, worker_id: str, kv_cache: torch.Tensor, host: str = "127.0.0.1",
-                 *, timeout_s: float = 30.0, connect_timeout_s: float = 30.0) -> None:
+                 *, timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.worker_id = worker_id
         self.kv_cache = kv_cache
         self.geometry = KVGeometry.of(kv_cache)
@@ -99,6 +109,7 @@ class KVSender:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._counters = CounterSet()
+        self.staging = StagingPool(staging_bytes)
 
     def send(self, request_id: str, decode_worker_id: str, decode_kv_address: str,
              block_ids: Sequence[int], timeout_s: float | None = None,
@@ -154,11 +165,12 @@ class KVSender:
         return self._counters.snapshot()
 
     def close(self) -> None:
-        """Abort all channels and drop store connections."""
+        """Abort all channels, drop store connections and free staging buffers."""
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
             peer.close()
+        self.staging.close()
 
     @staticmethod
     def _parse_ticket(ticket: str | None) -> Ticket | None:
@@ -300,10 +312,14 @@ class KVSender:
         def make_header(seq: int) -> torch.Tensor:
             return Header(rid_hash, len(ids), self.geometry, seq).encode()
 
-        planes = iter_send_planes(self.kv_cache, ids, group.device_payload)
+        staging_bytes = send_staging_bytes(self.kv_cache, ids)
+        lease = self.staging.take(staging_bytes) if staging_bytes else None
+        planes = iter_send_planes(self.kv_cache, ids, group.device_payload, lease)
+        sent = False
         try:
             with on_device(self.kv_cache):
                 num_bytes = group.send(make_header, planes, ticket.tag, deadline)
+            sent = True
         except KVTransferError:
             group.abort()
             gen = ticket.generation
@@ -315,4 +331,7 @@ class KVSender:
                 if store is not None:
                     store.compare_set(f"{peer.prefix}/gen", str(gen), str(gen + 1))
             raise
+        finally:
+            if lease is not None:  # NOTE: after a failed send gloo may still hold it
+                self.staging.give_back(lease, reusable=sent)
         return KVTransferStats(len(ids), num_bytes, time.monotonic() - start)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
 import torch
 
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender, KVTransferError
+from pdserve.kvtransfer.staging import StagingPool, size_class
 
 NUM_BLOCKS = 16
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -47,7 +49,10 @@ def _prefill_main(conn, senders: dict[str, str], stall_s: float) -> None:
         verb, wid, rid, decode_id, address, block_ids, timeout_s = cmd
         sender_module.iter_send_planes = stalling if rid.startswith("stall") else original
         try:
-            if verb == "fail":
+            if verb == "staging":
+                pool = by_id[wid].staging
+                conn.send(("ok", (pool.held_bytes, pool.in_use_bytes, pool.num_free)))
+            elif verb == "fail":
                 conn.send(("ok", by_id[wid].send_failure(rid, decode_id, address, "lease expired")))
             else:
                 conn.send(("ok", by_id[wid].send(rid, decode_id, address, block_ids, timeout_s)))
@@ -116,6 +121,15 @@ def pull(proc: PrefillProcess, receiver: KVReceiver, prefill_id: str, request_id
     proc.request("send", prefill_id, request_id, receiver, src, timeout_s)
     handle.wait(timeout_s + 5)
     return handle, proc.reply()
+
+
+def sender_staging(proc: PrefillProcess, prefill_id: str,
+                   receiver: KVReceiver) -> tuple[int, int, int]:
+    """The prefill side's staging pool: (held bytes, bytes in use, free buffers)."""
+    proc.request("staging", prefill_id, "", receiver, [], 0.0)
+    status, value = proc.reply()
+    assert status == "ok", value
+    return value
 
 
 @pytest.mark.parametrize("name", ["f32", "bf16"])
@@ -233,11 +247,14 @@ def test_stalled_payload_times_out_then_killed_sender_fails_fast_then_restart_wo
     receiver, source = receivers["f32"], make_cache(torch.float32, 7)
     stalling = PrefillProcess({"prefill-stall": "f32"}, stall_s=4.0)
     try:
-        # 1. header sent, payload stalls past the deadline: gloo times out, channel aborted
+        # 1. header sent, payload stalls past the deadline: gloo times out, channel aborted;
+        # both sides staged the payload (ids not consecutive) and dropped their buffers
         start = time.monotonic()
-        handle, reply = pull(stalling, receiver, "prefill-stall", "stall-1", [1], [5], 1.0)
+        handle, reply = pull(stalling, receiver, "prefill-stall", "stall-1", [1, 0], [5, 2], 1.0)
         assert handle.poll() == KVPollState.FAILED and reply[0] == "error"
         assert time.monotonic() - start < 8.0
+        assert sender_staging(stalling, "prefill-stall", receiver) == (0, 0, 0)
+        assert receiver.staging.in_use_bytes == 0
         first_generation = handle.channel.generation
         # 2. the next transfer on that pair makes a new group and works
         handle, reply = pull(stalling, receiver, "prefill-stall", "normal-1", [2], [5])
@@ -281,3 +298,129 @@ def test_stalled_payload_times_out_then_killed_sender_fails_fast_then_restart_wo
         assert torch.equal(receiver.kv_cache[:, :, [6]], source[:, :, [4]])
     finally:
         again.stop()
+
+
+def test_scattered_pulls_reuse_one_staging_buffer_on_each_side(receivers, prefill):
+    receiver, source = receivers["f32"], make_cache(torch.float32, 7)
+    held = []
+    for i in range(3):
+        handle, reply = pull(prefill, receiver, "prefill-f32", f"staged-{i}", [6, 1, 11],
+                             [8, 3, 14])
+        assert handle.poll() == KVPollState.SUCCESS and reply[0] == "ok"
+        assert torch.equal(receiver.kv_cache[:, :, [8, 3, 14]], source[:, :, [6, 1, 11]])
+        assert receiver.staging.in_use_bytes == 0
+        sent = sender_staging(prefill, "prefill-f32", receiver)
+        assert sent[1] == 0 and sent[2] >= 1 and sent[0] >= size_class(3 * 1024)
+        held.append((receiver.staging.held_bytes, sent[0]))
+    assert held[0][0] >= size_class(3 * 1024)
+    assert held[1] == held[2] == held[0]  # nothing allocated after the first pull
+
+
+def test_a_failed_pull_gives_back_its_staging_buffer_and_drops_it(receivers, prefill):
+    receiver, source = receivers["f32"], make_cache(torch.float32, 7)
+    handle, reply = pull(prefill, receiver, "prefill-f32", "before-lonely", [2, 9], [10, 4])
+    assert handle.poll() == KVPollState.SUCCESS  # the channel is up: receives post early
+    held = receiver.staging.held_bytes
+    lonely = receiver.init("lonely-staged", "prefill-f32", [4, 10], timeout_s=1.0)
+    deadline = time.monotonic() + 5.0
+    while lonely._early is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert lonely._early is not None and receiver.staging.in_use_bytes > 0
+    assert lonely.wait(5.0) == KVPollState.FAILED
+    assert receiver.staging.in_use_bytes == 0
+    assert receiver.staging.held_bytes < held  # dropped: an aborted receive may hold it
+    handle, reply = pull(prefill, receiver, "prefill-f32", "after-lonely", [2, 9], [10, 4])
+    assert handle.poll() == KVPollState.SUCCESS and reply[0] == "ok"
+    assert torch.equal(receiver.kv_cache[:, :, [10, 4]], source[:, :, [2, 9]])
+    assert receiver.staging.in_use_bytes == 0 and receiver.staging.held_bytes == held
+
+
+MiB = 2**20
+
+
+def test_staging_pool_reuses_the_smallest_free_buffer_that_fits():
+    pool = StagingPool(max_bytes=64 * MiB)
+    small, large = pool.take(3 * MiB), pool.take(10 * MiB)
+    assert (small.buffer.numel(), large.buffer.numel()) == (3 * MiB, 10 * MiB)
+    assert small.pooled and large.pooled and pool.in_use_bytes == 13 * MiB
+    pool.give_back(small)
+    pool.give_back(large)
+    assert pool.num_free == 2 and pool.in_use_bytes == 0 and pool.held_bytes == 13 * MiB
+    again = pool.take(2 * MiB)
+    assert again.buffer.data_ptr() == small.buffer.data_ptr()
+    other = pool.take(2 * MiB)  # the small one is in use: the large one serves
+    assert other.buffer.data_ptr() == large.buffer.data_ptr()
+    assert pool.held_bytes == 13 * MiB
+
+
+def test_staging_pool_never_holds_more_than_its_bound():
+    pool = StagingPool(max_bytes=16 * MiB)
+    first, second = pool.take(6 * MiB), pool.take(6 * MiB)
+    third = pool.take(6 * MiB)  # 18 MiB in use would pass the bound: a buffer of its own
+    assert (first.pooled, second.pooled, third.pooled) == (True, True, False)
+    assert pool.held_bytes == 12 * MiB and pool.in_use_bytes == 12 * MiB
+    for lease in (first, second, third):
+        pool.give_back(lease)
+    assert pool.held_bytes == 12 * MiB and pool.num_free == 2
+    bigger = pool.take(9 * MiB)  # makes room by dropping the least recently given back
+    assert bigger.pooled and pool.held_bytes == 15 * MiB and pool.num_free == 1
+    assert pool.take(17 * MiB).pooled is False  # over the bound alone
+    assert pool.held_bytes <= 16 * MiB
+
+
+def test_staging_pool_drops_failed_buffers_and_frees_everything_on_close():
+    pool = StagingPool(max_bytes=16 * MiB)
+    failed, ok = pool.take(4 * MiB), pool.take(4 * MiB)
+    pool.give_back(failed, reusable=False)
+    pool.give_back(failed, reusable=False)  # twice: nothing more happens
+    assert pool.held_bytes == 4 * MiB and pool.in_use_bytes == 4 * MiB
+    pool.give_back(ok)
+    assert pool.take(4 * MiB).buffer.data_ptr() == ok.buffer.data_ptr()
+    pool.close()
+    assert pool.num_free == 0 and pool.held_bytes == 4 * MiB  # the lease in use
+    late = pool.take(1 * MiB)
+    assert late.pooled is False
+    assert pool.held_bytes == 4 * MiB
+
+
+def test_staging_pool_disabled_allocates_for_each_transfer():
+    pool = StagingPool(max_bytes=0)
+    lease = pool.take(1024)
+    assert lease.pooled is False and lease.buffer.numel() == 1024
+    pool.give_back(lease)
+    assert pool.held_bytes == 0 and pool.num_free == 0
+
+
+def test_staging_pool_never_hands_one_buffer_to_two_transfers_at_once():
+    pool = StagingPool(max_bytes=8 * MiB)
+    lock, leased, clashes = threading.Lock(), set(), []
+
+    def worker(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(300):
+            lease = pool.take(int(torch.randint(1, 3 * MiB, (1,), generator=gen)))
+            ptr = lease.buffer.data_ptr()
+            with lock:
+                if ptr in leased:
+                    clashes.append(ptr)
+                leased.add(ptr)
+            assert pool.held_bytes <= 8 * MiB
+            with lock:
+                leased.discard(ptr)
+            pool.give_back(lease, reusable=bool(seed % 3))
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not clashes and pool.in_use_bytes == 0 and pool.held_bytes <= 8 * MiB
+
+
+def test_staging_planes_are_disjoint_views_and_must_fit():
+    lease = StagingPool(max_bytes=MiB).take(4 * 3 * 8 * 2)
+    planes = lease.planes(4, (3, 8), torch.bfloat16)
+    assert all(p.is_contiguous() and p.shape == (3, 8) for p in planes)
+    assert [p.data_ptr() - planes[0].data_ptr() for p in planes] == [0, 48, 96, 144]
+    with pytest.raises(ValueError, match="need"):
+        StagingPool(max_bytes=0).take(100).planes(2, (60,), torch.uint8)
