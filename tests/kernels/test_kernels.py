@@ -1,27 +1,17 @@
 """Kernels against their references, and the references against per-token loops (the spec).
 
-The Triton kernels run on "cpu" under triton's interpreter (``TRITON_INTERPRET=1``, set
-below when there is no GPU) and on "cuda" when a GPU is lent; shapes are tiny because the
-interpreter runs each program in Python.
+The Triton kernels run on "cpu" under triton's interpreter (``TRITON_INTERPRET=1``, set by
+``triton_interpreter.py`` when there is no GPU) and on "cuda" when a GPU is lent; shapes
+are tiny because the interpreter runs each program in Python.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
-
-HAS_CUDA = torch.cuda.is_available()
-# NOTE: triton reads TRITON_INTERPRET when it is imported (its own tl.max, tl.sum ... are
-# jit functions) and when each kernel is decorated, so it is set before the first import
-# of triton. Not in a conftest.py: the suite's tests import the top-level conftest by name.
-# In a session that imported triton earlier (the engine's tests collected first), the
-# interpreter cannot be switched on and the CPU runs of the kernels are skipped.
-TRITON_IMPORTED_EARLY = "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ
-if not HAS_CUDA and not TRITON_IMPORTED_EARLY:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_interpreter import HAS_CUDA, TRITON_IMPORTED_EARLY  # NOTE: before pdserve.kernels
 
 from pdserve.kernels import block_copy, cpu_ext, kv_store, layers
 from pdserve.kernels import paged_decode_attention as decode
