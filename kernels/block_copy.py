@@ -139,6 +139,11 @@ def _check_cache_and_ids(op: str, kv_cache: torch.Tensor, block_ids: torch.Tenso
     require_triton(op)
     check_tensor("kv_cache", kv_cache, 6, FLOAT_DTYPES)
     check_contiguous("kv_cache", kv_cache)
+    _check_ids(block_ids)
+
+
+def _check_ids(block_ids: torch.Tensor) -> None:
+    """Raise ValueError unless ``block_ids`` is a 1-D integer tensor."""
     if not isinstance(block_ids, torch.Tensor) or block_ids.dim() != 1:
         raise ValueError(f"block_ids: expected a 1-D tensor, got {block_ids!r}")
     if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex:
@@ -204,10 +209,7 @@ def scatter_blocks_triton(
 
 
 def _cpu_ids(block_ids: torch.Tensor) -> torch.Tensor:
-    if not isinstance(block_ids, torch.Tensor) or block_ids.dim() != 1:
-        raise ValueError(f"block_ids: expected a 1-D tensor, got {block_ids!r}")
-    if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex:
-        raise ValueError(f"block_ids: expected an integer dtype, got {block_ids.dtype}")
+    _check_ids(block_ids)
     return block_ids.to("cpu", torch.int64).contiguous()
 
 
