@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import logging
 import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -63,18 +61,10 @@ from pdserve.kvtransfer.protocol import (
     ticket_key,
 )
 from pdserve.kvtransfer.staging import DEFAULT_STAGING_BYTES, StagingPool
+from pdserve.kvtransfer.threads import TransferThreads
 
 _WATCH_TIMEOUT = datetime.timedelta(days=1)
 _MAX_TAG = (1 << 31) - 1  # gloo tags are C ints
-_MAX_PULL_THREADS = 4096  # NOTE: a bound no worker reaches: pulls in flight are far fewer
-logger = logging.getLogger(__name__)
-
-
-def _log_crash(future: Future) -> None:
-    """Log a pull thread that raised past ``_run``'s own handling (a bug, not a failed
-    transfer: those fail the pull)."""
-    if not future.cancelled() and future.exception() is not None:
-        logger.error("a KV pull thread raised", exc_info=future.exception())
 _CLAIM_KEY_TTL_S = 300.0  # longer than any sender waits before claiming
 
 
@@ -221,10 +211,7 @@ class KVReceiver:
         self._retired: deque[tuple[float, str]] = deque()  # (delete at, claim key)
         self._counters = CounterSet()
         self._closed = threading.Event()
-        # NOTE: pulls run on reused threads (starting one per pull cost 0.1-0.4 ms of a
-        # ~4 ms 1k-token pull here); as many as pulls in flight, so none waits for another.
-        self._threads = ThreadPoolExecutor(max_workers=_MAX_PULL_THREADS,
-                                           thread_name_prefix=f"kv-pull-{worker_id}")
+        self._threads = TransferThreads(f"kv-pull-{worker_id}")
         self._watch_store = self._store.clone()
         self._watch_store.set_timeout(_WATCH_TIMEOUT)
         self._watcher = threading.Thread(target=self._watch_claims, daemon=True,
@@ -267,7 +254,7 @@ class KVReceiver:
             pull._advance(KVPollState.WAITING_FOR_INPUT)
             self._post_early(pull, channel.group)
         try:
-            self._threads.submit(self._run, pull).add_done_callback(_log_crash)
+            self._threads.submit(self._run, pull)
         except RuntimeError:  # NOTE: closed meanwhile; close() failed the pull
             pull._early = None
             self._release_sink(pull, reusable=False)
@@ -290,7 +277,7 @@ class KVReceiver:
             pull._fail(KVTransferError("the KV receiver closed"))
         for channel in channels:
             channel.fail()
-        self._threads.shutdown(wait=False)
+        self._threads.close()
         with contextlib.suppress(RuntimeError):  # closing anyway
             self._store.queue_push(CLAIM_QUEUE_KEY, "\n")  # wakes the watcher
         self._watcher.join(timeout=5.0)
