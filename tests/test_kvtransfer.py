@@ -16,6 +16,7 @@ import torch
 
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender, KVTransferError
 from pdserve.kvtransfer.staging import StagingPool, size_class
+from pdserve.kvtransfer.threads import TransferThreads
 
 NUM_BLOCKS = 16
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -424,3 +425,32 @@ def test_staging_planes_are_disjoint_views_and_must_fit():
     assert [p.data_ptr() - planes[0].data_ptr() for p in planes] == [0, 48, 96, 144]
     with pytest.raises(ValueError, match="need"):
         StagingPool(max_bytes=0).take(100).planes(2, (60,), torch.uint8)
+
+
+def test_transfer_threads_reuse_idle_threads_grow_for_concurrent_tasks_and_close():
+    threads = TransferThreads("test")
+    done = threading.Event()
+    ran = []
+    for i in range(5):  # one after another: one thread serves them all
+        done.clear()
+        threads.submit(lambda i=i: (ran.append(i), done.set()))
+        assert done.wait(10)
+        deadline = time.monotonic() + 10
+        while threads._idle == 0 and time.monotonic() < deadline:  # back to idle
+            time.sleep(0.001)
+    assert ran == [0, 1, 2, 3, 4] and threads.num_threads == 1
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def blocked() -> None:
+        started.release()
+        assert release.wait(10)
+
+    for _ in range(3):  # in flight together: none waits behind another
+        threads.submit(blocked)
+    assert all(started.acquire(timeout=10) for _ in range(3))
+    assert threads.num_threads == 3
+    threads.submit(lambda: 1 / 0)  # a task that raises is logged; its thread lives on
+    release.set()
+    threads.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        threads.submit(print)
