@@ -78,7 +78,13 @@ class ModelRunner:
     """Holds the model weights and the worker's KV cache on ``device``.
 
     ``kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` in the
-    model dtype, zero-initialised (padding reads stay finite).
+    model dtype, zero-initialised (padding reads stay finite): the layer-major view
+    (``storage.permute(1, 2, 0, 3, 4, 5)``, not contiguous) of block-major storage
+    ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, so that one
+    block's K and V of all layers is one contiguous run of ``kv_cache_block_bytes``.
+    ``kv_cache[l, 0]`` / ``kv_cache[l, 1]`` are ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` with a block stride of ``num_layers * 2 * block_size * num_kv_heads *
+    head_dim`` elements and packed blocks, as the kernels take them.
     """
 
     def __init__(self, config: ModelConfig, block_size: int, device: torch.device,
@@ -94,13 +100,21 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache for ``num_blocks`` blocks (bytes: ``num_blocks *
-        kv_cache_block_bytes``)."""
+        kv_cache_block_bytes``), zeroed; on the CPU on huge pages.
+
+        The storage is block-major, ``[num_blocks, num_layers, 2, block_size,
+        num_kv_heads, head_dim]``, and ``self.kv_cache`` its layer-major view
+        ``[num_layers, 2, num_blocks, ...]``: KV transfer moves a run of consecutive
+        blocks of all layers as one contiguous region (no gather, no per-layer copies),
+        while the model still indexes ``kv_cache[layer]``.
+        """
         c = self.config
-        shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        shape = (num_blocks, c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim)
         if self.device.type == "cpu":
-            self.kv_cache = cpu_zeros_on_huge_pages(shape, c.dtype)
+            storage = cpu_zeros_on_huge_pages(shape, c.dtype)
         else:
-            self.kv_cache = torch.zeros(shape, dtype=c.dtype, device=self.device)
+            storage = torch.zeros(shape, dtype=c.dtype, device=self.device)
+        self.kv_cache = storage.permute(1, 2, 0, 3, 4, 5)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager

@@ -221,5 +221,6 @@ def test_cpu_kv_cache_sits_zeroed_on_huge_page_aligned_memory(llm):
     gc.collect()  # NOTE: the tensor alone must keep its mapping alive
     cache.fill_(1.5)
     assert cache.float().sum().item() == 1.5 * 3 * 5 * 7
-    kv = llm.engine.model_runner.kv_cache
-    assert kv.shape[0] == llm.engine.model_runner.config.num_layers and kv.is_contiguous()
+    kv = llm.engine.model_runner.kv_cache  # layer-major view of block-major storage
+    assert kv.shape[0] == llm.engine.model_runner.config.num_layers
+    assert kv.permute(2, 0, 1, 3, 4, 5).is_contiguous()
