@@ -15,13 +15,13 @@ import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer.payload import PayloadSink
+from pdserve.kvtransfer.payload import PayloadSink, PayloadSource
 from pdserve.kvtransfer.protocol import HEADER_NUMEL, KVTransferError
 
 
@@ -53,29 +53,31 @@ def _wait(work, deadline: float, what: str) -> None:
 
 
 def _wait_all(works: list[tuple[str, object]], deadline: float, verb: str) -> None:
-    """Wait for all ``(what, work)``, the last first.
+    """Wait for all ``(what, work)`` of one pair by waiting for the last one.
 
-    NOTE: the ops of one pair complete in posting order (one stream), so after the last
-    one the others return at once: one sleep and wake-up in all instead of one per op.
-    Each wake-up costs CPU that, on 2 cores, the copying threads of gloo need (24 per
-    side for a 12-layer payload). A gloo send/recv must be waited exactly once (its wait
-    consumes the completion; a second one blocks until the timeout).
+    NOTE: the ops of one pair complete in posting order (one stream, and a failure breaks
+    the whole pair), so once the last one is done so are the others, which are dropped
+    unwaited: one sleep and wake-up in all instead of one per op, and no per-op Python.
+    Each wake-up costs CPU that, on 2 cores, the copying threads of gloo need (a payload
+    of scattered blocks is one message per block). A gloo send/recv must be waited at
+    most once (its wait consumes the completion; a second one blocks until the timeout).
     Raises KVTransferError as ``_wait``.
     """
     if works:
-        works = [works[-1], *works[:-1]]
-    for what, work in works:
+        what, work = works[-1]
         _wait(work, deadline, f"{verb} {what}")
 
 
 @dataclass(slots=True)
 class PostedRecv:
     """Receives posted ahead of a transfer (``PairGroup.post_recv``): the int64 header
-    buffer and the gloo works of the header and of each plane."""
+    buffer, the gloo works of the header and of chunks ``0 .. len(chunk_works) - 1``, and
+    the sink's ring slots that posted chunks still occupy."""
 
     header: torch.Tensor
     header_work: object
-    plane_works: list
+    chunk_works: list = field(default_factory=list)
+    busy_slots: set = field(default_factory=set)
 
 
 class PairGroup:
@@ -136,14 +138,16 @@ class PairGroup:
                                   f"{exc}") from exc
         return cls(rank, gloo, nccl)
 
-    def send(self, make_header: Callable[[int], torch.Tensor], planes: Iterable[torch.Tensor],
+    def send(self, make_header: Callable[[int], torch.Tensor], source: PayloadSource,
              tag: int, deadline: float) -> int:
-        """Send a header, then the payload planes; return the payload bytes.
+        """Send a header, then the payload's chunks; return the payload bytes.
 
         Args:
             make_header: seq -> int64[HEADER_NUMEL]; seq numbers this group's payloads
                 (NCCL receivers take them in that order).
-            planes: the payload's planes in order (see ``payload.iter_send_planes``).
+            source: the payload (``payload.PayloadSource``); a staged chunk is gathered
+                once the send that last used its ring slot has completed, so gathering
+                overlaps the sends of the chunks before it.
             tag: the transfer's gloo tag, from the receiver's ticket.
             deadline: ``time.monotonic()`` seconds by which everything must be sent.
 
@@ -151,28 +155,44 @@ class PairGroup:
             KVTransferError: posting or waiting failed, or the deadline passed.
         """
         works, num_bytes = [], 0
+        slot_sends: dict[int, int] = {}  # ring slot -> index in works of its last send
+        waited: set[int] = set()
         try:
             with self._send_lock:  # NOTE: payloads are posted in seq order
                 header = make_header(self._next_send_seq)
                 self._next_send_seq += 1
                 works.append(("header", self._gloo.send([header], self.peer, tag)))
                 payload_group = self._nccl or self._gloo
-                for p, plane in enumerate(planes):
-                    wire = plane if self._nccl else plane.view(torch.uint8)
-                    works.append((f"plane {p}", payload_group.send([wire], self.peer, tag)))
-                    num_bytes += plane.numel() * plane.element_size()
+                for c in range(source.num_chunks):
+                    slot = source.slot_of(c)
+                    if slot is not None and slot in slot_sends:
+                        i = slot_sends.pop(slot)
+                        _wait(works[i][1], deadline, f"sending {works[i][0]}")
+                        waited.add(i)
+                    wire = source.chunk(c)
+                    works.append((f"chunk {c}", payload_group.send([wire], self.peer, tag)))
+                    if slot is not None:
+                        slot_sends[slot] = len(works) - 1
+                    num_bytes += wire.numel()
+        except KVTransferError:
+            raise
         except Exception as exc:
             raise KVTransferError(f"posting a send failed: {exc}") from exc
-        _wait_all(works, deadline, "sending")
+        if self._nccl is not None:  # NOTE: two streams: the header's (gloo) and NCCL's
+            _wait(works[0][1], deadline, "sending the header")
+        _wait_all([w for i, w in enumerate(works) if i not in waited], deadline, "sending")
         if self._nccl is not None:
-            # NOTE: NCCL waits only order streams; the planes may be views of blocks the
+            # NOTE: NCCL waits only order streams; the chunks may be views of blocks the
             # caller releases once this returns.
             torch.cuda.current_stream().synchronize()
         return num_bytes
 
-    def post_recv(self, sink: PayloadSink, tag: int) -> PostedRecv | None:
-        """Post the header's and all planes' receives now, before the sender starts (gloo
-        only; None over NCCL, whose payloads are posted in the sender's seq order).
+    def post_recv(self, sink: PayloadSink, tag: int,
+                  max_chunks: int | None = None) -> PostedRecv | None:
+        """Post the header's receive and the chunks' now, before the sender starts (gloo
+        only; None over NCCL, whose payloads are posted in the sender's seq order):
+        chunks in order, each received in place or into a free ring slot, up to the first
+        whose slot is taken or ``max_chunks`` (``post_more`` and ``recv`` post the rest).
 
         Gloo pairs a send with its receive by a rendezvous (send-ready, receive-ready
         notes); a receive posted before the sender posts its send saves that round trip,
@@ -186,49 +206,76 @@ class PairGroup:
         if self._nccl is not None:
             return None
         header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
-        header_work = self._post(self._gloo, [header], tag)[0]
-        plane_works = self._post(self._gloo, [b.view(torch.uint8) for b in sink.buffers], tag)
-        return PostedRecv(header, header_work, plane_works)
+        posted = PostedRecv(header, self._post(self._gloo, [header], tag)[0])
+        self.post_more(sink, tag, posted, max_chunks)
+        return posted
+
+    def post_more(self, sink: PayloadSink, tag: int, posted: PostedRecv,
+                  max_chunks: int | None = None) -> None:
+        """Post the next chunks' receives in order while each one's ring slot is free, up
+        to ``max_chunks`` posted in all.
+
+        Raises:
+            KVTransferError: posting failed (the group is closed).
+        """
+        c = len(posted.chunk_works)
+        end = sink.num_chunks if max_chunks is None else min(max_chunks, sink.num_chunks)
+        while c < end:
+            slot = sink.slot_of(c)
+            if slot is not None:
+                if slot in posted.busy_slots:
+                    return
+                posted.busy_slots.add(slot)
+            posted.chunk_works.append(self._post(self._gloo, [sink.buffer(c)], tag)[0])
+            c += 1
 
     def recv(self, sink: PayloadSink, tag: int, deadline: float,
              check_header: Callable[[torch.Tensor], int],
              posted: PostedRecv | None = None) -> None:
-        """Receive a header, then the payload planes into ``sink.buffers`` (scattering
-        each as it lands).
+        """Receive a header, then the payload's chunks into the sink (scattering each
+        staged one as it lands, and posting the receive of the next chunk its ring slot
+        serves).
 
         Args:
-            sink: where the planes go; its sizes come from the receiver's ticket.
+            sink: where the chunks go; its sizes come from the receiver's ticket.
             tag: the transfer's gloo tag.
             deadline: ``time.monotonic()`` seconds by which everything must arrive.
             check_header: validates the int64[HEADER_NUMEL] header (raising
                 KVTransferError) and returns its seq.
             posted: what ``post_recv(sink, tag)`` returned, if called before.
 
-        Over gloo the plane receives are posted together with the header's (now, unless
-        ``posted``), which saves a round trip per plane; over NCCL they are posted after
-        the header, in the sender's seq order.
+        Over NCCL the payload (one chunk) is posted after the header, in the sender's seq
+        order.
 
         Raises:
             KVTransferError: a bad header, a failed or timed-out receive.
         """
         if posted is None:
             posted = self.post_recv(sink, tag)
-        if posted is None:  # NCCL: header over gloo, then the planes in turn
+        if posted is None:  # NCCL: header over gloo, then the payload in turn
             header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
             header_work = self._post(self._gloo, [header], tag)[0]
             _wait(header_work, deadline, "receiving the header")
-            plane_works = self._post_in_turn(sink, tag, check_header(header), deadline)
-        else:
-            _wait(posted.header_work, deadline, "receiving the header")
-            check_header(posted.header)
-            plane_works = posted.plane_works
-        if not sink.copies_planes:
-            _wait_all([(f"plane {p}", w) for p, w in enumerate(plane_works)], deadline,
-                      "receiving")
+            works = self._post_in_turn(sink, tag, check_header(header), deadline)
+            _wait_all([(f"chunk {c}", w) for c, w in enumerate(works)], deadline, "receiving")
             return
-        for p, work in enumerate(plane_works):
-            _wait(work, deadline, f"receiving plane {p}")
-            sink.plane_done(p)
+        self.post_more(sink, tag, posted)
+        _wait(posted.header_work, deadline, "receiving the header")
+        check_header(posted.header)
+        waited = -1
+        if sink.copies_chunks:
+            for c in range(sink.num_chunks):
+                slot = sink.slot_of(c)
+                if slot is None:
+                    continue  # NOTE: lands in place; the last wait below covers it
+                _wait(posted.chunk_works[c], deadline, f"receiving chunk {c}")
+                waited = c
+                sink.chunk_done(c)
+                posted.busy_slots.discard(slot)
+                self.post_more(sink, tag, posted)
+        last = sink.num_chunks - 1
+        if waited < last:
+            _wait(posted.chunk_works[last], deadline, f"receiving chunk {last}")
 
     def _post_in_turn(self, sink: PayloadSink, tag: int, seq: int, deadline: float) -> list:
         with self._turn:
@@ -236,7 +283,8 @@ class PairGroup:
                                        max(deadline - time.monotonic(), 0)):
                 raise KVTransferError(f"payload {seq} never got its turn")
             try:
-                return self._post(self._nccl, sink.buffers, tag)
+                return self._post(self._nccl, [sink.buffer(c) for c in range(sink.num_chunks)],
+                                  tag)
             finally:
                 self._next_recv_seq += 1
                 self._turn.notify_all()

@@ -9,9 +9,9 @@ wire, per transfer:
    ``compare_set`` on ``.../claim/{generation}/{tag}`` (``"S"`` = sending, ``"F <reason>"``
    = cannot send) and wakes the decode side through the queue ``CLAIM_QUEUE_KEY``; the
    decode side gives up the same way (``"X"``), so exactly one of them wins.
-2. group: a fixed-size ``int64[HEADER_NUMEL]`` header, then the payload
-   ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]`` as its ``num_layers * 2``
-   contiguous planes ``[n, block_size, num_kv_heads, head_dim]`` in order.
+2. group: a fixed-size ``int64[HEADER_NUMEL]`` header, then the payload block-major,
+   ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]``, as messages of whole
+   blocks, cut as the decode side's ticket says (``payload.plan_chunks``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 HEADER_NUMEL = 16
 _MAGIC = 0x70645F6B76  # "pd_kv"
-_VERSION = 1
+_VERSION = 2  # 2: block-major payload in chunks (1: per-layer planes)
 
 # NOTE: codes are part of the wire format; append, never renumber.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -73,10 +73,14 @@ class KVGeometry:
 
     @classmethod
     def of(cls, kv_cache: torch.Tensor) -> KVGeometry:
-        """Raises ValueError unless ``kv_cache`` is a contiguous 6-d KV cache."""
-        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or not kv_cache.is_contiguous():
-            raise ValueError("kv_cache must be contiguous [num_layers, 2, num_blocks, "
-                             f"block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+        """Raises ValueError unless ``kv_cache`` is a 6-d KV cache, contiguous or the
+        layer-major view of block-major storage (``payload.block_major``)."""
+        if (kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or not (
+                kv_cache.is_contiguous() or kv_cache.permute(2, 0, 1, 3, 4, 5).is_contiguous())):
+            raise ValueError("kv_cache must be [num_layers, 2, num_blocks, block_size, "
+                             "num_kv_heads, head_dim], contiguous or over block-major storage "
+                             f"[num_blocks, num_layers, 2, ...], got shape "
+                             f"{tuple(kv_cache.shape)} strides {kv_cache.stride()}")
         if kv_cache.dtype not in DTYPE_CODES:
             raise ValueError(f"kv_cache dtype {kv_cache.dtype} has no wire code")
         num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -144,18 +148,36 @@ class Ticket:
     tag: int
     num_blocks: int
     geometry: KVGeometry
+    chunks: tuple[int, ...] = ()
+    """The gloo payload's cut into messages, in blocks (``payload.plan_chunks``): sums to
+    ``num_blocks``. Encoded run-length: ``"10*102 4 1*3"`` is 102 tens, a four, 3 ones."""
 
     def encode(self) -> str:
         fields = [self.incarnation, self.generation, self.tag, self.num_blocks,
                   *self.geometry.fields()]
-        return " ".join(str(f) for f in fields)
+        runs: list[list[int]] = []
+        for size in self.chunks:
+            if runs and runs[-1][0] == size:
+                runs[-1][1] += 1
+            else:
+                runs.append([size, 1])
+        chunks = [f"{size}*{count}" if count > 1 else str(size) for size, count in runs]
+        return " ".join([*(str(f) for f in fields), *chunks])
 
     @classmethod
     def decode(cls, text: str | bytes) -> Ticket:
+        """Raises ValueError (or KVTransferError for an unknown dtype) on a malformed
+        ticket, including chunks that are not positive or do not sum to the block count."""
         parts = (text.decode() if isinstance(text, bytes) else text).split()
-        numbers = [int(p) for p in parts[1:]]
+        numbers = [int(p) for p in parts[1:9]]
+        chunks: list[int] = []
+        for token in parts[9:]:
+            size, _, count = token.partition("*")
+            chunks.extend([int(size)] * (int(count) if count else 1))
+        if any(c <= 0 for c in chunks) or sum(chunks) != numbers[2]:
+            raise ValueError(f"ticket chunks {parts[9:]} do not cut {numbers[2]} blocks")
         return cls(parts[0], numbers[0], numbers[1], numbers[2],
-                   KVGeometry.from_fields(numbers[3:8]))
+                   KVGeometry.from_fields(numbers[3:8]), tuple(chunks))
 
 
 def pair_prefix(prefill_worker_id: str, decode_worker_id: str) -> str:

@@ -8,18 +8,18 @@ A pull's life (one request, one prefill worker):
    store and returns a ``KVPull`` at once; the pull then runs on a long-lived thread. The
    caller then asks the prefill worker to send (gRPC ``SendKV``).
 2. WAITING_FOR_INPUT: the channel's group is up; over gloo the pull posts its header and
-   plane receives at once (straight into the cache's blocks, or into staging buffers):
+   chunk receives at once (straight into the cache's blocks, or into its ring's slots):
    in ``init`` itself when the channel is already up, else as soon as it is, so the
    sender's first bytes need no rendezvous round trip. It waits for the prefill side
    to claim the transfer (``"S"``) or to report that it cannot (``"F <reason>"``). At the
    deadline the pull gives up by claiming ``"X"`` itself: a clean failure that leaves the
    channel usable, since nothing is ever sent on its tag (tags are never reused on a
    channel); its posted receives are dropped.
-3. TRANSFERRING: header, then the payload planes straight into the cache's blocks (or
-   through staging buffers and ``scatter_blocks``). Any error here aborts the channel.
+3. TRANSFERRING: header, then the payload's chunks straight into the cache's blocks (or
+   through ring slots and ``scatter_blocks``). Any error here aborts the channel.
 4. SUCCESS or FAILED (``failure_exception()``); the ticket is deleted at once, the claim
    key minutes later (so a very late prefill side finds ``"X"`` and sends nothing).
-   The pull's staging buffer, if it took one, goes back to the receiver's
+   The pull's ring, if it took one, goes back to the receiver's
    ``StagingPool`` first (dropped after a failure: an aborted receive may still hold it).
 """
 
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from pdserve.kvtransfer.channel import PairGroup, PostedRecv
 from pdserve.kvtransfer.handle import KVTransfer
-from pdserve.kvtransfer.payload import PayloadSink, load_copy_kernels, on_device
+from pdserve.kvtransfer.payload import PayloadSink, load_copy_kernels, on_device, plan_chunks
 from pdserve.kvtransfer.protocol import (
     CLAIM_FAILED_PREFIX,
     CLAIM_GIVEN_UP,
@@ -66,6 +66,10 @@ from pdserve.kvtransfer.threads import TransferThreads
 _WATCH_TIMEOUT = datetime.timedelta(days=1)
 _MAX_TAG = (1 << 31) - 1  # gloo tags are C ints
 _CLAIM_KEY_TTL_S = 300.0  # longer than any sender waits before claiming
+# NOTE: chunks whose receives init() posts itself; the pull's thread posts the rest at
+# once. A receive costs ~10-20 us of CPU (a payload of 1024 scattered blocks is 1024
+# chunks), and init() runs before the prefill side is even asked to send.
+_EARLY_CHUNKS = 8
 
 
 class _RecvChannel:
@@ -176,14 +180,16 @@ class KVReceiver:
     Args:
         worker_id: this decode worker's id (the registry's).
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
-            contiguous, any wire dtype; pulled blocks are written into it.
+            contiguous or over block-major storage (``ModelRunner``'s: then chunks of
+            consecutive ids land in place), any wire dtype; pulled blocks are written
+            into it.
         address: ``"host:port"`` to serve the store on (port 0 picks a free one); the
             host is also the address gloo binds to. ``self.address`` is the real one.
         timeout_s: default seconds a pull may take from ``init`` to its end.
         connect_timeout_s: seconds a new channel waits for its prefill worker.
-        staging_bytes: the most bytes of staging buffers (CPU caches: payloads whose local
-            block ids are not consecutive are received into them, then scattered) kept
-            for reuse across pulls (``StagingPool``); 0 allocates them for each pull.
+        staging_bytes: the most bytes of staging rings (CPU caches: chunks that do not
+            land in place are received into a ring slot, then scattered) kept for reuse
+            across pulls (``StagingPool``); 0 allocates them for each pull.
 
     Raises:
         ValueError: a malformed cache or address, or a negative ``staging_bytes``.
@@ -226,7 +232,7 @@ class KVReceiver:
         Ask the prefill worker to send only after this returns. ``timeout_s`` (default
         ``self.timeout_s``) bounds the whole pull. When the pair's channel is up (every
         pull but a channel's first), this also posts the pull's receives, so the
-        sender's bytes never wait for a receive; about 0.3 ms of CPU for 24 planes.
+        sender's bytes never wait for a receive.
 
         Raises:
             ValueError: no blocks, ids out of range or repeated, or a pull of this request
@@ -244,7 +250,8 @@ class KVReceiver:
             try:
                 channel = self._channel(prefill_worker_id, prefix)
                 ticket = Ticket(self._incarnation, channel.generation, channel.next_tag(),
-                                len(ids), self.geometry)
+                                len(ids), self.geometry,
+                                tuple(plan_chunks(self.kv_cache, ids, self.geometry)))
                 pull = KVPull(request_id, prefill_worker_id, ids, channel, ticket, deadline)
                 self._store.set(ticket_key(prefix, request_id), ticket.encode())
             except (RuntimeError, dist.DistError) as exc:
@@ -331,6 +338,7 @@ class KVReceiver:
             group = pull.channel.wait_ready(pull.deadline)
             if pull._advance(KVPollState.WAITING_FOR_INPUT) and not pull._posted:
                 self._post_early(pull, group)
+            self._post_rest(pull, group)
             self._await_claim(pull)
             self._counters.start()
             moving = True
@@ -361,13 +369,14 @@ class KVReceiver:
         pull._posted = True
         with on_device(self.kv_cache):
             sink = PayloadSink(self.kv_cache, pull.block_ids, self.geometry,
-                               group.device_payload, staging=self.staging)
+                               list(pull.ticket.chunks), group.device_payload,
+                               staging=self.staging)
         with pull._lock:
             if pull._cancelled or pull._state.finished:
                 sink.release(reusable=True)  # never posted
                 return
             try:
-                posted = group.post_recv(sink, pull.ticket.tag)
+                posted = group.post_recv(sink, pull.ticket.tag, _EARLY_CHUNKS)
             except KVTransferError:
                 # NOTE: the group is dead (e.g. its sender restarted); the claim protocol
                 # still decides how this pull ends (the sender reports why it cannot
@@ -380,6 +389,20 @@ class KVReceiver:
                 return
             pull._early = (sink, posted)
             pull._sink = sink
+
+    @staticmethod
+    def _post_rest(pull: KVPull, group: PairGroup) -> None:
+        """Post the receives ``_post_early`` left for this thread (it posts the first
+        ``_EARLY_CHUNKS`` only, so that ``init`` stays short however scattered the
+        blocks). A group that cannot post is dead: the pull goes on and fails there."""
+        with pull._lock:
+            if pull._early is None or pull._cancelled or pull._state.finished:
+                return
+            sink, posted = pull._early
+            try:
+                group.post_more(sink, pull.ticket.tag, posted)
+            except KVTransferError:
+                pull.channel.fail()
 
     @staticmethod
     def _release_sink(pull: KVPull, reusable: bool) -> None:
@@ -429,7 +452,8 @@ class KVReceiver:
                     sink, posted = pull._early
                 else:
                     sink = PayloadSink(self.kv_cache, pull.block_ids, self.geometry,
-                                       group.device_payload, drain, staging=self.staging)
+                                       list(pull.ticket.chunks), group.device_payload, drain,
+                                       staging=self.staging)
                     pull._sink, posted = sink, None
                 group.recv(sink, pull.ticket.tag, deadline,
                            lambda header: self._check_header(pull, header), posted)

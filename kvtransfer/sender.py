@@ -20,12 +20,7 @@ import torch.distributed as dist
 
 from pdserve.kvtransfer.channel import PairGroup
 from pdserve.kvtransfer.handle import KVTransfer
-from pdserve.kvtransfer.payload import (
-    iter_send_planes,
-    load_copy_kernels,
-    on_device,
-    send_staging_bytes,
-)
+from pdserve.kvtransfer.payload import PayloadSource, load_copy_kernels, on_device
 from pdserve.kvtransfer.protocol import (
     CLAIM_FAILED_PREFIX,
     CLAIM_QUEUE_KEY,
@@ -84,13 +79,14 @@ class KVSender:
     Args:
         worker_id: this prefill worker's id (the registry's).
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
-            contiguous; blocks are read from it.
+            contiguous or over block-major storage (``ModelRunner``'s: then chunks of
+            consecutive ids are sent in place); blocks are read from it.
         host: the local address gloo binds to (the host of this worker's KV address).
         timeout_s: default seconds one send may take.
         connect_timeout_s: seconds to reach a decode worker's store and channel.
-        staging_bytes: the most bytes of staging buffers (CPU caches: the planes of
-            payloads whose block ids are not consecutive are gathered into them) kept
-            for reuse across sends (``StagingPool``); 0 allocates them for each send.
+        staging_bytes: the most bytes of staging rings (CPU caches: chunks not sent in
+            place are gathered into a ring slot first) kept for reuse across sends
+            (``StagingPool``); 0 allocates them for each send.
 
     Raises:
         ValueError: a malformed cache, or a negative ``staging_bytes``.
@@ -312,14 +308,16 @@ class KVSender:
         def make_header(seq: int) -> torch.Tensor:
             return Header(rid_hash, len(ids), self.geometry, seq).encode()
 
-        staging_bytes = send_staging_bytes(self.kv_cache, ids)
-        lease = self.staging.take(staging_bytes) if staging_bytes else None
-        planes = iter_send_planes(self.kv_cache, ids, group.device_payload, lease)
         sent = False
         try:
             with on_device(self.kv_cache):
-                num_bytes = group.send(make_header, planes, ticket.tag, deadline)
-            sent = True
+                source = PayloadSource(self.kv_cache, ids, self.geometry, list(ticket.chunks),
+                                       group.device_payload, self.staging)
+                try:
+                    num_bytes = group.send(make_header, source, ticket.tag, deadline)
+                    sent = True
+                finally:  # NOTE: after a failed send gloo may still read the ring
+                    source.release(reusable=sent)
         except KVTransferError:
             group.abort()
             gen = ticket.generation
@@ -331,7 +329,4 @@ class KVSender:
                 if store is not None:
                     store.compare_set(f"{peer.prefix}/gen", str(gen), str(gen + 1))
             raise
-        finally:
-            if lease is not None:  # NOTE: after a failed send gloo may still hold it
-                self.staging.give_back(lease, reusable=sent)
         return KVTransferStats(len(ids), num_bytes, time.monotonic() - start)

@@ -1,16 +1,14 @@
-"""Staging memory for payloads that are gathered or scattered, reused across transfers.
+"""Staging memory for payload chunks that are gathered or scattered, reused across transfers.
 
-A payload whose blocks are not consecutive on one side goes through a staging buffer on
-that side: the sender gathers each plane into it, the receiver receives each plane into
-it and scatters from there (``payload.py``). A fresh buffer per transfer costs more than
-the copy itself once it is large: fresh memory page-faults on first touch. In the KV
-transfer benchmark (12 layers, bf16, random block ids) a 4k-token pull (48 MiB) took
+A payload chunk whose blocks are not one contiguous region on one side goes through a
+ring of staging slots on that side (``payload.py``): the sender gathers the chunk into a
+slot and sends it from there, the receiver receives it into a slot and scatters it. Each
+transfer side takes one buffer (``take``) for its ring, ``RING_SLOTS`` chunks of about
+2 MiB, and gives it back (``give_back``) when its bytes have moved. A fresh buffer per
+transfer costs page faults on first touch (a 4k-token payload staged whole once took
 ~2,000 minor faults on the sender and ~6,000 on the receiver, and the sender's gathers
-29 ms against ~7 ms into warm memory. ``StagingPool`` keeps the buffers of finished
-transfers and hands them to the next ones.
-
-One transfer takes one buffer (``take``) for all its planes and gives it back
-(``give_back``) when its bytes have moved. A buffer of a failed transfer is dropped, not
+29 ms against ~7 ms into warm memory), so ``StagingPool`` keeps the buffers of finished
+transfers and hands them to the next ones. A buffer of a failed transfer is dropped, not
 reused: an aborted gloo op may still hold it. CPU memory only (a CUDA cache's staging
 comes from torch's caching allocators).
 """
@@ -22,9 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-DEFAULT_STAGING_BYTES = 256 * 2**20
-"""Default bound of one pool: one 16k-token payload of a ~125M Llama (12 KiB per token,
-192 MiB) or several shorter ones."""
+DEFAULT_STAGING_BYTES = 64 * 2**20
+"""Default bound of one pool: the rings of 8 transfers in flight at once (8 MiB each)."""
 
 _MIN_SIZE_CLASS_BYTES = 64 * 2**10
 
@@ -50,24 +47,6 @@ class StagingLease:
     buffer: torch.Tensor
     pooled: bool
     returned: bool = field(default=False)
-
-    def planes(self, num_planes: int, shape: tuple[int, ...],
-               dtype: torch.dtype) -> list[torch.Tensor]:
-        """``num_planes`` contiguous, non-overlapping ``shape`` tensors of ``dtype`` laid
-        out one after another in the buffer.
-
-        Raises:
-            ValueError: they do not fit in the buffer.
-        """
-        plane_bytes = dtype.itemsize
-        for size in shape:
-            plane_bytes *= size
-        if num_planes * plane_bytes > self.buffer.numel():
-            raise ValueError(f"{num_planes} planes of {shape} {dtype} need "
-                             f"{num_planes * plane_bytes} bytes, the buffer has "
-                             f"{self.buffer.numel()}")
-        return [self.buffer[p * plane_bytes:(p + 1) * plane_bytes].view(dtype).view(shape)
-                for p in range(num_planes)]
 
 
 class StagingPool:

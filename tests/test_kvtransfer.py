@@ -14,41 +14,68 @@ import time
 import pytest
 import torch
 
-from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender, KVTransferError
+from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender, KVTransferError, payload
+from pdserve.kvtransfer.protocol import KVGeometry, Ticket
 from pdserve.kvtransfer.staging import StagingPool, size_class
 from pdserve.kvtransfer.threads import TransferThreads
 
 NUM_BLOCKS = 16
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+CHUNK_BYTES = 3 * 1024
+"""Messages of 3 KiB (3 fp32 or 6 bf16 blocks of these caches), on both sides, so that
+payloads here span several chunks and reuse the ring slots (the default, 2 MiB, would
+move them in one)."""
+SENDERS = {"prefill-f32": ("f32", "layer"), "prefill-bf16": ("bf16", "block"),
+           "prefill-f32-block": ("f32", "block")}
+PREFILL_IN_PLACE = {"prefill-in-place": ("f32", "block")}  # never stages, so its pool stays empty
+"""Prefill worker id -> (dtype, layout of its cache); the receivers' layouts are the other
+way round (``receivers``), so each direction has a staged side and an in-place side."""
 
 
-def make_cache(dtype: torch.dtype, seed: int | None) -> torch.Tensor:
+def make_cache(dtype: torch.dtype, seed: int | None, layout: str = "layer") -> torch.Tensor:
     """``[num_layers=2, 2, NUM_BLOCKS, block_size=4, num_kv_heads=2, head_dim=8]``:
-    seeded random values, or zeros when ``seed`` is None."""
+    seeded random values, or zeros when ``seed`` is None. ``layout``: "layer"
+    (contiguous) or "block" (the view of block-major storage, as ``ModelRunner``'s)."""
     shape = (2, 2, NUM_BLOCKS, 4, 2, 8)
     if seed is None:
-        return torch.zeros(shape, dtype=dtype)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        cache = torch.zeros(shape, dtype=dtype)
+    else:
+        cache = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    if layout == "block":
+        cache = cache.permute(2, 0, 1, 3, 4, 5).contiguous().permute(1, 2, 0, 3, 4, 5)
+    return cache
 
 
-def _prefill_main(conn, senders: dict[str, str], stall_s: float) -> None:
-    """Child process: one KVSender per worker id (value: dtype name, cache seed 7).
-    Requests whose id starts with "stall" send their header, then stall ``stall_s``."""
+@pytest.fixture(scope="module", autouse=True)
+def small_chunks():
+    original, payload.CHUNK_BYTES = payload.CHUNK_BYTES, CHUNK_BYTES
+    yield
+    payload.CHUNK_BYTES = original
+
+
+def _prefill_main(conn, senders: dict[str, tuple[str, str]], stall_s: float) -> None:
+    """Child process: one KVSender per worker id (value: dtype name and layout, cache
+    seed 7). Requests whose id starts with "stall" send their header, then stall
+    ``stall_s`` before the payload."""
     import pdserve.kvtransfer.sender as sender_module
 
     torch.set_num_threads(1)
-    original = sender_module.iter_send_planes
+    payload.CHUNK_BYTES = CHUNK_BYTES
+    original = sender_module.PayloadSource
 
-    def stalling(*args):
-        time.sleep(stall_s)
-        yield from original(*args)
+    class Stalling(original):
+        def chunk(self, c: int) -> torch.Tensor:
+            if c == 0:
+                time.sleep(stall_s)
+            return super().chunk(c)
 
-    by_id = {wid: KVSender(wid, make_cache(DTYPES[name], 7), timeout_s=10, connect_timeout_s=10)
-             for wid, name in senders.items()}
+    by_id = {wid: KVSender(wid, make_cache(DTYPES[name], 7, layout), timeout_s=10,
+                           connect_timeout_s=10)
+             for wid, (name, layout) in senders.items()}
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
         verb, wid, rid, decode_id, address, block_ids, timeout_s = cmd
-        sender_module.iter_send_planes = stalling if rid.startswith("stall") else original
+        sender_module.PayloadSource = Stalling if rid.startswith("stall") else original
         try:
             if verb == "staging":
                 pool = by_id[wid].staging
@@ -62,9 +89,10 @@ def _prefill_main(conn, senders: dict[str, str], stall_s: float) -> None:
 
 
 class PrefillProcess:
-    """A spawned prefill-side process hosting ``senders`` (worker id -> dtype name)."""
+    """A spawned prefill-side process hosting ``senders`` (worker id -> (dtype name,
+    layout))."""
 
-    def __init__(self, senders: dict[str, str], stall_s: float = 0.0) -> None:
+    def __init__(self, senders: dict[str, tuple[str, str]], stall_s: float = 0.0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(target=_prefill_main, args=(child_conn, senders, stall_s),
@@ -99,8 +127,11 @@ class PrefillProcess:
 
 @pytest.fixture(scope="module")
 def receivers():
-    """One decode-side receiver per dtype, each with a zeroed cache."""
-    made = {name: KVReceiver(f"decode-{name}", make_cache(dtype, None), "127.0.0.1:0",
+    """One decode-side receiver per dtype, each with a zeroed cache: fp32 block-major,
+    bf16 layer-major."""
+    layouts = {"f32": "block", "bf16": "layer"}
+    made = {name: KVReceiver(f"decode-{name}", make_cache(dtype, None, layouts[name]),
+                             "127.0.0.1:0",
                              timeout_s=10, connect_timeout_s=10)
             for name, dtype in DTYPES.items()}
     yield made
@@ -110,7 +141,7 @@ def receivers():
 
 @pytest.fixture(scope="module")
 def prefill():
-    proc = PrefillProcess({"prefill-f32": "f32", "prefill-bf16": "bf16"})
+    proc = PrefillProcess({**SENDERS, **PREFILL_IN_PLACE})
     yield proc
     proc.stop()
 
@@ -133,23 +164,33 @@ def sender_staging(proc: PrefillProcess, prefill_id: str,
     return value
 
 
-@pytest.mark.parametrize("name", ["f32", "bf16"])
-def test_blocks_move_bit_exactly_into_other_block_ids(receivers, prefill, name):
-    receiver, source = receivers[name], make_cache(DTYPES[name], 7)
+@pytest.mark.parametrize("sender", list(SENDERS))
+def test_blocks_move_bit_exactly_into_other_block_ids(receivers, prefill, sender):
+    """Every mix of in-place and staged chunks on either side, across several chunks."""
+    name, layout = SENDERS[sender]
+    receiver, source = receivers[name], make_cache(DTYPES[name], 7, layout)
+    receiver.kv_cache.zero_()
+    per_chunk = CHUNK_BYTES // receiver.geometry.block_bytes
     cases = [([5, 2, 9], [0, 7, 3]),     # scattered -> scattered (gather and scatter)
-             ([4, 5, 6], [10, 11, 12]),  # consecutive -> consecutive (straight from/to cache)
+             ([4, 5, 6], [10, 11, 12]),  # consecutive -> consecutive
              ([13, 14], [1, 8]),         # consecutive -> scattered
-             ([0, 15], [14, 15])]        # scattered -> consecutive
+             ([0, 15], [14, 15]),        # scattered -> consecutive
+             # several chunks, some consecutive on one side or both, ring slots reused
+             (list(range(2, 2 + 2 * per_chunk)) + [15, 0, 1],
+              list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 4 - 2 * per_chunk, -1))),
+             (list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS))),
+             (list(range(NUM_BLOCKS))[::-1], list(range(NUM_BLOCKS)))]
     for i, (src, dst) in enumerate(cases):
-        handle, reply = pull(prefill, receiver, f"prefill-{name}", f"exact-{name}-{i}", src, dst)
+        receiver.kv_cache.zero_()
+        handle, reply = pull(prefill, receiver, sender, f"exact-{sender}-{i}", src, dst)
         assert handle.poll() == KVPollState.SUCCESS, handle.failure_exception()
         assert reply[0] == "ok" and reply[1].num_blocks == len(src)
         assert handle.stats.num_bytes == reply[1].num_bytes == len(src) * 2 * 2 * 4 * 2 * 8 * (
             4 if name == "f32" else 2)
-        assert torch.equal(receiver.kv_cache[:, :, dst], source[:, :, src])
-    written = sorted(b for _, dst in cases for b in dst)
-    untouched = [b for b in range(NUM_BLOCKS) if b not in written]
-    assert not receiver.kv_cache[:, :, untouched].any()
+        assert torch.equal(receiver.kv_cache[:, :, dst], source[:, :, src]), (src, dst)
+        untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
+        assert not receiver.kv_cache[:, :, untouched].any()
+    assert receiver.staging.in_use_bytes == 0
 
 
 def test_transfers_in_sequence_reuse_one_channel(receivers, prefill):
@@ -246,10 +287,10 @@ def test_a_pull_cancelled_with_its_receives_posted_gets_nothing(receivers, prefi
 
 def test_stalled_payload_times_out_then_killed_sender_fails_fast_then_restart_works(receivers):
     receiver, source = receivers["f32"], make_cache(torch.float32, 7)
-    stalling = PrefillProcess({"prefill-stall": "f32"}, stall_s=4.0)
+    stalling = PrefillProcess({"prefill-stall": ("f32", "layer")}, stall_s=4.0)
     try:
         # 1. header sent, payload stalls past the deadline: gloo times out, channel aborted;
-        # both sides staged the payload (ids not consecutive) and dropped their buffers
+        # the sender staged the payload (a layer-major cache) and dropped its ring
         start = time.monotonic()
         handle, reply = pull(stalling, receiver, "prefill-stall", "stall-1", [1, 0], [5, 2], 1.0)
         assert handle.poll() == KVPollState.FAILED and reply[0] == "error"
@@ -278,7 +319,7 @@ def test_stalled_payload_times_out_then_killed_sender_fails_fast_then_restart_wo
     finally:
         stalling.stop()
     # 4. a restarted prefill worker with the same id gets a fresh channel
-    restarted = PrefillProcess({"prefill-stall": "f32"})
+    restarted = PrefillProcess({"prefill-stall": ("f32", "layer")})
     try:
         handle, reply = pull(restarted, receiver, "prefill-stall", "after-restart", [8, 9], [6, 7])
         assert handle.poll() == KVPollState.SUCCESS, handle.failure_exception()
@@ -287,7 +328,7 @@ def test_stalled_payload_times_out_then_killed_sender_fails_fast_then_restart_wo
         restarted.kill()
     # 5. one that died while idle: the decode side's group looks fine; the first pull
     # after the restart fails fast, and the next one makes a new channel
-    again = PrefillProcess({"prefill-stall": "f32"})
+    again = PrefillProcess({"prefill-stall": ("f32", "layer")})
     try:
         start = time.monotonic()
         handle, reply = pull(again, receiver, "prefill-stall", "after-idle-death", [4], [6])
@@ -302,27 +343,60 @@ def test_stalled_payload_times_out_then_killed_sender_fails_fast_then_restart_wo
 
 
 def test_scattered_pulls_reuse_one_staging_buffer_on_each_side(receivers, prefill):
-    receiver, source = receivers["f32"], make_cache(torch.float32, 7)
+    """A layer-major receiver cuts fixed chunks, so neither side moves [6, 1, 11] -> [8, 3,
+    14] in place: both stage it, in a ring taken from and given back to their pools."""
+    receiver, source = receivers["bf16"], make_cache(torch.bfloat16, 7)
     held = []
     for i in range(3):
-        handle, reply = pull(prefill, receiver, "prefill-f32", f"staged-{i}", [6, 1, 11],
+        handle, reply = pull(prefill, receiver, "prefill-bf16", f"staged-{i}", [6, 1, 11],
                              [8, 3, 14])
         assert handle.poll() == KVPollState.SUCCESS and reply[0] == "ok"
         assert torch.equal(receiver.kv_cache[:, :, [8, 3, 14]], source[:, :, [6, 1, 11]])
         assert receiver.staging.in_use_bytes == 0
-        sent = sender_staging(prefill, "prefill-f32", receiver)
-        assert sent[1] == 0 and sent[2] >= 1 and sent[0] >= size_class(3 * 1024)
+        sent = sender_staging(prefill, "prefill-bf16", receiver)
+        assert sent[1] == 0 and sent[2] >= 1 and sent[0] >= size_class(3 * 512)
         held.append((receiver.staging.held_bytes, sent[0]))
-    assert held[0][0] >= size_class(3 * 1024)
+    assert held[0][0] >= size_class(3 * 512)
     assert held[1] == held[2] == held[0]  # nothing allocated after the first pull
 
 
-def test_a_failed_pull_gives_back_its_staging_buffer_and_drops_it(receivers, prefill):
+def test_block_major_caches_move_scattered_blocks_in_place(receivers, prefill):
+    """Both caches block-major: the receiver cuts at every break in its ids, so every
+    message is one run on both sides and nothing is staged, however scattered."""
     receiver, source = receivers["f32"], make_cache(torch.float32, 7)
-    handle, reply = pull(prefill, receiver, "prefill-f32", "before-lonely", [2, 9], [10, 4])
+    src, dst = [9, 3, 4, 5, 6, 14, 15, 7], [2, 11, 6, 7, 8, 1, 0, 13]
+    handle, reply = pull(prefill, receiver, "prefill-in-place", "in-place", src, dst)
+    assert handle.poll() == KVPollState.SUCCESS and reply[0] == "ok"
+    assert handle.ticket.chunks == (1, 1, 3, 1, 1, 1)  # 3 fp32 blocks per message at most
+    assert torch.equal(receiver.kv_cache[:, :, dst], source[:, :, src])
+    assert sender_staging(prefill, "prefill-in-place", receiver) == (0, 0, 0)
+    assert receiver.staging.in_use_bytes == 0
+
+
+def test_chunk_plans_and_their_ticket_encoding():
+    layer, block = make_cache(torch.float32, None), make_cache(torch.float32, None, "block")
+    geometry = KVGeometry.of(block)  # 1 KiB blocks; CHUNK_BYTES = 3 KiB here
+    assert payload.plan_chunks(layer, list(range(8)), geometry) == [3, 3, 2]
+    assert payload.plan_chunks(block, list(range(8)), geometry) == [3, 3, 2]
+    assert payload.plan_chunks(block, [4, 5, 6, 9, 2, 3, 10, 11, 12, 13], geometry) == [
+        3, 1, 2, 3, 1]
+    assert payload.plan_chunks(block, [7], geometry) == [1]
+    ticket = Ticket("abc", 2, 5, 10, geometry, (3, 1, 2, 3, 1))
+    assert ticket.encode() == "abc 2 5 10 2 4 2 8 1 3 1 2 3 1"
+    assert Ticket.decode(ticket.encode()) == ticket
+    many = Ticket("abc", 2, 5, 1030, geometry, (3,) * 300 + (1,) * 130)
+    assert many.encode().endswith(" 3*300 1*130") and Ticket.decode(many.encode()) == many
+    for bad in ("abc 2 5 10 2 4 2 8 1 3 3", "abc 2 5 10 2 4 2 8 1 10 0", "abc 2 5 10 2 4 2 8 1"):
+        with pytest.raises(ValueError, match="do not cut 10 blocks"):
+            Ticket.decode(bad)
+
+
+def test_a_failed_pull_gives_back_its_staging_buffer_and_drops_it(receivers, prefill):
+    receiver, source = receivers["bf16"], make_cache(torch.bfloat16, 7)
+    handle, reply = pull(prefill, receiver, "prefill-bf16", "before-lonely", [2, 9], [10, 4])
     assert handle.poll() == KVPollState.SUCCESS  # the channel is up: receives post early
     held = receiver.staging.held_bytes
-    lonely = receiver.init("lonely-staged", "prefill-f32", [4, 10], timeout_s=1.0)
+    lonely = receiver.init("lonely-staged", "prefill-bf16", [4, 10], timeout_s=1.0)
     deadline = time.monotonic() + 5.0
     while lonely._early is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -330,7 +404,7 @@ def test_a_failed_pull_gives_back_its_staging_buffer_and_drops_it(receivers, pre
     assert lonely.wait(5.0) == KVPollState.FAILED
     assert receiver.staging.in_use_bytes == 0
     assert receiver.staging.held_bytes < held  # dropped: an aborted receive may hold it
-    handle, reply = pull(prefill, receiver, "prefill-f32", "after-lonely", [2, 9], [10, 4])
+    handle, reply = pull(prefill, receiver, "prefill-bf16", "after-lonely", [2, 9], [10, 4])
     assert handle.poll() == KVPollState.SUCCESS and reply[0] == "ok"
     assert torch.equal(receiver.kv_cache[:, :, [10, 4]], source[:, :, [2, 9]])
     assert receiver.staging.in_use_bytes == 0 and receiver.staging.held_bytes == held
@@ -416,15 +490,6 @@ def test_staging_pool_never_hands_one_buffer_to_two_transfers_at_once():
     for thread in threads:
         thread.join(30)
     assert not clashes and pool.in_use_bytes == 0 and pool.held_bytes <= 8 * MiB
-
-
-def test_staging_planes_are_disjoint_views_and_must_fit():
-    lease = StagingPool(max_bytes=MiB).take(4 * 3 * 8 * 2)
-    planes = lease.planes(4, (3, 8), torch.bfloat16)
-    assert all(p.is_contiguous() and p.shape == (3, 8) for p in planes)
-    assert [p.data_ptr() - planes[0].data_ptr() for p in planes] == [0, 48, 96, 144]
-    with pytest.raises(ValueError, match="need"):
-        StagingPool(max_bytes=0).take(100).planes(2, (60,), torch.uint8)
 
 
 def test_transfer_threads_reuse_idle_threads_grow_for_concurrent_tasks_and_close():
