@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.model_runner import cpu_zeros_on_huge_pages
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 12, 16, 4, 64
@@ -36,11 +37,13 @@ PROMPT_TOKENS = (1024, 4096, 16384)
 
 
 def make_cache(num_blocks: int, seed: int | None) -> torch.Tensor:
-    """``[NUM_LAYERS, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]`` bf16."""
-    shape = (NUM_LAYERS, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    if seed is None:
-        return torch.zeros(shape, dtype=DTYPE)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(DTYPE)
+    """``[NUM_LAYERS, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]`` bf16, laid out
+    as a worker's (``ModelRunner.allocate_kv_cache``): block-major storage on huge pages."""
+    storage = cpu_zeros_on_huge_pages(
+        (num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), DTYPE)
+    if seed is not None:
+        storage.normal_(generator=torch.Generator().manual_seed(seed))
+    return storage.permute(1, 2, 0, 3, 4, 5)
 
 
 def plain_group(address: str, rank: int) -> dist.ProcessGroupGloo:
