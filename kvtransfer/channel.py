@@ -163,7 +163,12 @@ class PairGroup:
                 self._next_send_seq += 1
                 works.append(("header", self._gloo.send([header], self.peer, tag)))
                 payload_group = self._nccl or self._gloo
-                for c in range(source.num_chunks):
+                in_place = source.in_place_chunks()
+                if in_place is not None:  # NOTE: no gathers: post them all in one loop
+                    works += [(f"chunk {c}", payload_group.send([wire], self.peer, tag))
+                              for c, wire in enumerate(in_place)]
+                    num_bytes = sum(wire.numel() for wire in in_place)
+                for c in range(source.num_chunks if in_place is None else 0):
                     slot = source.slot_of(c)
                     if slot is not None and slot in slot_sends:
                         i = slot_sends.pop(slot)
@@ -220,14 +225,16 @@ class PairGroup:
         """
         c = len(posted.chunk_works)
         end = sink.num_chunks if max_chunks is None else min(max_chunks, sink.num_chunks)
+        buffers = []
         while c < end:
             slot = sink.slot_of(c)
             if slot is not None:
                 if slot in posted.busy_slots:
-                    return
+                    break
                 posted.busy_slots.add(slot)
-            posted.chunk_works.append(self._post(self._gloo, [sink.buffer(c)], tag)[0])
+            buffers.append(sink.buffer(c))
             c += 1
+        posted.chunk_works += self._post(self._gloo, buffers, tag)
 
     def recv(self, sink: PayloadSink, tag: int, deadline: float,
              check_header: Callable[[torch.Tensor], int],

@@ -44,11 +44,11 @@ from pdserve.kernels.block_copy import gather_blocks, scatter_blocks
 from pdserve.kvtransfer.protocol import KVGeometry
 from pdserve.kvtransfer.staging import StagingLease, StagingPool
 
-CHUNK_BYTES = 2 * 2**20
+CHUNK_BYTES = 8 * 2**20
 """The most bytes of one gloo message, unless one block is larger (a chunk is at least
 one block)."""
 
-RING_SLOTS = 4
+RING_SLOTS = 2
 """Staging slots per transfer side: chunks gathered (or received) ahead of the one that
 is moving."""
 
@@ -94,8 +94,8 @@ def plan_chunks(kv_cache: torch.Tensor, block_ids: list[int], geometry: KVGeomet
     Example, block_bytes 1 MiB, local ids ``[4, 5, 6, 9, 2, 3]``: ``[2, 1, 1, 2]``.
     """
     per_chunk = max(1, CHUNK_BYTES // geometry.block_bytes)
+    n = len(block_ids)
     if kv_cache.is_cuda or not block_major(kv_cache):
-        n = len(block_ids)
         return [min(per_chunk, n - s) for s in range(0, n, per_chunk)]
     sizes, run = [], 0
     for i, block in enumerate(block_ids):
@@ -121,7 +121,7 @@ class _Chunks:
         for size in sizes:
             self.bounds.append((start, start + size))
             start += size
-        direct_ok = not staged_everything and block_major(kv_cache)
+        direct_ok = not staged_everything and block_major(kv_cache) and bool(block_ids)
         # NOTE: [num_blocks, block_bytes] uint8 view of block-major storage, made once:
         # slicing it costs ~1 us per chunk, re-deriving views from the cache ~6 us
         self._blocks = (kv_cache.permute(2, 0, 1, 3, 4, 5).reshape(kv_cache.shape[2], -1)
@@ -191,8 +191,8 @@ class PayloadSource:
                 self._plan.direct = [0] * self._plan.num_chunks  # in place from the copy
                 self._plan.slots = [None] * self._plan.num_chunks
             return
-        self._ids = torch.tensor(block_ids, dtype=torch.int64)
         ring_bytes = self._plan.num_slots * self._plan.slot_bytes
+        self._ids = torch.tensor(block_ids, dtype=torch.int64) if ring_bytes else None
         if ring_bytes:
             self._lease = (staging.take(ring_bytes) if staging is not None
                            else StagingLease(torch.empty(ring_bytes, dtype=torch.uint8), False))
@@ -204,6 +204,13 @@ class PayloadSource:
     def slot_of(self, c: int) -> int | None:
         """The ring slot chunk ``c`` is gathered into, or None (sent in place)."""
         return self._plan.slots[c]
+
+    def in_place_chunks(self) -> list[torch.Tensor] | None:
+        """All chunks as contiguous uint8 bytes when none needs a gather (each is a region
+        of the cache or of the staged whole payload), else None."""
+        if self._whole is None and self._plan.num_slots:
+            return None
+        return [self.chunk(c) for c in range(self.num_chunks)]
 
     def chunk(self, c: int) -> torch.Tensor:
         """Chunk ``c`` as contiguous uint8 bytes, gathered into its slot if staged."""
@@ -264,7 +271,6 @@ class PayloadSink:
         self._staging = staging
         self._lease: StagingLease | None = None
         self._whole: torch.Tensor | None = None  # CUDA: the payload as received, bytes
-        self._ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
         plan = _Chunks(kv_cache, block_ids, geometry,
                        [len(block_ids)] if device_payload else sizes, staged_everything=drain)
         if kv_cache.is_cuda and not (device_payload and all(d is not None for d in plan.direct)):
@@ -281,6 +287,8 @@ class PayloadSink:
             self._lease = (staging.take(ring_bytes) if staging is not None
                            else StagingLease(torch.empty(ring_bytes, dtype=torch.uint8), False))
         self._plan = plan
+        self._ids = (torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+                     if plan.num_slots or self._whole is not None else None)
 
     @property
     def num_chunks(self) -> int:

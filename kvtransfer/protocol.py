@@ -131,6 +131,15 @@ class Header:
         return cls(values[2], values[3], KVGeometry.from_fields(values[5:10]), values[4])
 
 
+def check_block_ids(block_ids, num_blocks: int) -> list[int]:
+    """``block_ids`` as a list of ints; raises ValueError unless they are at least one,
+    distinct, and in ``[0, num_blocks)``."""
+    ids = list(map(int, block_ids))
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= num_blocks:
+        raise ValueError(f"block_ids must be distinct ids in [0, {num_blocks}), got {ids}")
+    return ids
+
+
 def request_hash(request_id: str) -> int:
     """Stable signed 64-bit hash of a request id (SHA-256, first 8 bytes)."""
     digest = hashlib.sha256(request_id.encode()).digest()

@@ -53,6 +53,7 @@ from pdserve.kvtransfer.protocol import (
     KVTransferError,
     KVTransferStats,
     Ticket,
+    check_block_ids,
     claim_key,
     established_key,
     pair_prefix,
@@ -291,11 +292,7 @@ class KVReceiver:
         self.staging.close()
 
     def _check_block_ids(self, block_ids: Sequence[int]) -> list[int]:
-        ids = [int(b) for b in block_ids]
-        num_blocks = self.kv_cache.shape[2]
-        if not ids or len(set(ids)) != len(ids) or not all(0 <= b < num_blocks for b in ids):
-            raise ValueError(f"block_ids must be distinct ids in [0, {num_blocks}), got {ids}")
-        return ids
+        return check_block_ids(block_ids, self.kv_cache.shape[2])
 
     def _channel(self, prefill_worker_id: str, prefix: str) -> _RecvChannel:
         """The pair's usable channel, or a new one under a new generation (lock held)."""

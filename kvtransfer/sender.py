@@ -34,6 +34,7 @@ from pdserve.kvtransfer.protocol import (
     KVTransferError,
     KVTransferStats,
     Ticket,
+    check_block_ids,
     claim_key,
     established_key,
     pair_prefix,
@@ -181,11 +182,7 @@ class KVSender:
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
 
     def _check(self, block_ids: Sequence[int]) -> list[int]:
-        ids = [int(b) for b in block_ids]
-        num_blocks = self.kv_cache.shape[2]
-        if not ids or len(set(ids)) != len(ids) or not all(0 <= b < num_blocks for b in ids):
-            raise ValueError(f"block_ids must be distinct ids in [0, {num_blocks}), got {ids}")
-        return ids
+        return check_block_ids(block_ids, self.kv_cache.shape[2])
 
     def _peer(self, decode_worker_id: str, address: str) -> _Peer:
         with self._lock:
