@@ -2,19 +2,24 @@
 
 Moves the KV of 1k, 4k and 16k-token prompts from a prefill-side process to this
 (decode-side) process, with a ~125M Llama's KV geometry (12 layers, 4 KV heads,
-head_dim 64, block_size 16, bf16: 12 KiB per token). Each size is timed three ways, in
-turn, on the same loopback link and backend (gloo):
+head_dim 64, block_size 16, bf16: 12 KiB per token, 192 KiB per block), both caches laid
+out as the workers' (block-major storage on huge pages). Each size is timed four ways,
+in turn, on the same loopback link and backend (gloo):
 
 - plain: one contiguous tensor of the same bytes, ``send`` / ``recv`` on a 2-rank gloo
   group made the same way (no gather, no scatter, no protocol);
 - pair, consecutive: ``KVReceiver.init`` + ``KVSender.send`` with consecutive block ids
-  on both sides (a fresh block pool): planes go straight from / into the caches;
-- pair, scattered: random block ids on both sides (a fragmented pool): every plane is
-  gathered and scattered (``pdserve.kernels.block_copy``).
+  on both sides (fresh block pools): 2 MiB messages straight from and into the caches;
+- pair, scattered: random block ids on both sides (fragmented pools): one message per
+  block, still straight from and into the caches;
+- pair, mixed: random ids on the prefill side, consecutive on the decode side: 2 MiB
+  messages the sender gathers into its ring (``pdserve.kvtransfer.payload``).
 
 Times are wall seconds at the receiver, from just before its first call (plain: posting
 the ``recv``; pair: ``init``), which precedes asking the sender to send, until the bytes
-are in place (pair: the pull's SUCCESS); the median of ``--reps`` runs. Run: ``python benchmarks/kv_transfer.py``.
+are in place (pair: the pull's SUCCESS). Printed: GB/s of the median of ``--reps`` runs
+and of the best run, and the ratios pair / plain of both. Run:
+``python benchmarks/kv_transfer.py``.
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ def time_pair(conn, receiver: KVReceiver, rid: str, src: list[int], dst: list[in
 def block_ids(num_blocks: int, n: int, layout: str, gen: torch.Generator) -> list[int]:
     if layout == "consecutive":
         return list(range(num_blocks - n, num_blocks))
+    if layout == "mixed":  # NOTE: the sender's side of "mixed"; the receiver's is consecutive
+        return torch.randperm(num_blocks, generator=gen)[:n].tolist()
     return torch.randperm(num_blocks, generator=gen)[:n].tolist()
 
 
@@ -118,18 +125,22 @@ def run(reps: int, threads: int) -> list[dict]:
     for tokens in PROMPT_TOKENS:
         n = tokens // BLOCK_SIZE
         num_bytes = n * receiver.geometry.block_bytes
-        times: dict[str, list[float]] = {"plain": [], "consecutive": [], "scattered": []}
+        times: dict[str, list[float]] = {"plain": [], "consecutive": [], "scattered": [],
+                                         "mixed": []}
         plain_payload = torch.zeros(num_bytes, dtype=torch.uint8)  # NOTE: faulted in once
         for rep in range(reps + 1):  # NOTE: rep 0 warms up and is dropped
             times["plain"].append(time_plain(conn, group, plain_payload))
-            for layout in ("consecutive", "scattered"):
+            for layout in ("consecutive", "scattered", "mixed"):
                 src = block_ids(num_blocks, n, layout, gen)
-                dst = block_ids(num_blocks, n, layout, gen)
+                dst = block_ids(num_blocks, n, "consecutive" if layout == "mixed" else layout,
+                                gen)
                 times[layout].append(time_pair(conn, receiver, f"{tokens}-{layout}-{rep}",
                                                src, dst))
         medians = {k: statistics.median(v[1:]) for k, v in times.items()}
+        bests = {k: min(v[1:]) for k, v in times.items()}
         rows.append({"tokens": tokens, "blocks": n, "bytes": num_bytes,
-                     **{f"{k}_gbps": num_bytes / v / 1e9 for k, v in medians.items()}})
+                     **{f"{k}_gbps": num_bytes / v / 1e9 for k, v in medians.items()},
+                     **{f"{k}_best_gbps": num_bytes / v / 1e9 for k, v in bests.items()}})
     conn.send(None)
     child.join(10)
     receiver.close()
@@ -150,12 +161,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = parser.parse_args()
     rows = run(args.reps, args.threads)
-    print(f"{'prompt':>7} {'MiB':>6} {'plain GB/s':>10} {'pair consec':>11} {'ratio':>5} "
-          f"{'pair scatter':>12} {'ratio':>5}")
+    layouts = ("consecutive", "scattered", "mixed")
+    print("GB/s: median of the timed runs (best in brackets); ratio: pair / plain, of the "
+          "medians (of the bests)")
+    print(f"{'prompt':>7} {'MiB':>5} {'plain':>12}"
+          + "".join(f" {'pair ' + layout:>18} {'ratio':>11}" for layout in layouts))
     for r in rows:
-        print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>6.0f} {r['plain_gbps']:>10.2f} "
-              f"{r['consecutive_gbps']:>11.2f} {r['consecutive_gbps'] / r['plain_gbps']:>5.2f} "
-              f"{r['scattered_gbps']:>12.2f} {r['scattered_gbps'] / r['plain_gbps']:>5.2f}")
+        line = (f"{r['tokens']:>7} {r['bytes'] / 2**20:>5.0f} "
+                f"{r['plain_gbps']:>5.2f} ({r['plain_best_gbps']:>4.2f})")
+        for layout in layouts:
+            median, best = r[f"{layout}_gbps"], r[f"{layout}_best_gbps"]
+            line += (f" {median:>11.2f} ({best:>4.2f}) {median / r['plain_gbps']:>4.2f} "
+                     f"({best / r['plain_best_gbps']:>4.2f})")
+        print(line)
 
 
 if __name__ == "__main__":
