@@ -83,6 +83,13 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` free blocks (ref count 1), evicting cached ones LRU first.
 
+        Which blocks: the ``num_blocks`` at the free queue's head. In what order: ascending
+        block id. Sequences free their blocks tail first, so taken in queue order a
+        request reusing another's blocks would hold them in descending ids; ascending, the
+        ids of a request's blocks form long runs of consecutive ids, which KV transfer
+        moves in place as a few large messages (a run of the block-major cache is one
+        region) instead of one message per block.
+
         Raises:
             NoFreeBlocksError: fewer than ``num_blocks`` are free.
         """
@@ -99,6 +106,7 @@ class BlockPool:
             block.ref_cnt = 1
             taken.append(block)
         self._emit(KVEventKind.REMOVED, evicted)
+        taken.sort(key=lambda b: b.block_id)
         return taken
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -45,9 +45,21 @@ def test_new_blocks_come_from_free_queue_head_and_frees_go_to_tail():
     assert [b.ref_cnt for b in a] == [1, 1]
     pool.free_blocks(reversed(a))  # tail first: block 1 is evicted before block 0
     assert pool.num_free_blocks == 4
-    assert [b.block_id for b in pool.get_new_blocks(4)] == [2, 3, 1, 0]
+    assert [b.block_id for b in pool.get_new_blocks(4)] == [0, 1, 2, 3]  # ascending ids
     with pytest.raises(NoFreeBlocksError):
         pool.get_new_blocks(1)
+
+
+def test_blocks_freed_tail_first_come_back_as_one_ascending_run():
+    """A request that reuses another's blocks holds consecutive ascending ids (KV
+    transfer then moves them in place), and the LRU choice of which blocks is kept."""
+    pool = BlockPool(12)
+    first, second = pool.get_new_blocks(4), pool.get_new_blocks(5)  # ids 0-3, 4-8
+    pool.free_blocks(reversed(second))  # queue: 9, 10, 11, 8, 7, 6, 5, 4
+    pool.free_blocks(reversed(first))   # ... 3, 2, 1, 0
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [9, 10, 11]
+    assert [b.block_id for b in pool.get_new_blocks(5)] == [4, 5, 6, 7, 8]
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [2, 3]  # LRU: 3 and 2 first
 
 
 def test_cached_block_is_reused_then_evicted_in_lru_order():
@@ -61,7 +73,7 @@ def test_cached_block_is_reused_then_evicted_in_lru_order():
     pool.touch([blocks[0]])  # a prefix hit takes it back out of the free queue
     assert blocks[0].ref_cnt == 1 and pool.num_free_blocks == 2
     # Two new blocks: the never-used block 2, then the LRU cached block 1 (evicted).
-    assert [b.block_id for b in pool.get_new_blocks(2)] == [2, 1]
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [1, 2]
     assert events[-1] == KVEvent(KVEventKind.REMOVED, (b"h1",))
     assert pool.get_cached_block(b"h1") is None
 
