@@ -11,21 +11,18 @@ import os
 
 import pytest
 import torch
-from triton_interpreter import HAS_CUDA, TRITON_IMPORTED_EARLY  # NOTE: before pdserve.kernels
+from triton_interpreter import (  # NOTE: before pdserve.kernels
+    HAS_CUDA,
+    TRITON_IMPORTED_EARLY,
+    device_params,
+)
 
 from pdserve.engine import model_runner
 from pdserve.engine.config import ModelConfig
 from pdserve.kernels import block_copy, cpu_ext, kv_store
 from pdserve.kernels._triton_utils import HAS_TRITON, interpreting
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        TRITON_IMPORTED_EARLY or not (HAS_TRITON and interpreting()),
-        reason="needs triton's interpreter: export TRITON_INTERPRET=1, or run tests/kernels "
-               "before anything imports triton")),
-    pytest.param("cuda", marks=[pytest.mark.cuda,
-                                pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]),
-]
+DEVICES = device_params()
 # NOTE: as in test_kernels.py, where CI requires the C++ kernels a failed build fails
 # these tests rather than skipping them. load() first: the tests call torch.ops directly.
 CPU_KERNELS = pytest.mark.skipif(

@@ -11,21 +11,14 @@ import os
 
 import pytest
 import torch
-from triton_interpreter import HAS_CUDA, TRITON_IMPORTED_EARLY  # NOTE: before pdserve.kernels
+from triton_interpreter import HAS_CUDA, device_params  # NOTE: before pdserve.kernels
 
 from pdserve.kernels import block_copy, cpu_ext, kv_store, layers
 from pdserve.kernels import paged_decode_attention as decode
 from pdserve.kernels import paged_prefill_attention as prefill
-from pdserve.kernels._triton_utils import HAS_TRITON, interpreting
+from pdserve.kernels._triton_utils import HAS_TRITON
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        TRITON_IMPORTED_EARLY or not (HAS_TRITON and interpreting()),
-        reason="needs triton's interpreter: export TRITON_INTERPRET=1, or run tests/kernels "
-               "before anything imports triton")),
-    pytest.param("cuda", marks=[pytest.mark.cuda,
-                                pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]),
-]
+DEVICES = device_params()
 # (num_heads, num_kv_heads): query heads per kv head 1, 2 and 4.
 GQA = [(2, 2), (4, 2), (8, 2)]
 # Context lengths: a single token, ends mid-block, exactly one block, several blocks.

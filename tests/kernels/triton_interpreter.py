@@ -19,3 +19,21 @@ HAS_CUDA = torch.cuda.is_available()
 TRITON_IMPORTED_EARLY = "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ
 if not HAS_CUDA and not TRITON_IMPORTED_EARLY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def device_params() -> list:
+    """The devices the Triton kernels run on, as pytest params: "cpu" under the
+    interpreter (skipped where it could not be switched on), "cuda" where a GPU is lent
+    (marked ``cuda``)."""
+    import pytest
+
+    from pdserve.kernels._triton_utils import HAS_TRITON, interpreting
+
+    return [
+        pytest.param("cpu", marks=pytest.mark.skipif(
+            TRITON_IMPORTED_EARLY or not (HAS_TRITON and interpreting()),
+            reason="needs triton's interpreter: export TRITON_INTERPRET=1, or run "
+                   "tests/kernels before anything imports triton")),
+        pytest.param("cuda", marks=[pytest.mark.cuda,
+                                    pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]),
+    ]
