@@ -52,8 +52,8 @@ def _wait(work, deadline: float, what: str) -> None:
         raise KVTransferError(f"{what}: {exc}") from exc
 
 
-def _wait_all(works: list[tuple[str, object]], deadline: float, verb: str) -> None:
-    """Wait for all ``(what, work)`` of one pair by waiting for the last one.
+def _wait_last(works: list[tuple[str, object]], deadline: float, verb: str) -> None:
+    """Wait for all ``(what, work)`` of one pair's stream by waiting for the last one.
 
     NOTE: the ops of one pair complete in posting order (one stream, and a failure breaks
     the whole pair), so once the last one is done so are the others, which are dropped
@@ -63,9 +63,8 @@ def _wait_all(works: list[tuple[str, object]], deadline: float, verb: str) -> No
     most once (its wait consumes the completion; a second one blocks until the timeout).
     Raises KVTransferError as ``_wait``.
     """
-    if works:
-        what, work = works[-1]
-        _wait(work, deadline, f"{verb} {what}")
+    what, work = works[-1]
+    _wait(work, deadline, f"{verb} {what}")
 
 
 @dataclass(slots=True)
@@ -156,24 +155,17 @@ class PairGroup:
         """
         works, num_bytes = [], 0
         slot_sends: dict[int, int] = {}  # ring slot -> index in works of its last send
-        waited: set[int] = set()
         try:
             with self._send_lock:  # NOTE: payloads are posted in seq order
                 header = make_header(self._next_send_seq)
                 self._next_send_seq += 1
                 works.append(("header", self._gloo.send([header], self.peer, tag)))
                 payload_group = self._nccl or self._gloo
-                in_place = source.in_place_chunks()
-                if in_place is not None:  # NOTE: no gathers: post them all in one loop
-                    works += [(f"chunk {c}", payload_group.send([wire], self.peer, tag))
-                              for c, wire in enumerate(in_place)]
-                    num_bytes = sum(wire.numel() for wire in in_place)
-                for c in range(source.num_chunks if in_place is None else 0):
+                for c in range(source.num_chunks):
                     slot = source.slot_of(c)
                     if slot is not None and slot in slot_sends:
                         i = slot_sends.pop(slot)
                         _wait(works[i][1], deadline, f"sending {works[i][0]}")
-                        waited.add(i)
                     wire = source.chunk(c)
                     works.append((f"chunk {c}", payload_group.send([wire], self.peer, tag)))
                     if slot is not None:
@@ -185,7 +177,8 @@ class PairGroup:
             raise KVTransferError(f"posting a send failed: {exc}") from exc
         if self._nccl is not None:  # NOTE: two streams: the header's (gloo) and NCCL's
             _wait(works[0][1], deadline, "sending the header")
-        _wait_all([w for i, w in enumerate(works) if i not in waited], deadline, "sending")
+        # NOTE: the last chunk's send was never waited for a slot (only chunk c - slots is)
+        _wait_last(works, deadline, "sending")
         if self._nccl is not None:
             # NOTE: NCCL waits only order streams; the chunks may be views of blocks the
             # caller releases once this returns.
@@ -264,13 +257,13 @@ class PairGroup:
             header_work = self._post(self._gloo, [header], tag)[0]
             _wait(header_work, deadline, "receiving the header")
             works = self._post_in_turn(sink, tag, check_header(header), deadline)
-            _wait_all([(f"chunk {c}", w) for c, w in enumerate(works)], deadline, "receiving")
+            _wait(works[-1], deadline, "receiving the payload")
             return
         self.post_more(sink, tag, posted)
         _wait(posted.header_work, deadline, "receiving the header")
         check_header(posted.header)
         waited = -1
-        if sink.copies_chunks:
+        if sink.uses_ring:
             for c in range(sink.num_chunks):
                 slot = sink.slot_of(c)
                 if slot is None:

@@ -43,7 +43,7 @@ import torch
 
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.block_copy import gather_blocks, scatter_blocks
-from pdserve.kvtransfer.protocol import KVGeometry
+from pdserve.kvtransfer.protocol import KVGeometry, block_major
 from pdserve.kvtransfer.staging import StagingLease, StagingPool
 
 CHUNK_BYTES = 8 * 2**20
@@ -66,14 +66,6 @@ def load_copy_kernels(kv_cache: torch.Tensor) -> None:
     (a first build takes 10-60 s). Never raises; without them the references serve."""
     if kv_cache.device.type == "cpu":
         cpu_ext.load()
-
-
-def block_major(kv_cache: torch.Tensor) -> bool:
-    """Whether ``kv_cache`` (``[num_layers, 2, num_blocks, block_size, num_kv_heads,
-    head_dim]``) is the layer-major view of block-major storage ``[num_blocks,
-    num_layers, 2, block_size, num_kv_heads, head_dim]``, as ``ModelRunner`` allocates
-    it: blocks ``b .. b + k - 1`` of all layers are then one contiguous region."""
-    return kv_cache.permute(2, 0, 1, 3, 4, 5).is_contiguous()
 
 
 def consecutive_start(block_ids: list[int]) -> int | None:
@@ -143,6 +135,26 @@ class _Chunks:
     def num_chunks(self) -> int:
         return len(self.bounds)
 
+    @property
+    def all_direct(self) -> bool:
+        return all(d is not None for d in self.direct)
+
+    def stage_whole(self) -> None:
+        """No ring: the side copies the whole payload at once (a CUDA cache) and moves
+        every chunk in place from / into that copy."""
+        self.slots = [None] * self.num_chunks
+        self.num_slots = self.slot_bytes = 0
+
+    def take_ring(self, staging: StagingPool | None) -> StagingLease | None:
+        """The ring's buffer (``num_slots`` slots), from ``staging`` when given; None when
+        no chunk is staged."""
+        ring_bytes = self.num_slots * self.slot_bytes
+        if not ring_bytes:
+            return None
+        if staging is not None:
+            return staging.take(ring_bytes)
+        return StagingLease(torch.empty(ring_bytes, dtype=torch.uint8), pooled=False)
+
     def region(self, c: int) -> torch.Tensor:
         """Chunk ``c``'s region of a block-major cache, as uint8 bytes (direct chunks)."""
         start, stop = self.bounds[c]
@@ -160,7 +172,25 @@ class _Chunks:
         return raw, blocks.permute(1, 2, 0, 3, 4, 5)
 
 
-class PayloadSource:
+class _PayloadSide:
+    """What the sender's and the receiver's sides share: the plan and the ring's lease."""
+
+    _plan: _Chunks
+    _staging: StagingPool | None = None
+    _lease: StagingLease | None = None
+
+    @property
+    def num_chunks(self) -> int:
+        return self._plan.num_chunks
+
+    def release(self, reusable: bool) -> None:
+        """Give the ring back to its pool (if this side took one); idempotent.
+        ``reusable``: the transfer succeeded (after a failure gloo may still use it)."""
+        if self._lease is not None and self._staging is not None:
+            self._staging.give_back(self._lease, reusable)
+
+
+class PayloadSource(_PayloadSide):
     """The sender's payload as ``num_chunks`` messages (see the module docstring).
 
     Args:
@@ -183,36 +213,19 @@ class PayloadSource:
                  staging: StagingPool | None = None) -> None:
         self.kv_cache = kv_cache
         self._staging = staging
-        self._lease: StagingLease | None = None
         self._whole: torch.Tensor | None = None  # CUDA: the gathered payload, bytes
         self._plan = _Chunks(kv_cache, block_ids, geometry,
                              [len(block_ids)] if device_payload else sizes)
-        if kv_cache.is_cuda:
-            if not all(d is not None for d in self._plan.direct) or not device_payload:
-                self._whole = _gather_whole(kv_cache, block_ids, pinned=not device_payload)
-                self._plan.direct = [0] * self._plan.num_chunks  # in place from the copy
-                self._plan.slots = [None] * self._plan.num_chunks
-            return
-        ring_bytes = self._plan.num_slots * self._plan.slot_bytes
-        self._ids = torch.tensor(block_ids, dtype=torch.int64) if ring_bytes else None
-        if ring_bytes:
-            self._lease = (staging.take(ring_bytes) if staging is not None
-                           else StagingLease(torch.empty(ring_bytes, dtype=torch.uint8), False))
-
-    @property
-    def num_chunks(self) -> int:
-        return self._plan.num_chunks
+        if kv_cache.is_cuda and not (device_payload and self._plan.all_direct):
+            self._whole = _gather_whole(kv_cache, block_ids, pinned=not device_payload)
+            self._plan.stage_whole()
+        self._lease = self._plan.take_ring(staging)
+        self._ids = (torch.tensor(block_ids, dtype=torch.int64) if self._lease is not None
+                     else None)
 
     def slot_of(self, c: int) -> int | None:
         """The ring slot chunk ``c`` is gathered into, or None (sent in place)."""
         return self._plan.slots[c]
-
-    def in_place_chunks(self) -> list[torch.Tensor] | None:
-        """All chunks as contiguous uint8 bytes when none needs a gather (each is a region
-        of the cache or of the staged whole payload), else None."""
-        if self._whole is None and self._plan.num_slots:
-            return None
-        return [self.chunk(c) for c in range(self.num_chunks)]
 
     def chunk(self, c: int) -> torch.Tensor:
         """Chunk ``c`` as contiguous uint8 bytes, gathered into its slot if staged."""
@@ -225,12 +238,6 @@ class PayloadSource:
         raw, blocks = self._plan.slot_view(self._lease.buffer, c)
         gather_blocks(self.kv_cache, self._ids[start:stop], blocks)
         return raw
-
-    def release(self, reusable: bool) -> None:
-        """Give the ring back to its pool; idempotent. ``reusable``: every send
-        completed (after a failure gloo may still read the buffer)."""
-        if self._lease is not None and self._staging is not None:
-            self._staging.give_back(self._lease, reusable)
 
 
 def _gather_whole(kv_cache: torch.Tensor, block_ids: list[int], pinned: bool) -> torch.Tensor:
@@ -246,7 +253,7 @@ def _gather_whole(kv_cache: torch.Tensor, block_ids: list[int], pinned: bool) ->
     return blocks.reshape(-1).view(torch.uint8)
 
 
-class PayloadSink:
+class PayloadSink(_PayloadSide):
     """Receive buffers for one payload, and the scatter into the cache's blocks.
 
     Args:
@@ -271,36 +278,26 @@ class PayloadSink:
         self.kv_cache = None if drain else kv_cache
         self.block_ids = block_ids
         self._staging = staging
-        self._lease: StagingLease | None = None
-        self._whole: torch.Tensor | None = None  # CUDA: the payload as received, bytes
-        plan = _Chunks(kv_cache, block_ids, geometry,
-                       [len(block_ids)] if device_payload else sizes, staged_everything=drain)
-        if kv_cache.is_cuda and not (device_payload and all(d is not None for d in plan.direct)):
+        self._whole: torch.Tensor | None = None  # CUDA: the payload as received
+        self._plan = _Chunks(kv_cache, block_ids, geometry,
+                             [len(block_ids)] if device_payload else sizes,
+                             staged_everything=drain)
+        if kv_cache.is_cuda and not (device_payload and self._plan.all_direct):
             whole_shape = (len(block_ids), geometry.num_layers, 2, geometry.block_size,
                            geometry.num_kv_heads, geometry.head_dim)
-            on_gpu = device_payload
             self._whole = torch.empty(whole_shape, dtype=geometry.dtype,
-                                      device=kv_cache.device if on_gpu else "cpu",
-                                      pin_memory=not on_gpu)
-            plan.direct = [0] * plan.num_chunks
-            plan.slots = [None] * plan.num_chunks
-        elif plan.num_slots:
-            ring_bytes = plan.num_slots * plan.slot_bytes
-            self._lease = (staging.take(ring_bytes) if staging is not None
-                           else StagingLease(torch.empty(ring_bytes, dtype=torch.uint8), False))
-        self._plan = plan
+                                      device=kv_cache.device if device_payload else "cpu",
+                                      pin_memory=not device_payload)
+            self._plan.stage_whole()
+        self._lease = self._plan.take_ring(staging)
         self._ids = (torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
-                     if plan.num_slots or self._whole is not None else None)
+                     if self._lease is not None or self._whole is not None else None)
 
     @property
-    def num_chunks(self) -> int:
-        return self._plan.num_chunks
-
-    @property
-    def copies_chunks(self) -> bool:
-        """Whether ``chunk_done`` copies (so call it as each chunk lands)."""
-        return self.kv_cache is not None and self._whole is None and any(
-            s is not None for s in self._plan.slots)
+    def uses_ring(self) -> bool:
+        """Whether some chunks land in ring slots: then call ``chunk_done`` as each one
+        lands (it scatters unless draining), and post the next receives as slots free."""
+        return self._plan.num_slots > 0
 
     def slot_of(self, c: int) -> int | None:
         """The ring slot chunk ``c`` lands in, or None (received in place)."""
@@ -318,7 +315,7 @@ class PayloadSink:
 
     def chunk_done(self, c: int) -> None:
         """Chunk ``c`` has arrived: scatter it into the cache unless it landed there."""
-        if self.kv_cache is None or self._whole is not None or self._plan.slots[c] is None:
+        if self.kv_cache is None or self._plan.slots[c] is None:
             return
         start, stop = self._plan.bounds[c]
         scatter_blocks(self.kv_cache, self._ids[start:stop],
@@ -333,9 +330,3 @@ class PayloadSink:
             self.kv_cache.index_copy_(2, self._ids, blocks.permute(1, 2, 0, 3, 4, 5))
         if self.kv_cache.is_cuda:
             torch.cuda.current_stream(self.kv_cache.device).synchronize()
-
-    def release(self, reusable: bool) -> None:
-        """Give the ring back to its pool (if the sink took one); idempotent.
-        ``reusable``: the transfer succeeded, so no receive can still write into it."""
-        if self._lease is not None and self._staging is not None:
-            self._staging.give_back(self._lease, reusable)

@@ -76,7 +76,7 @@ class KVGeometry:
         """Raises ValueError unless ``kv_cache`` is a 6-d KV cache, contiguous or the
         layer-major view of block-major storage (``payload.block_major``)."""
         if (kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or not (
-                kv_cache.is_contiguous() or kv_cache.permute(2, 0, 1, 3, 4, 5).is_contiguous())):
+                kv_cache.is_contiguous() or block_major(kv_cache))):
             raise ValueError("kv_cache must be [num_layers, 2, num_blocks, block_size, "
                              "num_kv_heads, head_dim], contiguous or over block-major storage "
                              f"[num_blocks, num_layers, 2, ...], got shape "
@@ -129,6 +129,14 @@ class Header:
         if values[0] != _MAGIC or values[1] != _VERSION:
             raise KVTransferError(f"bad KV header (magic {values[0]:#x}, version {values[1]})")
         return cls(values[2], values[3], KVGeometry.from_fields(values[5:10]), values[4])
+
+
+def block_major(kv_cache: torch.Tensor) -> bool:
+    """Whether a 6-d ``kv_cache`` (``[num_layers, 2, num_blocks, block_size, num_kv_heads,
+    head_dim]``) is the layer-major view of block-major storage ``[num_blocks,
+    num_layers, 2, block_size, num_kv_heads, head_dim]``, as ``ModelRunner`` allocates
+    it: blocks ``b .. b + k - 1`` of all layers are then one contiguous region."""
+    return kv_cache.permute(2, 0, 1, 3, 4, 5).is_contiguous()
 
 
 def check_block_ids(block_ids, num_blocks: int) -> list[int]:

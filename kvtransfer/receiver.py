@@ -240,7 +240,7 @@ class KVReceiver:
                 from this worker already in flight.
             KVTransferError: the receiver is closed or its store failed.
         """
-        ids = self._check_block_ids(block_ids)
+        ids = check_block_ids(block_ids, self.kv_cache.shape[2])
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         prefix = pair_prefix(prefill_worker_id, self.worker_id)
         with self._lock:
@@ -290,9 +290,6 @@ class KVReceiver:
             self._store.queue_push(CLAIM_QUEUE_KEY, "\n")  # wakes the watcher
         self._watcher.join(timeout=5.0)
         self.staging.close()
-
-    def _check_block_ids(self, block_ids: Sequence[int]) -> list[int]:
-        return check_block_ids(block_ids, self.kv_cache.shape[2])
 
     def _channel(self, prefill_worker_id: str, prefix: str) -> _RecvChannel:
         """The pair's usable channel, or a new one under a new generation (lock held)."""

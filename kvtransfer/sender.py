@@ -125,7 +125,8 @@ class KVSender:
         """
         transfer = KVTransfer(request_id, len(block_ids), self._deadline(timeout_s))
         known = self._parse_ticket(ticket)
-        self._send(transfer, decode_worker_id, decode_kv_address, self._check(block_ids), known)
+        ids = check_block_ids(block_ids, self.kv_cache.shape[2])
+        self._send(transfer, decode_worker_id, decode_kv_address, ids, known)
         if transfer.poll() != KVPollState.SUCCESS:
             raise transfer.failure_exception()
         return transfer.stats
@@ -136,7 +137,8 @@ class KVSender:
         """``send`` in a background thread; poll the returned ``KVTransfer``.
         Raises ValueError at once for bad block ids or a malformed ticket."""
         transfer = KVTransfer(request_id, len(block_ids), self._deadline(timeout_s))
-        args = (transfer, decode_worker_id, decode_kv_address, self._check(block_ids),
+        ids = check_block_ids(block_ids, self.kv_cache.shape[2])
+        args = (transfer, decode_worker_id, decode_kv_address, ids,
                 self._parse_ticket(ticket))
         threading.Thread(target=self._send, args=args, daemon=True,
                          name=f"kv-send-{request_id}").start()
@@ -180,9 +182,6 @@ class KVSender:
 
     def _deadline(self, timeout_s: float | None) -> float:
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-
-    def _check(self, block_ids: Sequence[int]) -> list[int]:
-        return check_block_ids(block_ids, self.kv_cache.shape[2])
 
     def _peer(self, decode_worker_id: str, address: str) -> _Peer:
         with self._lock:

@@ -391,6 +391,48 @@ def test_chunk_plans_and_their_ticket_encoding():
             Ticket.decode(bad)
 
 
+def test_a_drained_payload_of_more_chunks_than_ring_slots_is_received_whole():
+    """A pull cancelled after its sender claimed it, with no receives posted early,
+    receives the payload into its ring and discards it: every chunk, re-posting as slots
+    free (6 chunks, 2 slots), on a real 2-rank gloo group in this process."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from pdserve.kvtransfer.channel import PairGroup
+    from pdserve.kvtransfer.protocol import Header
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    groups: dict[int, PairGroup] = {}
+    makers = [threading.Thread(target=lambda r=r: groups.__setitem__(r, PairGroup.make(
+        store if r else store.clone(), "drain-test", r, "127.0.0.1", torch.device("cpu"), 10)))
+        for r in (0, 1)]
+    for thread in makers:
+        thread.start()
+    for thread in makers:
+        thread.join(15)
+    source_cache = make_cache(torch.float32, 7, "block")
+    geometry = KVGeometry.of(source_cache)
+    ids = list(range(NUM_BLOCKS))[::-1]  # 16 blocks of 1 KiB, 3 per chunk
+    sizes = payload.plan_chunks(make_cache(torch.float32, None), ids, geometry)
+    assert len(sizes) == 6 > payload.RING_SLOTS
+    receiving = make_cache(torch.float32, None)
+    sink = payload.PayloadSink(receiving, ids, geometry, sizes, False, drain=True)
+    deadline = time.monotonic() + 10
+    sent = []
+    sender = threading.Thread(target=lambda: sent.append(groups[0].send(
+        lambda seq: Header(1, len(ids), geometry, seq).encode(),
+        payload.PayloadSource(source_cache, ids, geometry, sizes, False), 5, deadline)))
+    sender.start()
+    groups[1].recv(sink, 5, deadline, lambda header: Header.decode(header).seq)
+    sender.join(10)
+    assert sent == [NUM_BLOCKS * geometry.block_bytes]
+    assert not receiving.any()  # drained, not written
+    for group in groups.values():
+        group.abort()
+
+
 def test_a_failed_pull_gives_back_its_staging_buffer_and_drops_it(receivers, prefill):
     receiver, source = receivers["bf16"], make_cache(torch.bfloat16, 7)
     handle, reply = pull(prefill, receiver, "prefill-bf16", "before-lonely", [2, 9], [10, 4])
