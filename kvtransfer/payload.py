@@ -29,6 +29,11 @@ their speed alone, competing with the socket copies), no better than one message
 block (192 KiB: 1024 messages took 1.26x as long as one message in a bare gloo test).
 Why 8 MiB: a 1k-token payload (12 MiB) sent as six 2 MiB messages took the sender 5-7 ms
 against 3-5 ms as one; at 16k, 2 MiB and 16 MiB messages measured alike.
+Why one message per block from ``BLOCK_MESSAGE_BYTES`` (512 KiB) up: with a Llama 3 8B
+geometry (2 MiB blocks), random prefill ids into consecutive decode ids moved at 0.6 of
+plain send/recv when the sender gathered 8 MiB messages, and at 0.8-1.0 one block per
+message in place; with 512 KiB blocks 0.65-0.75 against 0.85-0.9. At 192 KiB the two
+measured alike, so smaller blocks keep the gather (fewer messages).
 
 A CUDA cache over gloo stages the whole payload through pinned host memory, whose chunks
 are then sent or received in place; over NCCL a gathered payload is a CUDA tensor. A CPU
@@ -49,6 +54,11 @@ from pdserve.kvtransfer.staging import StagingLease, StagingPool
 CHUNK_BYTES = 8 * 2**20
 """The most bytes of one gloo message, unless one block is larger (a chunk is at least
 one block). Part of the receiver's cut only: the sender follows the ticket."""
+
+BLOCK_MESSAGE_BYTES = 512 * 2**10
+"""Blocks at least this large go one per message, so no side ever gathers or scatters
+them (each block of a block-major cache is one region): at this size a message's fixed
+cost is small beside its bytes, and cheaper than a copy. Part of the receiver's cut."""
 
 RING_SLOTS = 2
 """Staging slots per transfer side: chunks gathered (or received) ahead of the one that
@@ -85,8 +95,12 @@ def plan_chunks(kv_cache: torch.Tensor, block_ids: list[int], geometry: KVGeomet
     A block-major CPU cache cuts at every break in its consecutive runs of local ids, and
     within a run every ``CHUNK_BYTES``, so every message lands in place; any other cache
     (layer-major, or a CUDA cache staged through host memory) cuts every ``CHUNK_BYTES``.
-    Example, block_bytes 1 MiB, local ids ``[4, 5, 6, 9, 2, 3]``: ``[2, 1, 1, 2]``.
+    Blocks of ``BLOCK_MESSAGE_BYTES`` or more go one per message, so that the sender too
+    sends each in place, whatever its ids. Example, block_bytes 128 KiB, local ids
+    ``[4, 5, 6, 9, 2, 3]``, ``CHUNK_BYTES`` 256 KiB: ``[2, 1, 1, 2]``.
     """
+    if geometry.block_bytes >= BLOCK_MESSAGE_BYTES:
+        return [1] * len(block_ids)
     per_chunk = max(1, CHUNK_BYTES // geometry.block_bytes)
     n = len(block_ids)
     if kv_cache.is_cuda or not block_major(kv_cache):

@@ -373,6 +373,21 @@ def test_block_major_caches_move_scattered_blocks_in_place(receivers, prefill):
     assert receiver.staging.in_use_bytes == 0
 
 
+def test_large_blocks_go_one_per_message_so_scattered_sender_ids_move_in_place(
+        receivers, prefill, monkeypatch):
+    """Blocks of ``BLOCK_MESSAGE_BYTES`` or more: the receiver's consecutive run is cut into
+    one message per block, so the sender, whose ids are scattered, gathers nothing."""
+    receiver, source = receivers["f32"], make_cache(torch.float32, 7)
+    monkeypatch.setattr(payload, "BLOCK_MESSAGE_BYTES", receiver.geometry.block_bytes)
+    src, dst = [12, 2, 9, 5], [3, 4, 5, 6]
+    handle, reply = pull(prefill, receiver, "prefill-in-place", "large-blocks", src, dst)
+    assert handle.poll() == KVPollState.SUCCESS and reply[0] == "ok"
+    assert handle.ticket.chunks == (1, 1, 1, 1)
+    assert torch.equal(receiver.kv_cache[:, :, dst], source[:, :, src])
+    assert sender_staging(prefill, "prefill-in-place", receiver) == (0, 0, 0)
+    assert receiver.staging.in_use_bytes == 0
+
+
 def test_chunk_plans_and_their_ticket_encoding():
     layer, block = make_cache(torch.float32, None), make_cache(torch.float32, None, "block")
     geometry = KVGeometry.of(block)  # 1 KiB blocks; CHUNK_BYTES = 3 KiB here
@@ -381,6 +396,12 @@ def test_chunk_plans_and_their_ticket_encoding():
     assert payload.plan_chunks(block, [4, 5, 6, 9, 2, 3, 10, 11, 12, 13], geometry) == [
         3, 1, 2, 3, 1]
     assert payload.plan_chunks(block, [7], geometry) == [1]
+    original, payload.BLOCK_MESSAGE_BYTES = payload.BLOCK_MESSAGE_BYTES, geometry.block_bytes
+    try:  # NOTE: blocks this large go one per message, whatever the layout or the runs
+        assert payload.plan_chunks(block, list(range(8)), geometry) == [1] * 8
+        assert payload.plan_chunks(layer, [5, 2, 3], geometry) == [1, 1, 1]
+    finally:
+        payload.BLOCK_MESSAGE_BYTES = original
     ticket = Ticket("abc", 2, 5, 10, geometry, (3, 1, 2, 3, 1))
     assert ticket.encode() == "abc 2 5 10 2 4 2 8 1 3 1 2 3 1"
     assert Ticket.decode(ticket.encode()) == ticket
