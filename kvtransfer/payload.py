@@ -32,7 +32,7 @@ against 3-5 ms as one; at 16k, 2 MiB and 16 MiB messages measured alike.
 Why one message per block from ``BLOCK_MESSAGE_BYTES`` (512 KiB) up: with a Llama 3 8B
 geometry (2 MiB blocks), random prefill ids into consecutive decode ids moved at 0.6 of
 plain send/recv when the sender gathered 8 MiB messages, and at 0.8-1.0 one block per
-message in place; with 512 KiB blocks 0.65-0.75 against 0.85-0.9. At 192 KiB the two
+message in place; with 512 KiB blocks 0.65-0.73 against 0.84-0.93. At 192 KiB the two
 measured alike, so smaller blocks keep the gather (fewer messages).
 
 A CUDA cache over gloo stages the whole payload through pinned host memory, whose chunks
