@@ -21,7 +21,8 @@ from pdserve.kvtransfer.protocol import (
     KVTransferError,
     KVTransferStats,
 )
-from pdserve.kvtransfer.receiver import KVPull, KVReceiver
+from pdserve.kvtransfer.pull import KVPull
+from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
 
 __all__ = [
