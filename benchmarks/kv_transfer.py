@@ -129,10 +129,12 @@ def block_ids(num_blocks: int, n: int, layout: str, gen: torch.Generator) -> lis
     return torch.randperm(num_blocks, generator=gen)[:n].tolist()
 
 
-def run(geometry: str, reps: int, threads: int) -> list[dict]:
-    """Time every size and layout for one geometry; one row per size."""
+def run(geometry: str, reps: int, threads: int,
+        prompt_tokens: tuple[int, ...] = PROMPT_TOKENS) -> list[dict]:
+    """Time every size (``prompt_tokens``, multiples of ``BLOCK_SIZE``) and layout for one
+    geometry; one row per size: GB/s and ratios as ``main`` prints them."""
     torch.set_num_threads(threads)
-    num_blocks = max(PROMPT_TOKENS) // BLOCK_SIZE + 64
+    num_blocks = max(prompt_tokens) // BLOCK_SIZE + 64
     cache = make_cache(geometry, num_blocks, None)
     receiver = KVReceiver("bench-decode", cache, timeout_s=120)
     plain_address = f"127.0.0.1:{_free_port()}"
@@ -145,7 +147,7 @@ def run(geometry: str, reps: int, threads: int) -> list[dict]:
     assert conn.recv() == "ready"
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for tokens in PROMPT_TOKENS:
+    for tokens in prompt_tokens:
         n = tokens // BLOCK_SIZE
         num_bytes = n * receiver.geometry.block_bytes
         times: dict[str, list[float]] = {k: [] for k in ("plain", *LAYOUTS)}

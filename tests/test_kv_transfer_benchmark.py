@@ -1,0 +1,28 @@
+"""benchmarks/kv_transfer.py end to end at a small size: a real prefill-side process, the
+pair channel and plain send/recv over gloo, every layout (no timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_kv_transfer_benchmark_moves_every_layout_and_reports_ratios(monkeypatch):
+    # NOTE: imported by path for this test only; its spawned child finds it the same way
+    monkeypatch.syspath_prepend(str(_BENCHMARKS))
+    kv_transfer = importlib.import_module("kv_transfer")
+    rows = kv_transfer.run("llama-125m", reps=1, threads=1, prompt_tokens=(64, 160))
+    assert [(r["tokens"], r["blocks"], r["bytes"]) for r in rows] == [
+        (64, 4, 4 * 192 * 1024), (160, 10, 10 * 192 * 1024)]
+    for row in rows:
+        assert row["plain_gbps"] > 0
+        for layout in kv_transfer.LAYOUTS:
+            assert row[f"{layout}_gbps"] > 0
+            assert row[f"{layout}_ratio"] == pytest.approx(
+                row[f"{layout}_gbps"] / row["plain_gbps"])
+            low, high = row[f"{layout}_ratio_range"]
+            assert 0 < low <= high
