@@ -161,10 +161,10 @@ def run(geometry: str, reps: int, threads: int,
                 times[layout].append(time_pair(conn, receiver, f"{tokens}-{layout}-{rep}",
                                                src, dst))
         row = {"geometry": geometry, "tokens": tokens, "blocks": n, "bytes": num_bytes,
-               "plain_gbps": num_bytes / statistics.median(times["plain"][3:]) / 1e9}
+               "plain_gbps": num_bytes / statistics.median(times["plain"][len(LAYOUTS):]) / 1e9}
         for i, layout in enumerate(LAYOUTS):
             pair = times[layout][1:]
-            plain = times["plain"][3 + i::3]
+            plain = times["plain"][len(LAYOUTS) + i::len(LAYOUTS)]  # NOTE: the one just before
             ratios = sorted(p / q for p, q in zip(plain, pair))
             row[f"{layout}_gbps"] = num_bytes / statistics.median(pair) / 1e9
             row[f"{layout}_ratio"] = row[f"{layout}_gbps"] / row["plain_gbps"]

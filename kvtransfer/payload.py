@@ -192,10 +192,26 @@ class _PayloadSide:
     _plan: _Chunks
     _staging: StagingPool | None = None
     _lease: StagingLease | None = None
+    _whole_bytes: torch.Tensor | None = None  # CUDA: the whole payload as uint8 bytes
 
     @property
     def num_chunks(self) -> int:
         return self._plan.num_chunks
+
+    def slot_of(self, c: int) -> int | None:
+        """The ring slot chunk ``c`` moves through, or None (moved in place)."""
+        return self._plan.slots[c]
+
+    def _in_place(self, c: int) -> torch.Tensor | None:
+        """Chunk ``c``'s bytes where it moves without a ring slot (a slice of the whole
+        staged payload, or its region of a block-major cache); None if it is staged."""
+        if self._whole_bytes is not None:
+            start, stop = self._plan.bounds[c]
+            block_bytes = self._plan.geometry.block_bytes
+            return self._whole_bytes[start * block_bytes:stop * block_bytes]
+        if self._plan.slots[c] is None:
+            return self._plan.region(c)
+        return None
 
     def release(self, reusable: bool) -> None:
         """Give the ring back to its pool (if this side took one); idempotent.
@@ -227,28 +243,21 @@ class PayloadSource(_PayloadSide):
                  staging: StagingPool | None = None) -> None:
         self.kv_cache = kv_cache
         self._staging = staging
-        self._whole: torch.Tensor | None = None  # CUDA: the gathered payload, bytes
         self._plan = _Chunks(kv_cache, block_ids, geometry,
                              [len(block_ids)] if device_payload else sizes)
         if kv_cache.is_cuda and not (device_payload and self._plan.all_direct):
-            self._whole = _gather_whole(kv_cache, block_ids, pinned=not device_payload)
+            self._whole_bytes = _gather_whole(kv_cache, block_ids, pinned=not device_payload)
             self._plan.stage_whole()
         self._lease = self._plan.take_ring(staging)
         self._ids = (torch.tensor(block_ids, dtype=torch.int64) if self._lease is not None
                      else None)
 
-    def slot_of(self, c: int) -> int | None:
-        """The ring slot chunk ``c`` is gathered into, or None (sent in place)."""
-        return self._plan.slots[c]
-
     def chunk(self, c: int) -> torch.Tensor:
         """Chunk ``c`` as contiguous uint8 bytes, gathered into its slot if staged."""
+        wire = self._in_place(c)
+        if wire is not None:
+            return wire
         start, stop = self._plan.bounds[c]
-        if self._whole is not None:
-            block_bytes = self._plan.geometry.block_bytes
-            return self._whole[start * block_bytes:stop * block_bytes]
-        if self._plan.slots[c] is None:
-            return self._plan.region(c)
         raw, blocks = self._plan.slot_view(self._lease.buffer, c)
         gather_blocks(self.kv_cache, self._ids[start:stop], blocks)
         return raw
@@ -302,6 +311,7 @@ class PayloadSink(_PayloadSide):
             self._whole = torch.empty(whole_shape, dtype=geometry.dtype,
                                       device=kv_cache.device if device_payload else "cpu",
                                       pin_memory=not device_payload)
+            self._whole_bytes = self._whole.view(-1).view(torch.uint8)
             self._plan.stage_whole()
         self._lease = self._plan.take_ring(staging)
         self._ids = (torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
@@ -313,18 +323,11 @@ class PayloadSink(_PayloadSide):
         lands (it scatters unless draining), and post the next receives as slots free."""
         return self._plan.num_slots > 0
 
-    def slot_of(self, c: int) -> int | None:
-        """The ring slot chunk ``c`` lands in, or None (received in place)."""
-        return self._plan.slots[c]
-
     def buffer(self, c: int) -> torch.Tensor:
         """Where chunk ``c`` is received: contiguous uint8 bytes."""
-        start, stop = self._plan.bounds[c]
-        if self._whole is not None:
-            block_bytes = self._plan.geometry.block_bytes
-            return self._whole.view(-1).view(torch.uint8)[start * block_bytes:stop * block_bytes]
-        if self._plan.slots[c] is None:
-            return self._plan.region(c)
+        wire = self._in_place(c)
+        if wire is not None:
+            return wire
         return self._plan.slot_view(self._lease.buffer, c)[0]
 
     def chunk_done(self, c: int) -> None:
