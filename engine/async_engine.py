@@ -5,6 +5,12 @@ All engine calls run on the engine thread, between steps, so the engine needs no
 ``call(fn)`` queues ``fn(engine)`` and awaits its result. ``generate`` streams one
 request's ``EngineOutput``s. A step that raises fails the requests in flight (their
 streams raise ``EngineError``) and the loop goes on serving.
+
+A queued command carries its caller's cancellation (STYLE.md, ownership): if the caller
+is gone (cancelled, or timed out) before the engine thread takes the command, it is
+dropped; if the command already ran, its ``undo`` runs on the engine thread with the
+result, so whatever it allocated is freed. Between steps the engine thread also expires
+KV leases (``LLMEngine.expire_leases``) and audits block ownership (``ownership``).
 """
 
 from __future__ import annotations
@@ -13,14 +19,18 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pdserve.engine.llm_engine import EngineOutput, LLMEngine
+from pdserve.engine.llm_engine import BlockOwnership, EngineOutput, LLMEngine
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _IDLE_WAIT_S = 0.05
+_LEASE_CHECK_INTERVAL_S = 0.1
+_AUDIT_INTERVAL_S = 0.5  # O(blocks in use) on the engine thread
 
 
 class EngineError(RuntimeError):
@@ -45,6 +55,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # a command's taken / dropped flags
+        self._next_lease_check = self._next_audit = 0.0
+        self._ownership = BlockOwnership(0, 0, 0, 0)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -58,11 +71,23 @@ class AsyncEngine:
             self._thread.join(timeout_s)
 
     @property
+    def ownership(self) -> BlockOwnership:
+        """The KV ownership audit, taken on the engine thread between steps at most
+        ``_AUDIT_INTERVAL_S`` seconds ago (readable from any thread)."""
+        return self._ownership
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
-    async def call(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0) -> T:
+    async def call(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0,
+                   undo: Callable[[LLMEngine, T], Any] | None = None) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result.
+
+        If this call is cancelled or times out, ``fn`` is dropped when it has not started;
+        when it has, ``undo(engine, result)`` runs on the engine thread instead of the
+        result reaching anyone (if ``fn`` raised, nothing is undone). Wrap a clean-up call
+        in ``asyncio.shield`` so that it runs even if its caller is cancelled.
 
         Raises:
             EngineDeadError: the engine thread is not running.
@@ -72,10 +97,50 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError("the engine thread is not running")
         loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-        self._commands.put((fn, loop, future))
+        command = _Command(fn, undo, loop, loop.create_future())
+        self._commands.put(command)
         self._wake.set()
-        return await asyncio.wait_for(future, timeout_s)
+        try:
+            done, _ = await asyncio.wait({command.future}, timeout=timeout_s)
+        except BaseException:
+            self._give_up(command)
+            raise
+        if not done:
+            self._give_up(command)
+            raise TimeoutError(f"the engine did not answer within {timeout_s} s")
+        return command.future.result()
+
+    def post(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Queue ``fn(engine)`` with no one waiting for it (thread-safe, never blocks):
+        clean-up from places that cannot await, such as a generator being closed."""
+        self._commands.put(_Command(fn, None, None, None))
+        self._wake.set()
+
+    def _give_up(self, command: _Command) -> None:
+        """The caller of ``command`` is gone (runs on its event loop)."""
+        with self._lock:
+            command.dropped = True
+            taken = command.taken
+        if not taken:
+            return  # the engine thread will skip it
+        future = command.future
+        if future.done():
+            if not future.cancelled() and future.exception() is None:
+                self._undo(command, future.result())  # delivered, but nobody took it
+            return
+        future.cancel()  # _deliver_result sees it and undoes
+
+    def _undo(self, command: _Command, result: Any) -> None:
+        if command.undo is not None:
+            undo = command.undo
+            self.post(lambda e: undo(e, result))
+
+    def _deliver_result(self, command: _Command, result: Any) -> None:
+        """On the caller's loop: hand ``result`` over, or undo it if the caller left."""
+        if command.future.done():
+            self._undo(command, result)
+        else:
+            command.future.set_result(result)
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
         """Register the queue that receives ``request_id``'s outputs (call in the loop)."""
@@ -109,16 +174,20 @@ class AsyncEngine:
         finally:
             self.close_stream(request_id)
             if not finished and self.alive:
-                await asyncio.shield(self.call(lambda e: e.abort_request(request_id)))
+                self.post(lambda e: e.abort_request(request_id))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params,
                        cache_salt: str | None = None, remote_decode: bool = False,
-                       timeout_s: float | None = None) -> AsyncIterator[EngineOutput]:
-        """Add a request and stream its outputs (see ``LLMEngine.add_request``)."""
+                       timeout_s: float | None = None, resume_token_ids: Sequence[int] = ()
+                       ) -> AsyncIterator[EngineOutput]:
+        """Add a request and stream its outputs (see ``LLMEngine.add_request``). Leaving
+        at any point, even while the request is being added, aborts it."""
         stream = self.open_stream(request_id)
         try:
             await self.call(lambda e: e.add_request(request_id, prompt_token_ids,
-                                                    sampling_params, cache_salt, remote_decode))
+                                                    sampling_params, cache_salt, remote_decode,
+                                                    resume_token_ids),
+                            undo=lambda e, _: e.abort_request(request_id))
         except BaseException:
             self.close_stream(request_id)
             raise
@@ -143,6 +212,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._run_commands()
+            self._housekeeping()
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()
@@ -155,20 +225,41 @@ class AsyncEngine:
                 continue
             for output in outputs:
                 self._deliver(output.request_id, output)
+        self._run_commands()  # clean-ups queued before the stop
         self._fail_all(EngineDeadError("the engine is shutting down"))
+
+    def _housekeeping(self) -> None:
+        """Every ``_LEASE_CHECK_INTERVAL_S``, unpin expired leases; every
+        ``_AUDIT_INTERVAL_S``, take the ownership audit that ``ownership`` reports."""
+        now = time.monotonic()
+        if now >= self._next_lease_check:
+            self._next_lease_check = now + _LEASE_CHECK_INTERVAL_S
+            for request_id in self.engine.expire_leases(now):
+                logger.info("KV lease of %s expired; its blocks are unpinned", request_id)
+        if now >= self._next_audit:
+            self._next_audit = now + _AUDIT_INTERVAL_S
+            self._ownership = self.engine.ownership()
 
     def _run_commands(self) -> None:
         while True:
             try:
-                fn, loop, future = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            with self._lock:
+                if command.dropped:
+                    continue
+                command.taken = True
             try:
-                result: Any = fn(self.engine)
+                result: Any = command.fn(self.engine)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
-                _call_soon(loop, _set_exception, future, exc)
+                if command.future is None:
+                    logger.exception("engine clean-up command failed")
+                else:
+                    _call_soon(command.loop, _set_exception, command.future, exc)
             else:
-                _call_soon(loop, _set_result, future, result)
+                if command.future is not None:
+                    _call_soon(command.loop, self._deliver_result, command, result)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         entry = self._streams.get(request_id)
@@ -180,6 +271,19 @@ class AsyncEngine:
         for request_id in list(self.engine.scheduler.requests):
             self.engine.abort_request(request_id)
             self._deliver(request_id, EngineError(f"request {request_id} failed: {exc}"))
+
+
+@dataclass(slots=True, eq=False)
+class _Command:
+    """``fn(engine)`` queued for the engine thread, and the caller's future (None for
+    ``post``). ``taken``: the engine thread started it; ``dropped``: the caller left."""
+
+    fn: Callable[[LLMEngine], Any]
+    undo: Callable[[LLMEngine, Any], Any] | None
+    loop: asyncio.AbstractEventLoop | None
+    future: asyncio.Future | None
+    taken: bool = False
+    dropped: bool = False
 
 
 def _aborted_output(request_id: str) -> EngineOutput:

@@ -9,7 +9,9 @@ two more tokens fill it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from pdserve.engine.block_hash import hash_block_chain
 from pdserve.engine.block_pool import BlockPool, KVCacheBlock, KVEvent
@@ -33,14 +35,16 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, root_hash: bytes,
                  enable_prefix_caching: bool = True,
-                 kv_event_callback: Callable[[KVEvent], None] | None = None) -> None:
+                 kv_event_callback: Callable[[KVEvent], None] | None = None,
+                 lease_s: float = 30.0) -> None:
         self.block_size = block_size
         self.root_hash = root_hash
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching, kv_event_callback)
+        self.lease_s = lease_s
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Blocks of finished prefill requests kept for a decode worker to pull.
-        self.held: dict[str, list[KVCacheBlock]] = {}
+        self.held: dict[str, KVLease] = {}
 
     @property
     def usage(self) -> float:
@@ -119,17 +123,70 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(blocks))
 
     def hold(self, request: Request) -> None:
-        """Keep a finished request's blocks referenced (pinned) until ``release_held``."""
-        self.held[request.request_id] = self.req_to_blocks.pop(request.request_id, [])
+        """Move a finished request's blocks under a lease of ``lease_s`` seconds: they stay
+        referenced (pinned) until ``release_held``, a successful ``end_send``, or expiry."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.held[request.request_id] = KVLease(blocks, time.monotonic() + self.lease_s)
 
     def held_block_ids(self, request_id: str) -> list[int] | None:
-        blocks = self.held.get(request_id)
-        return None if blocks is None else [b.block_id for b in blocks]
+        lease = self.held.get(request_id)
+        return None if lease is None else [b.block_id for b in lease.blocks]
+
+    def begin_send(self, request_id: str) -> list[int]:
+        """Mark a lease as being sent (it cannot expire or be released meanwhile) and
+        return its block ids.
+
+        Raises:
+            KeyError: no lease for ``request_id`` (never held, expired, released or sent),
+                or a send of it is already running.
+        """
+        lease = self.held.get(request_id)
+        if lease is None or lease.sending:
+            raise KeyError(f"no KV lease for request {request_id!r} (expired, released or "
+                           "already being sent)")
+        lease.sending = True
+        return [b.block_id for b in lease.blocks]
+
+    def end_send(self, request_id: str, ok: bool) -> None:
+        """A send of the lease ended: sent (``ok``), the blocks are unpinned; failed, the
+        lease stands until it expires, so another decode worker may pull it."""
+        lease = self.held.get(request_id)
+        if lease is None:
+            return
+        lease.sending = False
+        if ok:
+            self.release_held(request_id)
 
     def release_held(self, request_id: str) -> bool:
-        """Unpin held blocks (they stay in the prefix cache); False if none are held."""
-        blocks = self.held.pop(request_id, None)
-        if blocks is None:
+        """Unpin held blocks (they stay in the prefix cache); False if none are held or a
+        send of them is running (it unpins them when it ends)."""
+        lease = self.held.get(request_id)
+        if lease is None or lease.sending:
             return False
-        self.pool.free_blocks(reversed(blocks))
+        del self.held[request_id]
+        self.pool.free_blocks(reversed(lease.blocks))
         return True
+
+    def expire_leases(self, now: float) -> list[str]:
+        """Unpin every lease past its expiry (``time.monotonic()`` seconds) that is not
+        being sent; returns their request ids."""
+        expired = [rid for rid, lease in self.held.items()
+                   if lease.expires_at <= now and not lease.sending]
+        for request_id in expired:
+            self.release_held(request_id)
+        return expired
+
+    @property
+    def num_leased_blocks(self) -> int:
+        """Blocks pinned under leases (a block shared by two leases counts twice)."""
+        return sum(len(lease.blocks) for lease in self.held.values())
+
+
+@dataclass(slots=True)
+class KVLease:
+    """A finished prefill's blocks, pinned for a decode worker until ``expires_at``
+    (``time.monotonic()`` seconds); ``sending``: a transfer of them is running."""
+
+    blocks: list[KVCacheBlock]
+    expires_at: float
+    sending: bool = False

@@ -88,6 +88,18 @@ class EngineOutput:
     num_cached_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class BlockOwnership:
+    """A worker's KV ownership audit (DESIGN.md, Lifecycle and failure): requests whose KV
+    is being pulled, leases and the blocks they pin, and blocks owned by nothing (a leak;
+    always 0)."""
+
+    num_requests_waiting_for_kv: int
+    num_leases: int
+    num_leased_blocks: int
+    num_unowned_blocks: int
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -102,6 +114,8 @@ class LLMEngine:
         kv_event_callback: receives prefix-cache ``KVEvent``s (for the Redis index).
         eos_token_ids: overrides the checkpoint's EOS ids (default: those of its
             generation config and tokenizer, ``tokenizer.eos_token_ids``).
+        kv_lease_s: seconds a finished ``remote_decode`` request's blocks stay pinned for
+            a decode worker (``begin_kv_send``) before ``expire_leases`` unpins them.
 
     ``tokenizer`` is the checkpoint's tokenizer, or None when it ships none.
 
@@ -112,7 +126,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig,
                  kv_event_callback: Callable[[KVEvent], None] | None = None,
-                 eos_token_ids: Sequence[int] | None = None) -> None:
+                 eos_token_ids: Sequence[int] | None = None, kv_lease_s: float = 30.0
+                 ) -> None:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -131,7 +146,7 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, config.block_size,
             root_block_hash(self.served_model_name, config.block_size),
-            config.enable_prefix_caching, kv_event_callback)
+            config.enable_prefix_caching, kv_event_callback, lease_s=kv_lease_s)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self._token_budget(),
                             self.model_config.max_model_len),
@@ -169,18 +184,22 @@ class LLMEngine:
         return int(num_blocks)
 
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                     sampling_params: SamplingParams, cache_salt: str | None = None) -> Request:
-        """Validate a prompt and build its ``Request``.
+                     sampling_params: SamplingParams, cache_salt: str | None = None,
+                     resume_token_ids: Sequence[int] = ()) -> Request:
+        """Validate a prompt and build its ``Request``; ``resume_token_ids`` are output
+        tokens generated earlier (elsewhere), which the request starts with.
 
         Raises:
-            ValueError: an empty prompt, a token id outside ``[0, vocab_size)``, or a prompt
-                of ``max_model_len`` tokens or more.
+            ValueError: an empty prompt, a token id outside ``[0, vocab_size)``, a prompt
+                of ``max_model_len`` tokens or more, or as many resumed tokens as the
+                request may generate.
         """
         prompt = [int(t) for t in prompt_token_ids]
+        resumed = [int(t) for t in resume_token_ids]
         if not prompt:
             raise ValueError("prompt is empty: at least one token is required")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        bad = next((t for t in prompt + resumed if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
         if len(prompt) >= self.max_model_len:
@@ -189,19 +208,31 @@ class LLMEngine:
         room = self.max_model_len - len(prompt)
         max_tokens = room if sampling_params.max_tokens is None else min(
             sampling_params.max_tokens, room)
-        return Request(request_id, prompt, sampling_params, self.eos_token_ids, max_tokens,
-                       cache_salt)
+        if len(resumed) >= max_tokens:
+            raise ValueError(f"resume_token_ids holds {len(resumed)} tokens, but the request "
+                             f"may generate at most {max_tokens}: nothing is left to generate")
+        request = Request(request_id, prompt, sampling_params, self.eos_token_ids, max_tokens,
+                          cache_salt)
+        for token_id in resumed:
+            request.append_output_token(token_id)
+        return request
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams, cache_salt: str | None = None,
-                    remote_decode: bool = False) -> Request:
+                    remote_decode: bool = False, resume_token_ids: Sequence[int] = ()
+                    ) -> Request:
         """Queue a request (see ``make_request`` for the errors raised).
 
         ``remote_decode=True`` (prefill workers): the request ends after its first token
         with status ``FINISHED_REMOTE_DECODE`` (unless that token already finishes it) and
-        its blocks stay held until ``release_held``.
+        its blocks stay pinned under a lease (``begin_kv_send``, ``release_held``,
+        ``expire_leases``). ``resume_token_ids``: a request migrated from another worker
+        goes on after the tokens it already generated, computing prompt and those tokens
+        as one prefill (as recompute after preemption does); per-position seeds make its
+        continuation the one it would have had.
         """
-        request = self.make_request(request_id, prompt_token_ids, sampling_params, cache_salt)
+        request = self.make_request(request_id, prompt_token_ids, sampling_params, cache_salt,
+                                    resume_token_ids)
         request.remote_decode = remote_decode
         self.scheduler.add_request(request)
         return request
@@ -243,13 +274,31 @@ class LLMEngine:
         """Block ids a finished prefill request still holds, or None."""
         return self.kv_cache_manager.held_block_ids(request_id)
 
+    def begin_kv_send(self, request_id: str) -> list[int]:
+        """Prefill workers: the block ids of ``request_id``'s lease, marked as being sent
+        until ``end_kv_send``. Raises KeyError without a live lease (or while another send
+        of it runs)."""
+        return self.kv_cache_manager.begin_send(request_id)
+
+    def end_kv_send(self, request_id: str, ok: bool) -> None:
+        """The send of a lease ended: sent, its blocks are unpinned into the prefix cache;
+        failed, the lease stands until it expires (another decode worker may pull it)."""
+        self.kv_cache_manager.end_send(request_id, ok)
+
     def release_held(self, request_id: str) -> bool:
         """Unpin a finished prefill request's blocks (into the prefix cache)."""
         return self.kv_cache_manager.release_held(request_id)
 
+    def expire_leases(self, now: float) -> list[str]:
+        """Unpin leases past their expiry (``time.monotonic()`` seconds); their ids."""
+        return self.kv_cache_manager.expire_leases(now)
+
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request at any point and free its blocks; False if it is not here."""
-        return self.scheduler.abort_request(request_id) is not None
+        """Stop a request at any point and free its blocks, or unpin its lease if it has
+        finished under one (and is not being sent); False if neither is here."""
+        if self.scheduler.abort_request(request_id) is not None:
+            return True
+        return self.kv_cache_manager.release_held(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -278,6 +327,27 @@ class LLMEngine:
         ``reset_prefix_cache``; False (nothing done) while a request holds blocks."""
         return self.kv_cache_manager.pool.reset_prefix_cache()
 
+    def num_unowned_blocks(self) -> int:
+        """The audit of DESIGN.md's ownership rule: blocks in use (ref count > 0) that no
+        owner holds, i.e. not referenced by a request (running, waiting, waiting for KV)
+        nor by a lease. 0 unless a block leaked. O(blocks owned); call it on the engine
+        thread, between steps."""
+        owners = set(self.scheduler.requests) | set(self.scheduler.waiting_for_kv)
+        kv = self.kv_cache_manager
+        owned = {block.block_id for request_id, blocks in kv.req_to_blocks.items()
+                 if request_id in owners for block in blocks}
+        owned.update(block.block_id for lease in kv.held.values() for block in lease.blocks)
+        num_in_use = self.num_blocks - kv.pool.num_free_blocks
+        return num_in_use - len(owned)
+
+    def ownership(self) -> BlockOwnership:
+        """Who owns the blocks now (``BlockOwnership``); call it on the engine thread."""
+        kv = self.kv_cache_manager
+        return BlockOwnership(
+            num_requests_waiting_for_kv=len(self.scheduler.waiting_for_kv),
+            num_leases=len(kv.held), num_leased_blocks=kv.num_leased_blocks,
+            num_unowned_blocks=self.num_unowned_blocks())
+
     def is_idle_and_clean(self) -> bool:
         """True when no request is held and every block is free (for leak checks)."""
         return (not self.has_unfinished_requests()
@@ -287,4 +357,4 @@ class LLMEngine:
                 and not self.scheduler.waiting_for_kv)
 
 
-__all__ = ["EngineConfig", "EngineOutput", "KVTransferAllocation", "LLMEngine", "RequestStatus"]
+__all__ = ["BlockOwnership", "EngineConfig", "EngineOutput", "KVTransferAllocation", "LLMEngine", "RequestStatus"]

@@ -92,8 +92,8 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         if in_transfer:
             return
-        if request.remote_decode and status != RequestStatus.FINISHED_ABORTED:
-            self.kv.hold(request)
+        if status == RequestStatus.FINISHED_REMOTE_DECODE:
+            self.kv.hold(request)  # the lease is made in the same step as the hold
         else:
             self.kv.free(request)
 

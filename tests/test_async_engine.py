@@ -8,7 +8,7 @@ import pytest
 from conftest import random_prompts
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, _Command
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -89,7 +89,7 @@ def test_caller_loop_gone_does_not_kill_the_engine_thread(async_engine):
     loop = asyncio.new_event_loop()
     future = loop.create_future()
     loop.close()
-    async_engine._commands.put((lambda e: time.sleep(0.05), loop, future))
+    async_engine._commands.put(_Command(lambda e: time.sleep(0.05), None, loop, future))
     async_engine._wake.set()
     time.sleep(0.3)
     assert async_engine.alive
@@ -99,3 +99,81 @@ def test_caller_loop_gone_does_not_kill_the_engine_thread(async_engine):
 
     tokens, last = asyncio.run(main())
     assert len(tokens) == 8 and last.finished
+
+
+def test_a_command_whose_caller_left_before_it_ran_is_dropped(async_engine):
+    """STYLE.md 12: a queued command carries its caller's cancellation."""
+    import threading
+    import time
+
+    ran = threading.Event()
+
+    async def main():
+        blocker = asyncio.ensure_future(async_engine.call(lambda e: time.sleep(0.3)))
+        await asyncio.sleep(0.05)  # the engine thread is inside the blocker now
+        late = asyncio.ensure_future(async_engine.call(lambda e: ran.set()))
+        await asyncio.sleep(0.05)
+        late.cancel()
+        await blocker
+        await async_engine.call(lambda e: None)  # everything queued before it has run
+
+    asyncio.run(main())
+    assert not ran.is_set()
+
+
+def test_a_command_whose_caller_left_while_it_ran_is_undone(async_engine):
+    import time
+
+    undone = []
+
+    async def main():
+        call = asyncio.ensure_future(async_engine.call(
+            lambda e: (time.sleep(0.2), "result")[1], undo=lambda e, r: undone.append(r)))
+        await asyncio.sleep(0.05)  # running now
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.sleep(0.3)
+        await async_engine.call(lambda e: None)  # the undo was posted before this
+
+    asyncio.run(main())
+    assert undone == ["result"]
+
+
+def test_a_timed_out_call_is_undone(async_engine):
+    import time
+
+    undone = []
+
+    async def main():
+        with pytest.raises(TimeoutError):
+            await async_engine.call(lambda e: (time.sleep(0.2), 7)[1], timeout_s=0.05,
+                                    undo=lambda e, r: undone.append(r))
+        await asyncio.sleep(0.3)
+        await async_engine.call(lambda e: None)
+
+    asyncio.run(main())
+    assert undone == [7]
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.001, 0.005, 0.02, 0.05])
+def test_generate_cancelled_at_any_point_leaves_nothing(async_engine, delay_s):
+    """Cancel a stream while it is being added, in its first step, or later: the engine
+    ends idle with every block free and none owned by nothing."""
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def consume(i):
+        async for _ in async_engine.generate(f"cancel-{delay_s}-{i}", [1, 2, 3] * (i + 1), long):
+            pass
+
+    async def main():
+        tasks = [asyncio.ensure_future(consume(i)) for i in range(8)]
+        await asyncio.sleep(delay_s)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await async_engine.call(lambda e: None)
+        return await async_engine.call(lambda e: (e.is_idle_and_clean(),
+                                                  e.num_unowned_blocks()))
+
+    assert asyncio.run(main()) == (True, 0)

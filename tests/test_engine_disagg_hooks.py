@@ -88,14 +88,76 @@ def test_failed_transfer_ends_request(engines):
     assert decode.is_idle_and_clean()
 
 
-def test_prefill_request_finished_by_its_first_token_still_holds_blocks(engines):
+def test_prefill_request_finished_by_its_first_token_holds_nothing(engines):
+    """No decode will come for it, so no lease is made: its blocks go straight back."""
     prefill, _, _ = engines
     prefill.add_request("one", [5, 6, 7], SamplingParams(temperature=0, max_tokens=1),
                         remote_decode=True)
     outputs = [o for _ in range(2) for o in prefill.step()]
     assert outputs[0].finish_reason == "length"
-    assert prefill.held_block_ids("one") is not None
-    assert prefill.release_held("one") and not prefill.release_held("one")
+    assert prefill.held_block_ids("one") is None
+    assert prefill.is_idle_and_clean()
+
+
+def prefill_one(engine, request_id: str, prompt: list[int]) -> list[int]:
+    """Prefill ``prompt`` as a remote-decode request; returns its leased block ids."""
+    engine.add_request(request_id, prompt, PARAMS, remote_decode=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine.held_block_ids(request_id)
+
+
+def test_a_lease_is_made_in_the_step_that_finishes_the_prefill(engines):
+    prefill, _, _ = engines
+    block_ids = prefill_one(prefill, "leased", random_prompts([40], seed=14)[0])
+    assert block_ids is not None and len(block_ids) == 3  # 40 tokens: 3 blocks of 16
+    assert prefill.ownership().num_leases == 1
+    assert prefill.ownership().num_leased_blocks == 3
+    assert prefill.num_unowned_blocks() == 0
+    assert prefill.abort_request("leased")  # an abort of a finished prefill ends its lease
+    assert prefill.is_idle_and_clean() and prefill.num_unowned_blocks() == 0
+
+
+def test_a_lease_expires_unless_it_is_being_sent(engines):
+    import time
+
+    prefill, _, _ = engines
+    prefill_one(prefill, "expiring", random_prompts([20], seed=15)[0])
+    prefill_one(prefill, "sending", random_prompts([20], seed=16)[0])
+    assert prefill.begin_kv_send("sending")
+    with pytest.raises(KeyError, match="already being sent"):
+        prefill.begin_kv_send("sending")
+    later = time.monotonic() + 3600
+    assert prefill.expire_leases(later) == ["expiring"]
+    assert not prefill.release_held("sending")  # a running send cannot lose its blocks
+    prefill.end_kv_send("sending", ok=False)  # a failed send: the lease stands
+    assert prefill.held_block_ids("sending") is not None
+    assert prefill.begin_kv_send("sending")  # another decode worker may pull it
+    prefill.end_kv_send("sending", ok=True)  # sent: unpinned into the prefix cache
+    assert prefill.is_idle_and_clean()
+    with pytest.raises(KeyError, match="no KV lease"):
+        prefill.begin_kv_send("sending")
+
+
+def test_a_resumed_request_goes_on_as_if_undisturbed(engines):
+    """A request migrated after k tokens, resumed with them, samples the same next tokens
+    (seeded per position) as the request that was never moved."""
+    prefill, _, _ = engines
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True)
+    prompt = random_prompts([23], seed=17)[0]
+
+    def run(request_id, resume=()):
+        prefill.add_request(request_id, prompt, params, resume_token_ids=resume)
+        tokens = list(resume)
+        while prefill.has_unfinished_requests():
+            tokens += [t for o in prefill.step() for t in o.new_token_ids]
+        return tokens
+
+    whole = run("whole")
+    assert len(whole) == 10
+    assert run("resumed", whole[:4]) == whole
+    with pytest.raises(ValueError, match="nothing is left to generate"):
+        prefill.add_request("done", prompt, params, resume_token_ids=whole)
     assert prefill.is_idle_and_clean()
 
 
