@@ -12,7 +12,9 @@ from pdserve.proto import common_pb2
 
 @dataclass(slots=True)
 class KVHandle:
-    """Where a prefilled prompt's KV lives: DESIGN.md's KV handle. Times in seconds."""
+    """Where a prefilled prompt's KV lives: DESIGN.md's KV handle, self-contained (a
+    decode worker pulls with it and nothing else: no registry lookup). Times in seconds;
+    addresses ``host:port``."""
 
     prefill_worker_id: str
     kv_address: str
@@ -21,6 +23,7 @@ class KVHandle:
     block_hashes: list[bytes]
     block_size: int
     lease_expiry_unix_s: float
+    prefill_grpc_address: str = ""
 
 
 _OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "logprobs")
@@ -63,9 +66,11 @@ def kv_handle_to_proto(handle: KVHandle) -> common_pb2.KVHandle:
         prefill_worker_id=handle.prefill_worker_id, kv_address=handle.kv_address,
         request_id=handle.request_id, num_tokens=handle.num_tokens,
         block_hashes=handle.block_hashes, block_size=handle.block_size,
-        lease_expiry_unix_s=handle.lease_expiry_unix_s)
+        lease_expiry_unix_s=handle.lease_expiry_unix_s,
+        prefill_grpc_address=handle.prefill_grpc_address)
 
 
 def kv_handle_from_proto(msg: common_pb2.KVHandle) -> KVHandle:
     return KVHandle(msg.prefill_worker_id, msg.kv_address, msg.request_id, msg.num_tokens,
-                    list(msg.block_hashes), msg.block_size, msg.lease_expiry_unix_s)
+                    list(msg.block_hashes), msg.block_size, msg.lease_expiry_unix_s,
+                    msg.prefill_grpc_address)

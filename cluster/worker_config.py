@@ -48,6 +48,7 @@ class WorkerConfig:
     lease_s: float = 30.0
     kv_transfer_timeout_s: float = 30.0
     heartbeat_ttl_s: float = 3.0
+    drain_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -73,6 +74,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-lease-s", type=float, default=30.0,
                         help="seconds prefilled KV stays pinned waiting for its decode worker")
     parser.add_argument("--kv-transfer-timeout-s", type=float, default=30.0)
+    parser.add_argument("--drain-grace-s", type=float, default=30.0,
+                        help="on SIGTERM: seconds running requests and KV leases get to end "
+                        "before the worker stops (the router migrates the rest)")
 
 
 def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig:
@@ -84,4 +88,4 @@ def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig
         kv_host=args.kv_host or args.advertise_host or args.host, kv_port=args.kv_port,
         advertise_host=args.advertise_host, redis_url=args.redis_url,
         worker_id=args.worker_id, lease_s=args.kv_lease_s,
-        kv_transfer_timeout_s=args.kv_transfer_timeout_s)
+        kv_transfer_timeout_s=args.kv_transfer_timeout_s, drain_grace_s=args.drain_grace_s)

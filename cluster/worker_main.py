@@ -1,5 +1,9 @@
 """``python -m pdserve.prefill_worker`` / ``python -m pdserve.decode_worker``: one worker
-as a plain process (no Ray), finding the others through Redis. Stops on SIGINT/SIGTERM."""
+as a plain process (no Ray), finding the others through Redis.
+
+SIGTERM drains: the worker stops taking requests and leaves the registry, its requests
+and KV leases get ``--drain-grace-s`` seconds to end, then it stops (the router migrates
+decodes still running). SIGINT stops it at once."""
 
 from __future__ import annotations
 
@@ -35,10 +39,19 @@ async def serve(config, ready_file: str | None = None) -> None:
         with open(ready_file, "w") as f:
             json.dump(info, f)
     stop = asyncio.Event()
+    received: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        received.append(sig)
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     await stop.wait()
+    if received[0] == signal.SIGTERM:
+        logging.getLogger(__name__).info("draining for at most %.0f s", config.drain_grace_s)
+        await worker.drain(config.drain_grace_s)
     await worker.stop()
 
 

@@ -38,13 +38,15 @@ class WorkerRuntime:
         self.server: grpc.aio.Server | None = None
         self.grpc_address = ""
         self.epoch = time.time_ns()
+        self.draining = False
 
     def build_engine(self) -> AsyncEngine:
         if self.config.redis_url:
             from pdserve.cluster.prefix_index import KVEventPublisher
 
             self.publisher = KVEventPublisher(self.config.redis_url, self.worker_id)
-        engine = LLMEngine(self.config.engine, kv_event_callback=self.publisher)
+        engine = LLMEngine(self.config.engine, kv_event_callback=self.publisher,
+                           kv_lease_s=self.config.lease_s)
         self.engine = AsyncEngine(engine, name=f"engine-{self.worker_id}")
         self.engine.start()
         return self.engine
@@ -64,42 +66,78 @@ class WorkerRuntime:
         self.grpc_address = f"{self.config.advertise_host or self.config.host}:{port}"
         return self.grpc_address
 
-    def register(self, kv_address: str) -> None:
-        """Announce this worker in the Redis registry (heartbeat with a short TTL)."""
+    async def register(self, kv_address: str) -> None:
+        """Announce this worker in the Redis registry (heartbeat with a short TTL). The
+        first write runs off the event loop; if Redis is down, the heartbeat thread
+        registers once it answers."""
         if not self.config.redis_url:
             return
         from pdserve.cluster.registry import WorkerRecord, WorkerRegistry
 
         self.registry = WorkerRegistry(self.config.redis_url,
                                        heartbeat_ttl_s=self.config.heartbeat_ttl_s)
-        self.registry.register(WorkerRecord(
+        record = WorkerRecord(
             worker_id=self.worker_id, role=self.config.role, grpc_address=self.grpc_address,
             kv_address=kv_address, epoch=self.epoch,
-            model=self.engine.engine.served_model_name, started_at=time.time()))
+            model=self.engine.engine.served_model_name, started_at=time.time())
+        await asyncio.to_thread(self.registry.register, record)
+
+    def check_admitting(self) -> None:
+        """Raises ``WorkerDraining`` (the servicers answer UNAVAILABLE, and the router
+        sends the request elsewhere) once this worker drains or stops."""
+        if self.draining:
+            raise WorkerDraining(f"worker {self.worker_id} is draining and takes no new "
+                                 "requests")
 
     def health(self, num_kv_transfers_in_flight: int = 0) -> common_pb2.HealthResponse:
-        """Load figures read without stopping the engine (ints and floats are atomic);
-        ``num_kv_transfers_in_flight`` comes from the worker's KV sender or receiver."""
+        """Load figures read without stopping the engine (ints and floats are atomic), and
+        the engine thread's last ownership audit; ``num_kv_transfers_in_flight`` comes from
+        the worker's KV sender or receiver."""
         engine = self.engine.engine
         scheduler = engine.scheduler
+        ownership = self.engine.ownership
+        status = "stopped" if not self.engine.alive else "draining" if self.draining else "ok"
         return common_pb2.HealthResponse(
-            worker_id=self.worker_id, role=self.config.role,
-            status="ok" if self.engine.alive else "stopped",
+            worker_id=self.worker_id, role=self.config.role, status=status,
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             kv_cache_usage=engine.kv_cache_manager.usage,
             num_free_blocks=engine.num_free_blocks(), num_total_blocks=engine.num_blocks,
             model=engine.served_model_name, epoch=self.epoch,
-            num_kv_transfers_in_flight=num_kv_transfers_in_flight)
+            num_kv_transfers_in_flight=num_kv_transfers_in_flight,
+            num_requests_waiting_for_kv=ownership.num_requests_waiting_for_kv,
+            num_kv_leases=ownership.num_leases, num_leased_blocks=ownership.num_leased_blocks,
+            num_unowned_blocks=ownership.num_unowned_blocks)
+
+    async def drain(self, grace_s: float) -> bool:
+        """Stop taking requests (Health says ``draining``; new ``Prefill``/``Decode`` calls
+        get UNAVAILABLE), leave the registry, and wait up to ``grace_s`` seconds for the
+        requests and KV leases here to end. Returns True if they all ended; the rest are
+        cut by ``stop`` (the router migrates decodes and retries prefills elsewhere)."""
+        self.draining = True
+        if self.registry is not None:
+            await asyncio.to_thread(self.registry.deregister)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            engine = self.engine.engine
+            if not engine.has_unfinished_requests() and not engine.kv_cache_manager.held:
+                return True
+            await asyncio.sleep(0.05)
+        return False
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        self.draining = True
         if self.registry is not None:
-            self.registry.deregister()
+            await asyncio.to_thread(self.registry.deregister)
         if self.server is not None:
             await self.server.stop(grace_s)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
         if self.publisher is not None:
-            self.publisher.close(purge=True)
+            await asyncio.to_thread(self.publisher.close, purge=True)
+
+
+class WorkerDraining(RuntimeError):
+    """The worker is draining or stopping: it takes no new request (UNAVAILABLE)."""
 
 
 class Worker:
@@ -117,6 +155,10 @@ class Worker:
     def grpc_address(self) -> str:
         return self.runtime.grpc_address
 
+    async def drain(self, grace_s: float) -> bool:
+        """See ``WorkerRuntime.drain``."""
+        return await self.runtime.drain(grace_s)
+
 
 def grpc_error_code(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status for an exception raised while serving a request."""
@@ -129,7 +171,7 @@ def grpc_error_code(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(exc, (KVTransferError, EngineDeadError)):
+    if isinstance(exc, (KVTransferError, EngineDeadError, WorkerDraining)):
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, asyncio.CancelledError):
         return grpc.StatusCode.CANCELLED

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -16,7 +17,7 @@ from pdserve.cluster.wire import (
 )
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.cluster.worker_runtime import Worker, WorkerRuntime, grpc_error_code
-from pdserve.decode_worker.service import DecodeService, DecodeStart
+from pdserve.decode_worker.service import DecodeService, DecodeStart, KVPullFailed, NoFreeBlocks
 from pdserve.kvtransfer import KVReceiver
 from pdserve.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -55,6 +56,7 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         handle = kv_handle_from_proto(request.kv_handle) if request.HasField("kv_handle") \
             else None
         try:
+            self.runtime.check_admitting()
             params = sampling_params_from_proto(request.sampling_params)
             stream = self.service.decode(
                 request.request_id, list(request.prompt_token_ids), params,
@@ -62,11 +64,12 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 request.first_token_id if request.HasField("first_token_id") else None,
                 logprob_from_proto(request.first_logprob)
                 if request.HasField("first_logprob") else None,
-                handle)
-            async for item in stream:
-                yield _to_response(item)
+                handle, list(request.resume_token_ids))
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    yield _to_response(item)
         except Exception as exc:  # noqa: BLE001 - mapped to a status
-            await context.abort(grpc_error_code(exc), str(exc))
+            await context.abort(_decode_error_code(exc), str(exc))
 
     async def Abort(self, request, context):
         aborted = await self.service.abort(request.request_id)
@@ -74,6 +77,16 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
 
     async def Health(self, request, context):
         return self.runtime.health(self.service.receiver.counters().num_in_flight)
+
+
+def _decode_error_code(exc: BaseException) -> grpc.StatusCode:
+    """FAILED_PRECONDITION: the KV could not be pulled (the router resumes the request
+    without it); RESOURCE_EXHAUSTED: no free blocks (it tries another decode worker)."""
+    if isinstance(exc, KVPullFailed):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, NoFreeBlocks):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    return grpc_error_code(exc)
 
 
 def _to_response(item) -> decode_pb2.DecodeResponse:
@@ -114,15 +127,18 @@ class DecodeWorker(Worker):
         servicer = DecodeWorkerServicer(self.service, self.runtime)
         await self.runtime.start_server(
             lambda server: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server))
-        self.runtime.register(self.kv_address)
+        await self.runtime.register(self.kv_address)
         logger.info("decode worker %s serving gRPC on %s, KV on %s", self.worker_id,
                     self.grpc_address, self.kv_address)
 
     async def _request_kv(self, handle: KVHandle, decode_worker_id: str, kv_address: str,
                           block_indices: list[int], ticket: str) -> tuple[int, int]:
         """Ask the prefill worker that holds ``handle`` to send ``block_indices`` for the
-        pull whose ticket text is ``ticket`` ("" when nothing is pulled)."""
-        address = self.prefill_address(handle.prefill_worker_id)
+        pull whose ticket text is ``ticket`` ("" when nothing is pulled). Its address
+        comes from the handle; only a handle without one (an older router) asks the
+        registry, off the event loop."""
+        address = handle.prefill_grpc_address or await asyncio.to_thread(
+            self.prefill_address, handle.prefill_worker_id)
         reply = await self.prefill_clients.stub(address).SendKV(
             prefill_pb2.SendKVRequest(request_id=handle.request_id,
                                       decode_worker_id=decode_worker_id,
@@ -132,14 +148,21 @@ class DecodeWorker(Worker):
         return reply.num_blocks, reply.num_bytes
 
     def prefill_address(self, prefill_worker_id: str) -> str:
-        """The gRPC address of a prefill worker, from the registry.
+        """The gRPC address of a prefill worker, from the registry (blocking).
 
         Raises:
-            KeyError: the worker is not registered (or its heartbeat lapsed).
+            KeyError: the worker is not registered (or its heartbeat lapsed), or the
+                registry is unreachable.
         """
+        from pdserve.cluster.registry import RegistryUnavailable
+
         if self.runtime.registry is None:
             raise KeyError(f"prefill worker {prefill_worker_id!r} is unknown (no registry)")
-        for record in self.runtime.registry.list_live(role="prefill"):
+        try:
+            records = self.runtime.registry.list_live(role="prefill")
+        except RegistryUnavailable as exc:
+            raise KeyError(f"prefill worker {prefill_worker_id!r}: {exc}") from exc
+        for record in records:
             if record.worker_id == prefill_worker_id:
                 return record.grpc_address
         raise KeyError(f"prefill worker {prefill_worker_id!r} is not live in the registry")

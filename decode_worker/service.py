@@ -9,7 +9,14 @@ A request's life on the decode side (SGLang's queues, here as engine states):
 3. waiting: the pull succeeded; the prompt counts as computed.
 4. running: the first token's KV is computed and decoding continues in the batch.
 
-A request with no KV handle is prefilled here instead (short prompts, no prefill pool).
+A request with no KV handle is prefilled here instead (short prompts, no prefill pool),
+and so is a request migrated from a decode worker that failed: it arrives with the tokens
+it already generated (``resume_token_ids``) and goes on after them.
+
+Failures, as the router sees them: a pull that fails (the prefill worker died, its lease
+expired, the transfer timed out) raises ``KVPullFailed`` (gRPC FAILED_PRECONDITION: the
+router resumes the request without that KV); no free blocks in time raises
+``NoFreeBlocks`` (RESOURCE_EXHAUSTED: the router tries another decode worker).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+
+import grpc
 
 from pdserve.cluster.wire import KVHandle
 from pdserve.engine.async_engine import AsyncEngine
@@ -32,6 +41,16 @@ logger = logging.getLogger(__name__)
 # (handle, decode worker id, decode KV address, block indices, the pull's ticket text or
 # "" when nothing is pulled) -> (blocks, bytes) sent
 RequestKV = Callable[[KVHandle, str, str, list[int], str], Awaitable[tuple[int, int]]]
+
+
+class KVPullFailed(RuntimeError):
+    """The prompt's KV could not be pulled from its prefill worker; this request's blocks
+    here are freed and the worker is fine (gRPC FAILED_PRECONDITION)."""
+
+
+class NoFreeBlocks(TimeoutError):
+    """Too few KV blocks were free for a request within ``alloc_timeout_s``
+    (gRPC RESOURCE_EXHAUSTED)."""
 
 
 @dataclass(slots=True)
@@ -82,23 +101,29 @@ class DecodeService:
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      cache_salt: str | None = None, first_token: int | None = None,
                      first_logprob: Logprob | None = None, kv_handle: KVHandle | None = None,
+                     resume_token_ids: list[int] | None = None,
                      ) -> AsyncIterator[DecodeStart | EngineOutput]:
-        """Yield a ``DecodeStart``, then the request's outputs until it finishes.
+        """Yield a ``DecodeStart``, then the request's outputs until it finishes. Closing
+        the stream at any point aborts the request and frees its blocks.
 
         Raises:
-            ValueError: bad prompt/params, or a KV handle without its first token.
-            KVTransferError: the KV pull failed (the request's blocks are freed here and
-                the prefill worker's lease is given up).
-            TimeoutError: no free blocks within ``alloc_timeout_s``.
+            ValueError: bad prompt/params, a KV handle without its first token, or a KV
+                handle together with ``resume_token_ids``.
+            KVPullFailed: the KV pull failed (the request's blocks are freed here; the
+                prefill worker keeps its lease until it expires or is released).
+            NoFreeBlocks: no free blocks within ``alloc_timeout_s``.
         """
         if kv_handle is None:
             yield DecodeStart(0, 0, 0)
             async for output in self.engine.generate(request_id, prompt_token_ids, params,
-                                                     cache_salt):
+                                                     cache_salt,
+                                                     resume_token_ids=resume_token_ids or ()):
                 yield output
             return
         if first_token is None:
             raise ValueError("first_token is required with a kv_handle")
+        if resume_token_ids:
+            raise ValueError("resume_token_ids and kv_handle exclude each other")
         block_size = self.engine.engine.config.block_size
         if kv_handle.num_tokens != len(prompt_token_ids) or kv_handle.block_size != block_size:
             raise ValueError(
@@ -111,19 +136,26 @@ class DecodeService:
                                           first_token, first_logprob, kv_handle)
         except BaseException:
             self.engine.close_stream(request_id)
+            self.engine.post(lambda e: e.abort_request(request_id))  # if it got queued
             if request_id in self._aborted_pulls:  # Abort during the pull: a clean end
                 self._aborted_pulls.discard(request_id)
                 yield EngineOutput(request_id, [], [], True, "abort", None,
                                    len(prompt_token_ids), 0)
                 return
             raise
-        yield start
         outputs = self.engine.stream_outputs(request_id, stream)
+        streaming = False
         try:
+            yield start
+            streaming = True
             async for output in outputs:
                 yield output
         finally:
-            await outputs.aclose()
+            if streaming:
+                await outputs.aclose()  # aborts the request unless it finished
+            else:  # closed at the DecodeStart: the outputs stream never started
+                self.engine.close_stream(request_id)
+                self.engine.post(lambda e: e.abort_request(request_id))
 
     async def _import_kv(self, request_id, prompt, params, cache_salt, first_token,
                          first_logprob, handle: KVHandle) -> DecodeStart:
@@ -131,12 +163,18 @@ class DecodeService:
                                      first_logprob)
         ok = False
         try:
-            if alloc.block_indices:
-                num_bytes = await self._pull(request_id, handle, alloc.block_ids,
-                                             alloc.block_indices)
-            else:  # everything was cached here: just end the prefill worker's lease
-                await self.request_kv(handle, self.worker_id, self.receiver.address, [], "")
-                num_bytes = 0
+            try:
+                if alloc.block_indices:
+                    num_bytes = await self._pull(request_id, handle, alloc.block_ids,
+                                                 alloc.block_indices)
+                else:  # everything was cached here: just end the prefill worker's lease
+                    await self.request_kv(handle, self.worker_id, self.receiver.address, [],
+                                          "")
+                    num_bytes = 0
+            except (KVTransferError, KeyError, TimeoutError, grpc.aio.AioRpcError) as exc:
+                raise KVPullFailed(f"the KV of request {request_id} could not be pulled from "
+                                   f"prefill worker {handle.prefill_worker_id}: "
+                                   f"{_short(exc)}") from exc
             ok = True
         finally:
             going_on = await asyncio.shield(self.engine.call(
@@ -149,12 +187,14 @@ class DecodeService:
                         first_logprob):
         deadline = time.monotonic() + self.alloc_timeout_s
         while True:
-            alloc = await self.engine.call(lambda e: e.add_kv_transfer_request(
-                request_id, prompt, first_token, params, cache_salt, first_logprob))
+            alloc = await self.engine.call(
+                lambda e: e.add_kv_transfer_request(request_id, prompt, first_token, params,
+                                                    cache_salt, first_logprob),
+                undo=_undo_kv_transfer_request)
             if alloc is not None:
                 return alloc
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no free KV blocks for request {request_id} within "
+                raise NoFreeBlocks(f"no free KV blocks for request {request_id} within "
                                    f"{self.alloc_timeout_s} s")
             await asyncio.sleep(0.02)
 
@@ -189,4 +229,19 @@ class DecodeService:
             self._pulls.pop(request_id, None)
 
 
-__all__ = ["DecodeService", "DecodeStart"]
+def _undo_kv_transfer_request(engine, alloc) -> None:
+    """Undo an ``add_kv_transfer_request`` whose caller left: no pull will come, so the
+    request is aborted and its blocks freed."""
+    if alloc is not None:
+        engine.abort_request(alloc.request_id)
+        engine.finish_kv_transfer(alloc.request_id, False)
+
+
+def _short(exc: BaseException) -> str:
+    """An exception as one short sentence (gRPC errors: their details only)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__
+
+
+__all__ = ["DecodeService", "DecodeStart", "KVPullFailed", "NoFreeBlocks"]

@@ -26,6 +26,7 @@ class PrefillWorkerServicer(prefill_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request, context):
         try:
+            self.runtime.check_admitting()
             params = sampling_params_from_proto(request.sampling_params)
             result = await self.service.prefill(
                 request.request_id, list(request.prompt_token_ids), params,
@@ -63,7 +64,8 @@ class PrefillWorkerServicer(prefill_pb2_grpc.PrefillWorkerServicer):
 
 
 class PrefillWorker(Worker):
-    """One prefill worker: engine, KV sender, lease reaper, gRPC server, registry entry.
+    """One prefill worker: engine (which owns the KV leases), KV sender, gRPC server,
+    registry entry.
 
     ``await start()`` then ``grpc_address`` / ``kv_address``; ``await stop()``.
     """
@@ -71,7 +73,6 @@ class PrefillWorker(Worker):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.service: PrefillService | None = None
-        self._reaper: asyncio.Task | None = None
 
     @property
     def kv_address(self) -> str:
@@ -84,15 +85,12 @@ class PrefillWorker(Worker):
         self.service = PrefillService(engine, sender, self.worker_id, self.config.kv_host,
                                       self.config.lease_s, self.config.kv_transfer_timeout_s)
         servicer = PrefillWorkerServicer(self.service, self.runtime)
-        await self.runtime.start_server(
+        self.service.grpc_address = await self.runtime.start_server(
             lambda server: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server))
-        self._reaper = asyncio.create_task(self.service.run_lease_reaper())
-        self.runtime.register(self.kv_address)
+        await self.runtime.register(self.kv_address)
         logger.info("prefill worker %s serving gRPC on %s", self.worker_id, self.grpc_address)
 
     async def stop(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
         await self.runtime.stop()
         if self.service is not None:
             self.service.sender.close()

@@ -56,7 +56,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("prefill_worker_id", "kv_address", "request_id", "num_tokens", "block_hashes", "block_size", "lease_expiry_unix_s")
+    __slots__ = ("prefill_worker_id", "kv_address", "request_id", "num_tokens", "block_hashes", "block_size", "lease_expiry_unix_s", "prefill_grpc_address")
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class KVHandle(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     prefill_worker_id: str
     kv_address: str
     request_id: str
@@ -71,14 +72,15 @@ class KVHandle(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_size: int
     lease_expiry_unix_s: float
-    def __init__(self, prefill_worker_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., lease_expiry_unix_s: _Optional[float] = ...) -> None: ...
+    prefill_grpc_address: str
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., lease_expiry_unix_s: _Optional[float] = ..., prefill_grpc_address: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "status", "num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "model", "epoch", "num_kv_transfers_in_flight")
+    __slots__ = ("worker_id", "role", "status", "num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "model", "epoch", "num_kv_transfers_in_flight", "num_requests_waiting_for_kv", "num_kv_leases", "num_leased_blocks", "num_unowned_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +92,10 @@ class HealthResponse(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_LEASES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNOWNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     status: str
@@ -101,4 +107,8 @@ class HealthResponse(_message.Message):
     model: str
     epoch: int
     num_kv_transfers_in_flight: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., status: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., num_kv_transfers_in_flight: _Optional[int] = ...) -> None: ...
+    num_requests_waiting_for_kv: int
+    num_kv_leases: int
+    num_leased_blocks: int
+    num_unowned_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., status: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., num_kv_transfers_in_flight: _Optional[int] = ..., num_requests_waiting_for_kv: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., num_unowned_blocks: _Optional[int] = ...) -> None: ...

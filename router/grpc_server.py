@@ -68,11 +68,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.RouterAbortResponse(aborted=task is not None)
 
     async def Health(self, request, context):
-        num_prefill = len(self.router.pool.live("prefill"))
-        num_decode = len(self.router.pool.live("decode"))
+        state = self.router.health()
         return router_pb2.RouterHealthResponse(
-            status="ok" if num_decode else "degraded", num_prefill_workers=num_prefill,
-            num_decode_workers=num_decode)
+            status=state["status"], num_prefill_workers=state["num_prefill_workers"],
+            num_decode_workers=state["num_decode_workers"])
 
     async def ListModels(self, request, context):
         return router_pb2.ListModelsResponse(models=[self.router.served_model_name],

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API of the router (FastAPI): ``/v1/completions``,
-``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+``/v1/chat/completions``, ``/v1/models``, ``/health`` (liveness, with the router's state), ``/ready`` (readiness),
+``/metrics``.
 
 Every error is an OpenAI error body (``router/protocol.py``): 400 naming the offending
 field for invalid JSON or values, 404 for an unknown model or path, 503 with
@@ -95,8 +96,16 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        router.check_available()
-        return JSONResponse({"status": "ok"})
+        """Liveness: 200 while the router runs, with its state (``Router.health``):
+        ``status`` ``ok``, ``degraded`` (Redis unreachable: serving on the last view) or
+        ``unavailable`` (no live decode worker)."""
+        return JSONResponse(router.health())
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: 200 when a request can be served now, else 503 with the state."""
+        state = router.health()
+        return JSONResponse(state, status_code=503 if state["status"] == "unavailable" else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -11,6 +11,7 @@ process, or a test, can hold many routers.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -36,7 +37,12 @@ class RouterMetrics:
     (``finished_reason``), ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits``
     (counters, in tokens). pdserve's: ``pdserve:routing_decisions`` (``role``,
     ``worker``), ``pdserve:prefix_index_lookups`` (``result``: hit, miss, unavailable),
-    ``pdserve:prefix_index_available`` (1 or 0), ``pdserve:request_retries``.
+    ``pdserve:prefix_index_available`` (1 or 0), ``pdserve:request_retries``,
+    ``pdserve:request_migrations``, ``pdserve:registry_available`` (1 or 0),
+    ``pdserve:registry_outages``, ``pdserve:requests_rejected`` (``reason``), and from the
+    workers' Health: ``pdserve:worker_requests_waiting_for_kv``, ``pdserve:worker_kv_leases``,
+    ``pdserve:worker_leased_blocks``, ``pdserve:worker_unowned_blocks`` and
+    ``pdserve:worker_kv_transfers_in_flight`` (``role``, ``worker``).
     Every metric has the ``model_name`` label.
     """
 
@@ -74,7 +80,32 @@ class RouterMetrics:
             Gauge, "pdserve:prefix_index_available",
             "1 while the Redis prefix index answers, 0 while routing by load alone.")
         self.request_retries = self._one(
-            Counter, "pdserve:request_retries", "Requests retried on another worker.")
+            Counter, "pdserve:request_retries",
+            "Attempts retried on another worker before any token was sent.")
+        self.request_migrations = self._one(
+            Counter, "pdserve:request_migrations",
+            "Requests resumed on another decode worker after tokens were sent.")
+        self.registry_available = self._one(
+            Gauge, "pdserve:registry_available",
+            "1 while the Redis worker registry answers, 0 while the router keeps its last "
+            "view of the workers.")
+        self.registry_outages = self._one(
+            Counter, "pdserve:registry_outages", "Times the worker registry became unreachable.")
+        self._registry_up = True
+        self._rejections = Counter(
+            "pdserve:requests_rejected", "Requests refused with 503 by admission control, "
+            "by the cap that refused them.", labelnames=["model_name", "reason"],
+            registry=self.registry)
+        self._worker_gauges = {
+            name: Gauge(f"pdserve:worker_{name}", documentation,
+                        labelnames=["model_name", "role", "worker"], registry=self.registry)
+            for name, documentation in (
+                ("requests_waiting_for_kv", "Requests whose KV a decode worker is pulling."),
+                ("kv_leases", "Prefilled prompts whose KV a prefill worker pins for a decode."),
+                ("leased_blocks", "KV blocks pinned under leases."),
+                ("unowned_blocks",
+                 "KV blocks owned by no request, lease or cache: a leak; always 0."),
+                ("kv_transfers_in_flight", "KV transfers whose payload is moving."))}
         self._request_success = Counter(
             "vllm:request_success", "Finished requests by finish reason.",
             labelnames=["model_name", "finished_reason"], registry=self.registry)
@@ -93,6 +124,32 @@ class RouterMetrics:
     def record_routing(self, role: str, worker_id: str) -> None:
         """Count one request sent to ``worker_id`` in ``role`` (``prefill`` or ``decode``)."""
         self._routing_decisions.labels(self.model_name, role, worker_id).inc()
+
+    def record_rejection(self, reason: str) -> None:
+        """Count one request refused by admission control (``reason``: the cap)."""
+        self._rejections.labels(self.model_name, reason).inc()
+
+    def record_registry(self, available: bool) -> None:
+        """The registry answered (or not) a refresh; an outage is counted as it starts."""
+        if not available and self._registry_up:
+            self.registry_outages.inc()
+        self._registry_up = available
+        self.registry_available.set(1 if available else 0)
+
+    def record_worker_health(self, role: str, reply) -> None:
+        """One worker's ``HealthResponse``: its ownership audit as ``pdserve:worker_*``."""
+        values = {"requests_waiting_for_kv": reply.num_requests_waiting_for_kv,
+                  "kv_leases": reply.num_kv_leases, "leased_blocks": reply.num_leased_blocks,
+                  "unowned_blocks": reply.num_unowned_blocks,
+                  "kv_transfers_in_flight": reply.num_kv_transfers_in_flight}
+        for name, value in values.items():
+            self._worker_gauges[name].labels(self.model_name, role, reply.worker_id).set(value)
+
+    def forget_worker(self, role: str, worker_id: str) -> None:
+        """Drop a worker that left the registry from the per-worker gauges."""
+        for gauge in self._worker_gauges.values():
+            with contextlib.suppress(KeyError):
+                gauge.remove(self.model_name, role, worker_id)
 
     def record_index_lookup(self, result: str) -> None:
         """Count one prefix-index lookup: ``hit``, ``miss`` or ``unavailable``; the

@@ -1,16 +1,30 @@
-"""The router's request lifecycle (DESIGN.md, A request's path): live workers and their
-loads, routing, Prefill then streaming Decode, detokenization, stop strings, aborts and
-one retry.
+"""The router's request lifecycle (DESIGN.md, A request's path; Lifecycle and failure):
+admission, routing, Prefill then streaming Decode, detokenization, stop strings, aborts,
+retries and migration.
 
 A request's life here::
 
-    route (prefix-index lookup, choose_prefill_worker, choose_decode_worker)
+    admit (503 + Retry-After past the caps, before any work)
+      -> route (prefix-index lookup, choose_prefill_worker, choose_decode_worker)
       -> Prefill (first token yielded at once: TTFT)    [skipped below the local threshold]
       -> Decode stream (detokenized, stop strings applied)
-      -> finish; or on cancellation: Abort the decode, Release the prefill's KV lease
+      -> finish; or on cancellation: the Decode is cancelled (the worker aborts it) and an
+         untaken KV lease is released
 
-A worker answering UNAVAILABLE before any token was yielded is left out and the request
-runs once more on the others. Every RPC has a timeout (``RouterConfig``).
+Failure is a path (STYLE.md 13). Each attempt that fails is followed by another, up to
+``migration_limit`` more, and the client sees one unbroken stream:
+
+- a prefill worker that fails (UNAVAILABLE, DEADLINE_EXCEEDED, ...) is left out and the
+  prompt goes to another one, or is prefilled on the decode worker when none is left;
+- a decode worker that fails before its first message is left out and another one pulls
+  the same still-leased KV (at most twice); one that fails later, or a pull that fails
+  (FAILED_PRECONDITION), is followed by a migration: another decode worker gets the
+  prompt and the tokens generated so far (``resume_token_ids``), prefills them locally
+  and goes on. Per-position seeds make the continuation the same tokens;
+- RESOURCE_EXHAUSTED (no free blocks) leaves that worker out; INVALID_ARGUMENT is the
+  client's error (400) and is never retried.
+
+Every RPC has a timeout (``RouterConfig``).
 """
 
 from __future__ import annotations
@@ -30,12 +44,11 @@ from pdserve.cluster.prefix_index import PrefixIndex, PrefixIndexUnavailable
 from pdserve.cluster.registry import WorkerRegistry
 from pdserve.cluster.wire import logprob_from_proto, sampling_params_to_proto
 from pdserve.engine.block_hash import hash_block_chain, root_block_hash
-from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.proto import decode_pb2, prefill_pb2
-from pdserve.router.detokenizer import IncrementalDetokenizer, StopChecker
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.output import GenerationChunk, SequenceOutput, stop_reason_of
 from pdserve.router.protocol import RequestError
 from pdserve.router.routing import (
     choose_decode_worker,
@@ -49,13 +62,23 @@ logger = logging.getLogger(__name__)
 # NOTE: a prompt shorter than one block has no full block to reuse from any prefix cache
 # and costs the decode worker about one step to prefill, less than a KV transfer.
 DEFAULT_LOCAL_PREFILL_THRESHOLD = 16
+_MAX_HANDLE_ATTEMPTS = 2  # decode workers that try to pull one prefill's KV
 
 
 @dataclass(slots=True)
 class RouterConfig:
     """Router settings. Times in seconds; ``max_model_len`` defaults to the checkpoint's
     ``max_position_embeddings``; prompts under ``local_prefill_threshold`` tokens are
-    prefilled on the decode worker (0: never)."""
+    prefilled on the decode worker (0: never).
+
+    Admission control (503 + ``Retry-After`` before any work; migrations bypass it, as
+    they are requests already accepted): ``max_waiting_requests`` admitted requests
+    without their first token yet; per prefill worker ``prefill_max_inflight`` Prefill
+    calls from this router; per decode worker ``decode_max_inflight`` streams and a KV
+    usage under ``decode_max_kv_usage`` (its last Health). A worker at a cap gets no new
+    request; a request that no worker of a needed pool can take is refused.
+    ``migration_limit``: attempts after the first that one request may make.
+    """
 
     model: str
     redis_url: str
@@ -71,6 +94,19 @@ class RouterConfig:
     prefill_timeout_s: float = 120.0
     request_timeout_s: float = 600.0  # a whole Decode stream
     retry_after_s: int = 1
+    migration_limit: int = 3
+    max_waiting_requests: int = 512
+    prefill_max_inflight: int = 64
+    decode_max_inflight: int = 512
+    decode_max_kv_usage: float = 0.98
+
+    def __post_init__(self) -> None:
+        for name in ("migration_limit", "max_waiting_requests", "prefill_max_inflight",
+                     "decode_max_inflight"):
+            if getattr(self, name) < (0 if name == "migration_limit" else 1):
+                raise ValueError(f"{name}={getattr(self, name)} is out of range")
+        if not 0.0 < self.decode_max_kv_usage <= 1.0:
+            raise ValueError(f"decode_max_kv_usage={self.decode_max_kv_usage} must be in (0, 1]")
 
 
 @dataclass(slots=True)
@@ -88,45 +124,44 @@ class GenerateRequest:
 
 
 @dataclass(slots=True)
-class GenerationChunk:
-    """What one step added: text (stop strings applied), token ids, logprobs; at the end
-    ``finish_reason`` (``stop`` or ``length``) and ``stop_reason`` (token id or string).
-    ``num_cached_tokens`` is the prompt's prefix-cache hit (tokens)."""
+class _LeasedKV:
+    """A prefill's answer whose KV a prefill worker holds under a lease."""
 
-    text: str
-    token_ids: list[int]
-    logprobs: list[Logprob]
-    num_cached_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    worker: WorkerHandle
+    reply: prefill_pb2.PrefillResponse
+    num_handle_attempts: int = 0
 
 
 @dataclass(slots=True)
-class _Route:
-    prefill: WorkerHandle | None
-    decode: WorkerHandle
+class _Progress:
+    """What one request has across its attempts: the tokens already sent to the client,
+    and the leased KV of its prefill until a decode worker takes it (or it is given up)."""
+
+    generated: list[int] = field(default_factory=list)
+    kv: _LeasedKV | None = None
+    num_attempts: int = 0
 
 
-@dataclass(slots=True)
-class _Live:
-    """What one attempt holds on the workers, for cleanup."""
+class AttemptFailed(Exception):
+    """One attempt failed on a worker; the request goes on with another attempt."""
 
-    prefill: WorkerHandle | None = None
-    decode: WorkerHandle | None = None
-    kv_held: bool = False  # the prefill worker pins KV that no decode has taken yet
-    decode_done: bool = False  # the decode worker finished the request itself
-    failed_worker: str | None = None
+    def __init__(self, role: str, worker_id: str, reason: str) -> None:
+        super().__init__(f"{role} worker {worker_id}: {reason}")
+        self.role = role
+        self.worker_id = worker_id
+        self.reason = reason
 
 
 class Router:
     """Routes and runs requests on the cluster in ``config.redis_url``.
 
-    ``await start()`` before use, ``await stop()`` after. ``generate`` yields
-    ``GenerationChunk``s of one sequence.
+    ``await start()`` before use, ``await stop()`` after. ``check_available`` admits a
+    request; ``generate`` yields ``GenerationChunk``s of one sequence.
 
-    Raises (``generate``):
-        RequestError: 503 when no worker of a needed role is live or all failed; 400 when
-            a worker refuses the input; 500 for other worker errors.
+    Raises (``check_available``, ``generate``):
+        RequestError: 503 when no worker of a needed role is live, past the admission
+            caps, or when every attempt failed; 400 when a worker refuses the input.
+            Messages are short sentences for clients, never internals.
     """
 
     def __init__(self, config: RouterConfig, tokenizer=None) -> None:
@@ -137,11 +172,14 @@ class Router:
         self.max_model_len = config.max_model_len or model_config["max_position_embeddings"]
         self.vocab_size = int(model_config.get("vocab_size", len(self.tokenizer)))
         self.metrics = RouterMetrics(self.served_model_name)
-        self.pool = WorkerPool(WorkerRegistry(config.redis_url), config)
+        self.pool = WorkerPool(WorkerRegistry(config.redis_url), config, self.metrics)
         self.index = PrefixIndex(config.redis_url)
         self._root_hash = root_block_hash(self.served_model_name, config.block_size)
-        self._rotation = itertools.count()
+        # NOTE: one rotation per role: a shared counter advanced twice per request makes
+        # every tie of two workers fall the same way in both pools.
+        self._rotation = {"prefill": itertools.count(), "decode": itertools.count()}
         self._index_down = False
+        self._num_waiting = 0  # admitted requests without their first token yet
         self._tasks: set[asyncio.Task] = set()
         self._pool_task: asyncio.Task | None = None
 
@@ -162,77 +200,179 @@ class Router:
         await self.pool.close()
         self.index.close()
 
-    def check_available(self) -> None:
-        """Raises ``RequestError(503)`` when no decode worker (or, with local prefill
-        off, no prefill worker) is live."""
-        for role in ("decode", "prefill"):
-            if role == "prefill" and self.config.local_prefill_threshold >= self.max_model_len:
-                continue
-            if not self.pool.live(role):
-                raise RequestError(f"no live {role} worker; retry later", status=503)
+    def health(self) -> dict:
+        """The router's state for ``/health``: ``status`` is ``ok``, ``degraded`` (the
+        registry or prefix index is unreachable, or the prefill pool is empty while
+        prompts are prefilled on decode workers) or ``unavailable`` (no live decode
+        worker); pool sizes; the registry and prefix index as ``ok`` / ``unreachable``."""
+        num_prefill, num_decode = len(self.pool.live("prefill")), len(self.pool.live("decode"))
+        registry = "unreachable" if self.pool.registry_down else "ok"
+        index = "unreachable" if self._index_down else "ok"
+        if not num_decode:
+            status = "unavailable"
+        elif registry != "ok" or index != "ok" or (not num_prefill and self._uses_prefill):
+            status = "degraded"
+        else:
+            status = "ok"
+        return {"status": status, "num_prefill_workers": num_prefill,
+                "num_decode_workers": num_decode, "registry": registry, "prefix_index": index,
+                "num_requests_waiting": self._num_waiting}
+
+    @property
+    def _uses_prefill(self) -> bool:
+        return self.config.local_prefill_threshold < self.max_model_len
+
+    def check_available(self, num_sequences: int = 1) -> None:
+        """Admit a request of ``num_sequences`` sequences, before any work is done for it.
+
+        Raises:
+            RequestError: 503 when no decode worker is live, when ``max_waiting_requests``
+                would be passed, or when every live worker of a pool the request needs is
+                at its cap (``RouterConfig``). With no live prefill worker at all, prompts
+                are prefilled on the decode workers instead.
+        """
+        if not self.pool.live("decode"):
+            raise RequestError("no live decode worker; retry later", status=503)
+        if self._num_waiting + num_sequences > self.config.max_waiting_requests:
+            self.metrics.record_rejection("max_waiting_requests")
+            raise RequestError(
+                f"the server is overloaded: {self._num_waiting} requests are waiting for "
+                f"their first token (limit {self.config.max_waiting_requests}); retry later",
+                status=503)
+        if not self._open_workers("decode"):
+            self.metrics.record_rejection("decode_pool_full")
+            raise RequestError("every decode worker is at capacity; retry later", status=503)
+        if self._uses_prefill and self.pool.live("prefill") and not self._open_workers("prefill"):
+            self.metrics.record_rejection("prefill_pool_full")
+            raise RequestError("every prefill worker is at capacity; retry later", status=503)
+
+    def _open_workers(self, role: str, exclude: set[str] = frozenset()) -> list[WorkerHandle]:
+        """Live workers of ``role`` below their admission caps."""
+        config = self.config
+        if role == "prefill":
+            return [w for w in self.pool.live(role, exclude)
+                    if w.num_inflight < config.prefill_max_inflight]
+        return [w for w in self.pool.live(role, exclude)
+                if w.num_inflight < config.decode_max_inflight
+                and w.load.kv_cache_usage < config.decode_max_kv_usage]
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         """Run ``request``; yield chunks until one carries ``finish_reason``. Closing the
-        iterator early (client gone) aborts the request on its workers."""
+        iterator early (client gone) aborts the request on its workers and releases any
+        KV lease it holds. Failed attempts are retried or migrated (module docstring)."""
         metrics = self.metrics.request()
         self.metrics.num_requests_waiting.inc()
-        waiting, finish, exclude, sent_any = True, "abort", set(), False
+        self._num_waiting += 1
+        output = SequenceOutput(self.tokenizer, request.prompt_token_ids, request.stop,
+                                request.include_stop_str_in_output, request.skip_special_tokens)
+        progress, exclude = _Progress(), set()
+        waiting, finish = True, "abort"
         try:
-            for attempt in range(2):
-                live = _Live()
+            while True:
                 try:
-                    route = await self._route(request, exclude)
-                    async with contextlib.aclosing(self._run(request, route, live)) as chunks:
+                    async with contextlib.aclosing(
+                            self._attempt(request, progress, output, exclude)) as chunks:
                         async for chunk in chunks:
                             if waiting:
                                 waiting = False
+                                self._num_waiting -= 1
                                 self.metrics.num_requests_waiting.dec()
                                 self.metrics.num_requests_running.inc()
-                            sent_any = True
                             metrics.on_tokens(len(chunk.token_ids))
                             finish = chunk.finish_reason or finish
                             yield chunk
                     return
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE or sent_any or attempt:
-                        raise _request_error(exc) from exc
-                    logger.warning("worker %s unavailable, retrying %s elsewhere: %s",
-                                   live.failed_worker, request.request_id, exc.details())
-                    exclude.add(live.failed_worker)
-                    self.metrics.request_retries.inc()
-                finally:
-                    self._cleanup(request.request_id, live)
+                except AttemptFailed as failure:
+                    self._on_attempt_failed(request, progress, failure)
         finally:
+            if waiting:
+                self._num_waiting -= 1
+            self._release_kv(request, progress)
             gauge = self.metrics.num_requests_waiting if waiting else \
                 self.metrics.num_requests_running
             gauge.dec()
             metrics.on_finish(finish, num_prompt_tokens=len(request.prompt_token_ids))
 
-    async def _route(self, request: GenerateRequest, exclude: set[str]) -> _Route:
-        decodes = self.pool.live("decode", exclude)
-        if not decodes:
+    def _on_attempt_failed(self, request: GenerateRequest, progress: _Progress,
+                           failure: AttemptFailed) -> None:
+        """Log and count a failed attempt; raises RequestError(503) past the limit."""
+        if progress.num_attempts > self.config.migration_limit:
+            logger.warning("request %s failed after %d attempts; last: %s", request.request_id,
+                           progress.num_attempts, failure)
+            raise RequestError(f"the request failed on {progress.num_attempts} workers in a "
+                               "row; retry later", status=503) from failure
+        if progress.generated:
+            kind = "migration"
+            self.metrics.request_migrations.inc()
+        else:
+            kind = "retry"
+            self.metrics.request_retries.inc()
+        logger.warning("%s of %s after %d tokens: %s", kind, request.request_id,
+                       len(progress.generated), failure)
+
+    async def _attempt(self, request: GenerateRequest, progress: _Progress,
+                       output: SequenceOutput, exclude: set[str]
+                       ) -> AsyncIterator[GenerationChunk]:
+        """One attempt: route, Prefill (unless local, resumed or already leased), Decode.
+
+        Raises:
+            AttemptFailed: a worker failed; ``exclude`` and ``progress`` say what is left.
+        """
+        first = progress.num_attempts == 0
+        progress.num_attempts += 1
+        decode = self._choose_decode(exclude, admit=first)
+        needs_prefill = (not progress.generated and progress.kv is None
+                         and not should_prefill_locally(len(request.prompt_token_ids),
+                                                        self.config.local_prefill_threshold))
+        prefill = await self._choose_prefill(request, exclude, admit=first) \
+            if needs_prefill else None
+        if prefill is not None:
+            chunk = await self._prefill(request, prefill, progress, output, exclude)
+            yield chunk
+            if chunk.finish_reason:
+                return
+        async for chunk in self._decode(request, decode, progress, output, exclude):
+            yield chunk
+
+    def _choose_decode(self, exclude: set[str], admit: bool) -> WorkerHandle:
+        workers = self._open_workers("decode", exclude) if admit else \
+            self.pool.live("decode", exclude)
+        if not workers:
+            if admit and self.pool.live("decode", exclude):
+                self.metrics.record_rejection("decode_pool_full")
+                raise RequestError("every decode worker is at capacity; retry later",
+                                   status=503)
             raise RequestError("no live decode worker; retry later", status=503)
-        decode_id = choose_decode_worker([w.current_load() for w in decodes],
-                                         rotation=next(self._rotation))
-        decode = next(w for w in decodes if w.worker_id == decode_id)
-        decode.num_routed += 1
-        self.metrics.record_routing("decode", decode_id)
-        prompt = request.prompt_token_ids
-        if should_prefill_locally(len(prompt), self.config.local_prefill_threshold):
-            return _Route(None, decode)
-        prefills = self.pool.live("prefill", exclude)
-        if not prefills:
-            raise RequestError("no live prefill worker; retry later", status=503)
-        hashes = hash_block_chain(prompt, self.config.block_size, self._root_hash,
-                                  request.cache_salt)
+        worker_id = choose_decode_worker([w.current_load() for w in workers],
+                                         rotation=next(self._rotation["decode"]))
+        worker = next(w for w in workers if w.worker_id == worker_id)
+        worker.num_routed += 1
+        self.metrics.record_routing("decode", worker_id)
+        return worker
+
+    async def _choose_prefill(self, request: GenerateRequest, exclude: set[str],
+                              admit: bool) -> WorkerHandle | None:
+        """The prefill worker for ``request``, or None to prefill on the decode worker
+        (no live prefill worker is left)."""
+        live = self.pool.live("prefill", exclude)
+        workers = self._open_workers("prefill", exclude) if admit else live
+        if not workers:
+            if live:
+                self.metrics.record_rejection("prefill_pool_full")
+                raise RequestError("every prefill worker is at capacity; retry later",
+                                   status=503)
+            return None
+        hashes = hash_block_chain(request.prompt_token_ids, self.config.block_size,
+                                  self._root_hash, request.cache_salt)
         overlaps = await self._lookup(hashes)
         choice = choose_prefill_worker(len(hashes), overlaps,
-                                       [w.current_load() for w in prefills],
-                                       self.config.overlap_weight, rotation=next(self._rotation))
-        prefill = next(w for w in prefills if w.worker_id == choice.worker_id)
-        prefill.num_routed += 1
+                                       [w.current_load() for w in workers],
+                                       self.config.overlap_weight,
+                                       rotation=next(self._rotation["prefill"]))
+        worker = next(w for w in workers if w.worker_id == choice.worker_id)
+        worker.num_routed += 1
         self.metrics.record_routing("prefill", choice.worker_id)
-        return _Route(prefill, decode)
+        return worker
 
     async def _lookup(self, hashes: list[bytes]) -> dict[str, int]:
         """Leading cached blocks per worker; ``{}`` (route by load) when Redis is down."""
@@ -253,65 +393,126 @@ class Router:
         self.metrics.record_index_lookup("hit" if overlaps else "miss")
         return overlaps
 
-    async def _run(self, request: GenerateRequest, route: _Route, live: _Live
-                   ) -> AsyncIterator[GenerationChunk]:
-        """One attempt: Prefill (unless local), then the Decode stream."""
-        output = _Output(self.tokenizer, request)
-        wire_params = sampling_params_to_proto(request.params)
+    async def _prefill(self, request: GenerateRequest, worker: WorkerHandle,
+                       progress: _Progress, output: SequenceOutput, exclude: set[str]
+                       ) -> GenerationChunk:
+        """Prefill on ``worker``; returns the first token's chunk and leaves the leased KV
+        in ``progress.kv``. Cancelled, it releases whatever the worker may hold."""
         salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
-        decode_request = decode_pb2.DecodeRequest(
-            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            sampling_params=wire_params, **salt)
-        if route.prefill is not None:
-            live.prefill, live.failed_worker = route.prefill, route.prefill.worker_id
-            reply = await route.prefill.stub.Prefill(prefill_pb2.PrefillRequest(
-                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                sampling_params=wire_params, **salt), timeout=self.config.prefill_timeout_s)
-            live.kv_held = reply.HasField("kv_handle")
-            output.num_cached_tokens = reply.num_cached_tokens
-            self.metrics.record_prefix_cache(len(request.prompt_token_ids),
-                                             reply.num_cached_tokens)
-            first_lp = reply.first_logprob if reply.HasField("first_logprob") else None
-            chunk = output.add([reply.first_token_id],
-                               [logprob_from_proto(first_lp)] if first_lp else [],
-                               reply.finish_reason, _stop_reason(reply))
-            yield chunk
-            if chunk.finish_reason:
-                return
-            decode_request.first_token_id = reply.first_token_id
-            if first_lp is not None:
-                decode_request.first_logprob.CopyFrom(first_lp)
-            decode_request.kv_handle.CopyFrom(reply.kv_handle)
-        live.decode, live.failed_worker = route.decode, route.decode.worker_id
-        call = route.decode.stub.Decode(decode_request, timeout=self.config.request_timeout_s)
+        worker.num_inflight += 1
         try:
-            async for message in call:
-                live.kv_held = False  # the decode worker has the KV (or ended the lease)
-                live.decode_done = bool(message.finish_reason)
-                if route.prefill is None and message.num_cached_tokens:
-                    output.num_cached_tokens = message.num_cached_tokens
-                if not message.token_ids and not message.finish_reason:
+            reply = await worker.stub.Prefill(prefill_pb2.PrefillRequest(
+                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                sampling_params=sampling_params_to_proto(request.params), **salt),
+                timeout=self.config.prefill_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._release(worker, request.request_id)  # it may have finished meanwhile
+            raise self._failure("prefill", worker, exc, exclude) from exc
+        except BaseException:
+            self._release(worker, request.request_id)
+            raise
+        finally:
+            worker.num_inflight -= 1
+        if reply.HasField("kv_handle"):
+            progress.kv = _LeasedKV(worker, reply)
+        output.num_cached_tokens = reply.num_cached_tokens
+        self.metrics.record_prefix_cache(len(request.prompt_token_ids), reply.num_cached_tokens)
+        first_lp = reply.first_logprob if reply.HasField("first_logprob") else None
+        chunk = output.add([reply.first_token_id],
+                           [logprob_from_proto(first_lp)] if first_lp else [],
+                           reply.finish_reason, stop_reason_of(reply))
+        progress.generated.append(reply.first_token_id)
+        return chunk
+
+    def _decode_request(self, request: GenerateRequest, progress: _Progress
+                        ) -> decode_pb2.DecodeRequest:
+        """The Decode call of this attempt: with the leased KV while it may still be
+        pulled, else resuming after the tokens generated so far (or from the prompt).
+        Attempts after the first use their own request id on the decode worker."""
+        salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
+        request_id = request.request_id if progress.num_attempts == 1 else \
+            f"{request.request_id}.{progress.num_attempts - 1}"
+        message = decode_pb2.DecodeRequest(
+            request_id=request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling_params=sampling_params_to_proto(request.params), **salt)
+        kv = progress.kv
+        if kv is not None and kv.num_handle_attempts < _MAX_HANDLE_ATTEMPTS:
+            kv.num_handle_attempts += 1
+            message.first_token_id = kv.reply.first_token_id
+            if kv.reply.HasField("first_logprob"):
+                message.first_logprob.CopyFrom(kv.reply.first_logprob)
+            message.kv_handle.CopyFrom(kv.reply.kv_handle)
+        else:
+            self._release_kv(request, progress)
+            message.resume_token_ids.extend(progress.generated)
+        return message
+
+    async def _decode(self, request: GenerateRequest, worker: WorkerHandle,
+                      progress: _Progress, output: SequenceOutput, exclude: set[str]
+                      ) -> AsyncIterator[GenerationChunk]:
+        """Stream the Decode on ``worker``; every token sent on is recorded in
+        ``progress.generated``, so a failure later resumes right after it."""
+        message = self._decode_request(request, progress)
+        with_handle = message.HasField("kv_handle")
+        worker.num_inflight += 1
+        call = worker.stub.Decode(message, timeout=self.config.request_timeout_s)
+        worker_done = False
+        try:
+            async for reply in call:
+                if with_handle:
+                    progress.kv, with_handle = None, False  # it pulled the KV (or had it)
+                if not progress.generated and reply.num_cached_tokens:
+                    output.num_cached_tokens = reply.num_cached_tokens
+                if not reply.token_ids and not reply.finish_reason:
                     continue
-                chunk = output.add(list(message.token_ids),
-                                   [logprob_from_proto(lp) for lp in message.logprobs],
-                                   message.finish_reason, _stop_reason(message))
+                worker_done = bool(reply.finish_reason)
+                if reply.finish_reason == "abort":  # the worker gave up on it: migrate
+                    raise AttemptFailed("decode", worker.worker_id, "the worker aborted it")
+                chunk = output.add(list(reply.token_ids),
+                                   [logprob_from_proto(lp) for lp in reply.logprobs],
+                                   reply.finish_reason, stop_reason_of(reply))
+                progress.generated.extend(reply.token_ids)
                 yield chunk
                 if chunk.finish_reason:
                     return
+            raise AttemptFailed("decode", worker.worker_id, "the stream ended unfinished")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the pull failed
+                self._release_kv(request, progress)
+                raise AttemptFailed("decode", worker.worker_id, exc.details()) from exc
+            raise self._failure("decode", worker, exc, exclude) from exc
         finally:
-            call.cancel()
+            worker.num_inflight -= 1
+            call.cancel()  # the worker aborts the request when its stream is cancelled
+            if not worker_done:
+                self._spawn(worker.stub.Abort(
+                    decode_pb2.AbortRequest(request_id=message.request_id),
+                    timeout=self.config.control_timeout_s))
 
-    def _cleanup(self, request_id: str, live: _Live) -> None:
-        """Abort an unfinished decode and release an untaken KV lease, in the background."""
-        if live.decode is not None and not live.decode_done:
-            self._spawn(live.decode.stub.Abort(decode_pb2.AbortRequest(request_id=request_id),
-                                               timeout=self.config.control_timeout_s))
-        if live.prefill is not None and live.kv_held:
-            self._spawn(live.prefill.stub.Release(
-                prefill_pb2.ReleaseRequest(request_id=request_id),
-                timeout=self.config.control_timeout_s))
+    def _failure(self, role: str, worker: WorkerHandle, exc: grpc.aio.AioRpcError,
+                 exclude: set[str]) -> Exception:
+        """What a failed RPC means: the client's error (400), or an ``AttemptFailed``
+        after which ``worker`` is left out (and marked unhealthy until it answers)."""
+        code = exc.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return RequestError(exc.details() or "invalid request")
+        exclude.add(worker.worker_id)
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.pool.mark_unhealthy(worker.worker_id)
+        return AttemptFailed(role, worker.worker_id, f"{code.name}: {exc.details()}")
+
+    def _release_kv(self, request: GenerateRequest, progress: _Progress) -> None:
+        """Give up the prefill's leased KV, if this request still holds it."""
+        if progress.kv is not None:
+            self._release(progress.kv.worker, request.request_id)
+            progress.kv = None
+
+    def _release(self, worker: WorkerHandle, request_id: str) -> None:
+        self._spawn(worker.stub.Release(prefill_pb2.ReleaseRequest(request_id=request_id),
+                                        timeout=self.config.control_timeout_s))
 
     def _spawn(self, rpc) -> None:
+        """Run a clean-up RPC in the background (kept until done; failures logged)."""
         async def run() -> None:
             try:
                 await rpc
@@ -321,50 +522,3 @@ class Router:
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-class _Output:
-    """Detokenizes one sequence's tokens and applies its stop strings."""
-
-    def __init__(self, tokenizer, request: GenerateRequest) -> None:
-        self.detokenizer = IncrementalDetokenizer(
-            tokenizer, request.prompt_token_ids, skip_special_tokens=request.skip_special_tokens)
-        self.stop = StopChecker(request.stop,
-                                include_stop_str_in_output=request.include_stop_str_in_output)
-        self.num_cached_tokens = 0
-
-    def add(self, token_ids: list[int], logprobs: list[Logprob], finish_reason: str,
-            stop_reason: int | None) -> GenerationChunk:
-        """The chunk for new tokens; ``finish_reason`` is the worker's (``""`` if running).
-
-        Raises:
-            RequestError: the worker aborted the request (503).
-        """
-        text = self.detokenizer.add_tokens(token_ids)
-        if finish_reason:
-            text += self.detokenizer.flush()
-        result = self.stop.process(text)
-        chunk = GenerationChunk(result.text, token_ids, logprobs, self.num_cached_tokens)
-        if result.stopped:
-            chunk.finish_reason, chunk.stop_reason = "stop", result.stop_str
-        elif finish_reason == "abort":
-            raise RequestError("the worker aborted the request; retry later", status=503)
-        elif finish_reason:
-            chunk.text += self.stop.flush()
-            chunk.finish_reason, chunk.stop_reason = finish_reason, stop_reason
-        return chunk
-
-
-def _stop_reason(message) -> int | None:
-    return message.stop_reason if message.HasField("stop_reason") else None
-
-
-def _request_error(exc: grpc.aio.AioRpcError) -> RequestError:
-    """The HTTP-facing error for a failed worker RPC."""
-    code = exc.code()
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return RequestError(exc.details() or "invalid request")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.StatusCode.RESOURCE_EXHAUSTED):
-        return RequestError(f"worker unavailable: {exc.details()}", status=503)
-    return RequestError(f"worker error ({code.name}): {exc.details()}", status=500)

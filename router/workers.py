@@ -16,6 +16,7 @@ from pdserve.proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from pdserve.router.routing import WorkerLoad
 
 if TYPE_CHECKING:
+    from pdserve.router.metrics import RouterMetrics
     from pdserve.router.service import RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class WorkerHandle:
     load: WorkerLoad
     healthy: bool = False  # until its first Health answers "ok"
     num_routed: int = 0  # requests routed here since that Health answer
+    num_inflight: int = 0  # this router's Prefill calls (or Decode streams) on it now
 
     @property
     def worker_id(self) -> str:
@@ -49,15 +51,25 @@ _STUBS = {"prefill": prefill_pb2_grpc.PrefillWorkerStub,
 class WorkerPool:
     """The live workers of each role (from the registry) and their loads (from Health).
 
-    ``run()`` refreshes both until cancelled. When Redis is unreachable the last known
-    workers are kept (logged once per outage)."""
+    ``run()`` refreshes both until cancelled. The registry discovers workers; Health
+    decides who stays: a worker leaves the pool once it is gone from the registry and its
+    Health no longer answers "ok" (dead, draining). So while Redis is unreachable, or just
+    restarted empty, the last known workers keep serving (logged once per outage)."""
 
-    def __init__(self, registry: WorkerRegistry, config: RouterConfig) -> None:
+    def __init__(self, registry: WorkerRegistry, config: RouterConfig,
+                 metrics: RouterMetrics | None = None) -> None:
         self.registry = registry
         self.config = config
+        self.metrics = metrics
         self.workers: dict[str, dict[str, WorkerHandle]] = {"prefill": {}, "decode": {}}
-        self._registry_down = False
+        self.registry_down = False
         self._retired: list[grpc.aio.Channel] = []
+
+    def mark_unhealthy(self, worker_id: str) -> None:
+        """A call to ``worker_id`` failed: route elsewhere until its Health answers."""
+        for role in self.workers.values():
+            if worker_id in role:
+                role[worker_id].healthy = False
 
     def live(self, role: str, exclude: set[str] = frozenset()) -> list[WorkerHandle]:
         """Workers of ``role`` not in ``exclude``; healthy ones when any are."""
@@ -74,18 +86,31 @@ class WorkerPool:
         try:
             records = await asyncio.to_thread(self.registry.list_live)
         except RegistryUnavailable as exc:
-            if not self._registry_down:
+            if not self.registry_down:
                 logger.warning("worker registry unreachable, keeping the last workers: %s", exc)
-            self._registry_down = True
+                if self.metrics is not None:
+                    self.metrics.record_registry(available=False)
+            self.registry_down = True
             return
-        self._registry_down = False
+        if self.registry_down:
+            logger.info("worker registry reachable again")
+        self.registry_down = False
+        if self.metrics is not None:
+            self.metrics.record_registry(available=True)
         for role, known in self.workers.items():
             fresh = {r.worker_id: r for r in records if r.role == role}
             for worker_id in list(known):
-                if worker_id not in fresh or fresh[worker_id].epoch != known[worker_id].record.epoch:
+                record = fresh.get(worker_id)
+                if record is None and known[worker_id].healthy:
+                    # NOTE: a Redis that restarted empty lists no one until the workers
+                    # register again; a worker whose Health still answers "ok" stays
+                    continue
+                if record is None or record.epoch != known[worker_id].record.epoch:
                     # NOTE: closed at close(), not now: a registry blip must not cancel
                     # the streams in flight on it
                     self._retired.append(known.pop(worker_id).channel)
+                    if self.metrics is not None:
+                        self.metrics.forget_worker(role, worker_id)
             for worker_id, record in fresh.items():
                 if worker_id not in known:
                     channel = grpc.aio.insecure_channel(record.grpc_address)
@@ -108,6 +133,8 @@ class WorkerPool:
         worker.num_routed = 0
         worker.load = WorkerLoad(worker.worker_id, reply.num_running, reply.num_waiting,
                                  reply.kv_cache_usage)
+        if self.metrics is not None:
+            self.metrics.record_worker_health(worker.record.role, reply)
 
     async def run(self) -> None:
         """Refresh the registry every ``registry_interval_s`` and loads every

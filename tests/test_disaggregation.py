@@ -59,7 +59,9 @@ async def wait_all_blocks_free(stub, timeout_s: float = 15.0):
     deadline = time.monotonic() + timeout_s
     while True:
         state = await health(stub)
-        if state.num_free_blocks == state.num_total_blocks or time.monotonic() > deadline:
+        clean = (state.num_free_blocks == state.num_total_blocks and state.num_kv_leases == 0
+                 and state.num_requests_waiting_for_kv == 0 and state.num_unowned_blocks == 0)
+        if clean or time.monotonic() > deadline:
             return state
         await asyncio.sleep(0.1)
 
@@ -240,6 +242,14 @@ def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints
                 tries.append((seen, landed == attempt, outcome))
                 if landed is not None:
                     break
+            # A failed send leaves its lease standing, so that another decode worker may
+            # pull the same KV; the router releases it when it gives the KV up.
+            await wait_no_transfer_in_flight(p, timeout_s=60)
+            leased = await health(p)
+            if landed is not None:
+                released = await p.Release(
+                    prefill_pb2.ReleaseRequest(request_id=f"dies-{landed}"), timeout=10)
+                assert released.released
             state = await wait_all_blocks_free(p, timeout_s=30)
             after = random_prompts([BIG_KV_PROMPT_TOKENS], seed=349)[0]
             served = await generate(p, survivor, "after", after, greedy, timeout_s=60)
@@ -247,7 +257,7 @@ def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints
             # bytes (and may stream tokens), so the gauge drops to 0 shortly after
             idle = await wait_no_transfer_in_flight(p, timeout_s=30)
             return (tries, landed, state, after, served, idle, await health(p),
-                    prefill.service.sender.counters())
+                    prefill.service.sender.counters(), leased)
         finally:
             await prefill.stop()
 
@@ -258,7 +268,7 @@ def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints
                 proc, info = start_decode_process(checkpoint, redis.url, tmp_path / f"d{i}.json")
                 procs.append(proc)
                 infos.append(info)
-            tries, landed, state, after, served, idle, final, sends = asyncio.run(
+            tries, landed, state, after, served, idle, final, sends, leased = asyncio.run(
                 main(redis.url, procs, infos))
         finally:
             for proc in procs:
@@ -270,10 +280,12 @@ def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints
     killed = tries[landed][2]
     assert isinstance(killed, grpc.aio.AioRpcError), tries  # its Decode stream broke
     assert procs[1].returncode == -signal.SIGKILL
+    assert (leased.num_kv_leases, leased.num_unowned_blocks) == (1, 0)
     assert state.num_free_blocks == state.num_total_blocks
+    assert state.num_kv_leases == 0 and state.num_unowned_blocks == 0
     assert idle and final.num_kv_transfers_in_flight == 0, tries
-    # the killed send failed (its blocks were not freed by the 60 s lease); the missed
-    # tries' sends and the last request's succeeded
+    # the killed send failed (its lease stood until released); the missed tries' sends
+    # and the last request's succeeded
     assert (sends.num_failed, sends.num_transfers) == (1, landed + 1)
     expected = LLM(str(checkpoint), dtype="float32", max_model_len=BIG_KV_MAX_LEN,
                    load_progress=False, num_gpu_blocks_override=BIG_KV_BLOCKS).generate(

@@ -294,7 +294,9 @@ def test_no_workers_is_503_with_retry_after(cluster):
         reply = http.post("/v1/completions", json={"prompt": PROMPT})
         assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
         assert "no live" in reply.json()["error"]["message"]
-        assert http.get("/health").status_code == 503
+        health = http.get("/health")  # liveness: the router itself is fine
+        assert health.status_code == 200 and health.json()["status"] == "unavailable"
+        assert http.get("/ready").status_code == 503
 
 
 def test_logprobs_in_both_formats(cluster):

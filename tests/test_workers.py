@@ -11,7 +11,7 @@ import pytest
 from conftest import random_prompts
 from disagg_client import decode_stub, generate, health, prefill_stub
 
-from pdserve.cluster.redis_server import RedisServer
+from pdserve.cluster.redis_server import RedisServer, free_port
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
@@ -93,7 +93,8 @@ def test_failed_pull_fails_request_and_frees_blocks(tiny_checkpoints, redis_serv
             request_id="x", prompt_token_ids=random_prompts([40], 42)[0],
             sampling_params=sampling_params_to_proto(GREEDY)), timeout=30)
         handle = first.kv_handle
-        handle.prefill_worker_id = "ghost"
+        handle.prefill_worker_id = "ghost"  # a prefill worker that is gone:
+        handle.prefill_grpc_address = f"127.0.0.1:{free_port()}"  # nothing listens there
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async for _ in d.Decode(decode_pb2.DecodeRequest(
                     request_id="x", prompt_token_ids=random_prompts([40], 42)[0],
@@ -105,7 +106,9 @@ def test_failed_pull_fails_request_and_frees_blocks(tiny_checkpoints, redis_serv
         return err.value, await health(p), await health(d)
 
     error, p_state, d_state = run_with_workers(tiny_checkpoints, redis_server, body)
-    assert error.code() == grpc.StatusCode.UNAVAILABLE and "ghost" in error.details()
+    # FAILED_PRECONDITION: the pull failed, this decode worker is fine (the router resumes
+    # the request without that KV)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "ghost" in error.details()
     assert p_state.num_free_blocks == p_state.num_total_blocks
     assert d_state.num_free_blocks == d_state.num_total_blocks
 
@@ -182,20 +185,14 @@ def test_plain_process_workers_find_each_other_through_redis(tiny_checkpoints, r
 
 
 def test_abort_while_waiting_for_kv_frees_blocks_at_once(tiny_checkpoints, redis_server):
-    """The prefill worker named in the handle is registered but hangs (a socket that
-    accepts and never answers), so the pull waits; an Abort ends it at once."""
+    """The prefill worker named in the handle hangs (a socket that accepts and never
+    answers), so the pull waits; an Abort ends it at once."""
     import socket
     import time
-
-    from pdserve.cluster.registry import WorkerRecord, WorkerRegistry
 
     hung = socket.socket()
     hung.bind(("127.0.0.1", 0))
     hung.listen()
-    fake_registry = WorkerRegistry(redis_server.url)
-    fake_registry.register(WorkerRecord.new("hung-prefill", "prefill",
-                                            f"127.0.0.1:{hung.getsockname()[1]}",
-                                            "127.0.0.1", "m"))
     prompt = random_prompts([40], 45)[0]
 
     async def body(p, d, workers):
@@ -204,6 +201,7 @@ def test_abort_while_waiting_for_kv_frees_blocks_at_once(tiny_checkpoints, redis
             sampling_params=sampling_params_to_proto(GREEDY)), timeout=30)
         handle = first.kv_handle
         handle.prefill_worker_id = "hung-prefill"
+        handle.prefill_grpc_address = f"127.0.0.1:{hung.getsockname()[1]}"
         stream = d.Decode(decode_pb2.DecodeRequest(
             request_id="w", prompt_token_ids=prompt, first_token_id=first.first_token_id,
             sampling_params=sampling_params_to_proto(GREEDY), kv_handle=handle), timeout=30)
@@ -221,8 +219,6 @@ def test_abort_while_waiting_for_kv_frees_blocks_at_once(tiny_checkpoints, redis
         waiting, aborted, message, elapsed, d_state, p_state = run_with_workers(
             tiny_checkpoints, redis_server, body)
     finally:
-        fake_registry.deregister()
-        fake_registry.close()
         hung.close()
     assert waiting.num_free_blocks == waiting.num_total_blocks - 3  # held while pulling
     assert aborted and message.finish_reason == "abort"
