@@ -252,7 +252,7 @@ class AsyncEngine:
                 command.taken = True
             try:
                 result: Any = command.fn(self.engine)
-            except Exception as exc:  # noqa: BLE001 - handed to the caller
+            except Exception as exc:  # handed to the caller
                 if command.future is None:
                     logger.exception("engine clean-up command failed")
                 else:

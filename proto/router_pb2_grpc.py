@@ -75,6 +75,7 @@ class RouterServicer(object):
 
     def Abort(self, request, context):
         """Stop a request started by Generate (by its request_id); frees it on every worker.
+        Its Generate stream ends with a last message whose finish_reason is "abort".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -31,6 +31,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
         self._running: dict[str, asyncio.Task] = {}
+        self._aborted: set[str] = set()  # ids whose Generate an Abort is cancelling
 
     async def Generate(self, request, context):
         try:
@@ -41,6 +42,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request_id = generate_request.request_id
         self._running[request_id] = asyncio.current_task()
         num_cached = num_tokens = 0
+        prompt = len(generate_request.prompt_token_ids)
         try:
             async with contextlib.aclosing(self.router.generate(generate_request)) as chunks:
                 async for chunk in chunks:
@@ -51,19 +53,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         logprobs=[logprob_to_proto(lp) for lp in chunk.logprobs],
                         finish_reason=chunk.finish_reason or "")
                     if chunk.finish_reason:
-                        prompt = len(generate_request.prompt_token_ids)
-                        response.usage.CopyFrom(router_pb2.Usage(
-                            prompt_tokens=prompt, completion_tokens=num_tokens,
-                            total_tokens=prompt + num_tokens, cached_tokens=num_cached))
+                        response.usage.CopyFrom(_usage(prompt, num_tokens, num_cached))
                     yield response
         except RequestError as exc:
             await context.abort(*_status(exc))
+        except asyncio.CancelledError:
+            if request_id not in self._aborted:
+                raise
+            # Abort: the request is freed on its workers (the stream above was closed);
+            # the client's stream ends cleanly, as vLLM's does, with finish_reason "abort"
+            self._aborted.discard(request_id)
+            yield router_pb2.GenerateResponse(
+                request_id=request_id, finish_reason="abort",
+                usage=_usage(prompt, num_tokens, num_cached))
         finally:
             self._running.pop(request_id, None)
 
     async def Abort(self, request, context):
         task = self._running.pop(request.request_id, None)
         if task is not None:
+            self._aborted.add(request.request_id)
             task.cancel()  # closing the stream aborts the request on its workers
         return router_pb2.RouterAbortResponse(aborted=task is not None)
 
@@ -106,6 +115,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request.request_id or f"grpc-{uuid.uuid4().hex}", prompt, params,
             list(request.stop), request.include_stop_str_in_output, skip,
             request.cache_salt if request.HasField("cache_salt") else None)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> router_pb2.Usage:
+    return router_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens,
+                            cached_tokens=cached_tokens)
 
 
 def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
