@@ -18,6 +18,35 @@ from pdserve.router.http import build_app
 from pdserve.router.service import DEFAULT_LOCAL_PREFILL_THRESHOLD, Router, RouterConfig
 
 
+def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
+    """Admission control and migration flags (README, Operating pdserve); shared by
+    ``pdserve serve``. Defaults are ``RouterConfig``'s."""
+    defaults = RouterConfig(model="", redis_url="")
+    parser.add_argument("--migration-limit", type=int, default=defaults.migration_limit,
+                        help="attempts after the first a request may make when a worker "
+                             "fails (retries, and migrations of running streams)")
+    parser.add_argument("--max-waiting-requests", type=int,
+                        default=defaults.max_waiting_requests,
+                        help="admitted requests without their first token; past it: 503")
+    parser.add_argument("--prefill-max-inflight", type=int,
+                        default=defaults.prefill_max_inflight,
+                        help="Prefill calls in flight per prefill worker from this router")
+    parser.add_argument("--decode-max-inflight", type=int,
+                        default=defaults.decode_max_inflight,
+                        help="streams in flight per decode worker from this router")
+    parser.add_argument("--decode-max-kv-usage", type=float,
+                        default=defaults.decode_max_kv_usage,
+                        help="decode workers whose KV cache usage (0-1) is at or past this "
+                             "get no new request")
+
+
+def lifecycle_kwargs(args: argparse.Namespace) -> dict:
+    """``RouterConfig`` keyword arguments from ``add_lifecycle_args``'s flags."""
+    return {name: getattr(args, name) for name in (
+        "migration_limit", "max_waiting_requests", "prefill_max_inflight",
+        "decode_max_inflight", "decode_max_kv_usage")}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The router's flags (vLLM's names where vLLM has one)."""
     parser = argparse.ArgumentParser(prog="python -m pdserve.router", description=__doc__,
@@ -38,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default=DEFAULT_LOCAL_PREFILL_THRESHOLD,
                         help="prompts shorter than this many tokens are prefilled on the "
                              "decode worker (0: never; default: one block)")
+    add_lifecycle_args(parser)
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -50,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     router = Router(RouterConfig(
         model=args.model, redis_url=args.redis_url, served_model_name=args.served_model_name,
         block_size=args.block_size, max_model_len=args.max_model_len,
-        local_prefill_threshold=args.local_prefill_threshold))
+        local_prefill_threshold=args.local_prefill_threshold, **lifecycle_kwargs(args)))
     uvicorn.run(build_app(router), host=args.host, port=args.port, log_level=args.log_level)
 
 

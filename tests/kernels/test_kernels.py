@@ -541,8 +541,11 @@ def test_fused_cpu_layers_equal_their_references(num_tokens, dtype):
     torch.testing.assert_close(normed, layers.rms_norm_ref(expected_sum, weight, 1e-6), **near)
     # gate values from -100 to 100: exp's clamps and the sigmoid's tails
     gate_up = randn(num_tokens, 2 * 80, dtype=dtype, seed=4) * 30
+    # NOTE: far in the sigmoid's tail (|silu| < 1e-30) the vectorised exp of some CPUs
+    # rounds differently from torch's; everything above that must be equal
+    tails = {**exact, "atol": 1e-30}
     torch.testing.assert_close(layers.silu_and_mul(gate_up), layers.silu_and_mul_ref(gate_up),
-                               **exact)
+                               **tails)
     # q and k as strided views of one fused qkv output, rotated in place
     qkv = randn(num_tokens, (4 + 2 + 2) * 32, dtype=dtype, seed=5)
     cos, sin = randn(num_tokens, 32, dtype=dtype, seed=6), randn(num_tokens, 32, dtype=dtype, seed=7)
