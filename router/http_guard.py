@@ -13,13 +13,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.router.protocol import RequestError, error_response
+from pdserve.router.protocol import INTERNAL_ERROR, RequestError, error_response
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 2**20  # a request body beyond this gets 413
 MAX_JSON_DEPTH = 64  # nesting of JSON arrays and objects; deeper gets 400
-INTERNAL_ERROR = "internal error; the server has logged it"
 
 
 class ErrorJSONResponse(JSONResponse):
@@ -82,7 +81,7 @@ async def json_body(raw: Request, max_body_bytes: int) -> dict:
         if size > max_body_bytes:
             raise _too_large(max_body_bytes)
         chunks.append(chunk)
-    value = _parse_json(b"".join(chunks))
+    value = parse_json(b"".join(chunks))
     if not isinstance(value, dict):
         raise RequestError(f"the request body must be a JSON object, not {type(value).__name__}")
     return value
@@ -92,8 +91,13 @@ def _too_large(max_body_bytes: int) -> RequestError:
     return RequestError(f"the request body is larger than {max_body_bytes} bytes", status=413)
 
 
-def _parse_json(body: bytes):
-    """Raises RequestError (400) for invalid or too deeply nested JSON."""
+def parse_json(body: bytes):
+    """``body`` parsed as JSON, strictly: UTF-8 (or UTF-16/32, as ``json.loads`` detects),
+    no ``NaN``/``Infinity``, no number over 4300 digits, nested at most ``MAX_JSON_DEPTH``.
+
+    Raises:
+        RequestError: 400, saying what is wrong (never a RecursionError).
+    """
     def no_constants(name: str):
         raise ValueError(f"{name} is not a JSON value")
 
