@@ -26,7 +26,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
 from pdserve.router.http_guard import (
-    INTERNAL_ERROR,
     MAX_BODY_BYTES,
     ErrorJSONResponse,
     InternalErrorMiddleware,
@@ -35,6 +34,7 @@ from pdserve.router.http_guard import (
 from pdserve.router.limits import choice_seed
 from pdserve.router.logprobs import chat_logprobs, completion_logprobs
 from pdserve.router.protocol import (
+    INTERNAL_ERROR,
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -58,7 +58,6 @@ from pdserve.router.protocol import (
 from pdserve.router.service import GenerateRequest, GenerationChunk, Router
 
 logger = logging.getLogger(__name__)
-
 
 
 def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
@@ -128,7 +127,7 @@ def _add_error_handlers(app: FastAPI, router: Router) -> None:
 
     def reply(status: int, body: BaseModel) -> JSONResponse:
         return ErrorJSONResponse(body.model_dump(), status_code=status,
-                          headers=retry_after if status == 503 else None)
+                                 headers=retry_after if status == 503 else None)
 
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError) -> JSONResponse:

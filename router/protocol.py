@@ -51,6 +51,7 @@ from pdserve.router.limits import (
 )
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; the engine's too
+INTERNAL_ERROR = "internal error; the server has logged it"  # all a client learns of a bug
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 500: "internal_server_error", 503: "service_unavailable"}
