@@ -42,8 +42,20 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
     return msg
 
 
-def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises ValueError (naming the field) for out-of-range values."""
+def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
+                               vocab_size: int | None = None) -> SamplingParams:
+    """The engine's ``SamplingParams`` of ``msg``. With ``vocab_size`` (the router's gRPC
+    API passes it), ``stop_token_ids`` must be in ``[0, vocab_size)``; protobuf itself
+    bounds the int32 and int64 fields.
+
+    Raises:
+        ValueError: an out-of-range value, the message starting with the field's name
+            (``top_k=-5 is invalid: ...``, ``stop_token_ids: token id ...``).
+    """
+    bad = [t for t in msg.stop_token_ids if vocab_size is not None and not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids: token id {bad[0]} is out of the vocabulary "
+                         f"(size {vocab_size})")
     kwargs = {name: getattr(msg, name) for name in _PLAIN}
     kwargs.update({name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)})
     if "max_tokens" not in kwargs:

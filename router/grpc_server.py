@@ -3,23 +3,32 @@
 
 It runs on the same event loop and the same ``Router`` as the HTTP API, so both see the
 same workers, routing and metrics. Errors map to status codes: INVALID_ARGUMENT for bad
-input (the message names the field and the limit), NOT_FOUND for an unknown model,
-UNAVAILABLE when no worker of a needed role is live.
+input (the message names the field and the limit; the bounds are the HTTP API's,
+``router/limits.py``), also for a request that does not parse (a string field that is not
+UTF-8); NOT_FOUND for an unknown model; UNAVAILABLE when no worker of a needed role is
+live; INTERNAL, saying only "internal error" (the stack goes to the log), for a bug or a
+worker's failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
+from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pdserve.cluster.wire import logprob_to_proto, sampling_params_from_proto
 from pdserve.engine.tokenizer import encode_prompt
-from pdserve.proto import router_pb2, router_pb2_grpc
-from pdserve.router.protocol import RequestError
+from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.router.limits import MAX_STOP_TOKEN_IDS, check_stop_strings, check_text
+from pdserve.router.protocol import INTERNAL_ERROR, RequestError
 from pdserve.router.service import GenerateRequest, Router
+
+logger = logging.getLogger(__name__)
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
            503: grpc.StatusCode.UNAVAILABLE}
@@ -34,11 +43,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._aborted: set[str] = set()  # ids whose Generate an Abort is cancelling
 
     async def Generate(self, request, context):
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             generate_request = self._to_request(request)
             self.router.check_available()
         except (RequestError, ValueError) as exc:
             await context.abort(*_status(exc))
+        except Exception:
+            logger.exception("Generate failed before it started")
+            await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
         request_id = generate_request.request_id
         self._running[request_id] = asyncio.current_task()
         num_cached = num_tokens = 0
@@ -66,6 +80,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             yield router_pb2.GenerateResponse(
                 request_id=request_id, finish_reason="abort",
                 usage=_usage(prompt, num_tokens, num_cached))
+        except Exception:
+            logger.exception("Generate %s failed", request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
         finally:
             self._running.pop(request_id, None)
 
@@ -87,20 +104,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                              max_model_len=self.router.max_model_len)
 
     def _to_request(self, request) -> GenerateRequest:
-        """Validate and tokenize. Raises RequestError naming the field."""
+        """Validate and tokenize, with the HTTP API's bounds.
+
+        Raises:
+            RequestError: naming the field (``model``: 404; ``text``, ``token_ids``,
+                ``stop``, ``cache_salt``, ``stop_token_ids``, ``max_tokens``: 400).
+            ValueError: another sampling parameter is out of range, naming it first.
+        """
         if request.model and request.model != self.router.served_model_name:
-            raise RequestError(f"The model `{request.model}` does not exist.", "model", 404)
-        kind = request.WhichOneof("prompt")
-        if kind == "text":
-            prompt = encode_prompt(self.router.tokenizer, request.text)
-        elif kind == "token_ids":
-            prompt = list(request.token_ids.ids)
-        else:
-            raise RequestError("prompt is required: set text or token_ids", "prompt")
-        vocab = self.router.vocab_size
-        if not prompt or any(not 0 <= t < vocab for t in prompt):
-            raise RequestError(f"prompt must be 1 or more token ids in [0, {vocab})", "prompt")
-        params = sampling_params_from_proto(request.sampling_params)
+            shown = request.model if len(request.model) <= 100 else request.model[:97] + "..."
+            raise RequestError(f"The model `{shown}` does not exist.", "model", 404)
+        prompt = self._prompt(request)
+        stop = list(request.stop)
+        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+        _check_field("stop", check_stop_strings, stop)
+        if cache_salt is not None:
+            _check_field("cache_salt", check_text, cache_salt)
+        params = self._sampling_params(request.sampling_params)
         limit = self.router.max_model_len
         room = limit - len(prompt)
         if params.max_tokens is None:
@@ -112,9 +132,62 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 f"prompt, {params.max_tokens} in the completion).", "max_tokens")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return GenerateRequest(
-            request.request_id or f"grpc-{uuid.uuid4().hex}", prompt, params,
-            list(request.stop), request.include_stop_str_in_output, skip,
-            request.cache_salt if request.HasField("cache_salt") else None)
+            request.request_id or f"grpc-{uuid.uuid4().hex}", prompt, params, stop,
+            request.include_stop_str_in_output, skip, cache_salt)
+
+    def _prompt(self, request) -> list[int]:
+        """The prompt's token ids: ``text`` tokenized, or ``token_ids`` in the vocabulary."""
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            # NOTE: protobuf strings arrive as valid UTF-8 (an invalid one fails to parse,
+            # see UndecodableRequest); the check costs little and keeps the rule in one place.
+            _check_field("text", check_text, request.text)
+            prompt = encode_prompt(self.router.tokenizer, request.text)
+        elif kind == "token_ids":
+            prompt = list(request.token_ids.ids)
+        else:
+            raise RequestError("prompt is required: set text or token_ids", "prompt")
+        vocab = self.router.vocab_size
+        if not prompt or any(not 0 <= t < vocab for t in prompt):
+            raise RequestError(f"prompt ({kind}) must be 1 or more token ids in [0, {vocab})",
+                               kind or "prompt")
+        return prompt
+
+    def _sampling_params(self, msg: common_pb2.SamplingParams):
+        if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got "
+                               f"{len(msg.stop_token_ids)}", "stop_token_ids")
+        try:
+            return sampling_params_from_proto(msg, vocab_size=self.router.vocab_size)
+        except ValueError as exc:  # "top_k=-5 is invalid: ..." or "stop_token_ids: ..."
+            raise RequestError(str(exc), str(exc).split("=", 1)[0].split(":", 1)[0]) from exc
+
+
+def _check_field(name: str, check, value) -> None:
+    """Run ``check(value)``; its ValueError becomes a RequestError naming ``name``."""
+    try:
+        check(value)
+    except ValueError as exc:
+        raise RequestError(f"Invalid value for '{name}': {exc}", name) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class UndecodableRequest:
+    """What ``Generate`` receives for bytes that do not parse as a ``GenerateRequest``
+    (e.g. a string field that is not UTF-8, such as an encoded lone surrogate): grpc would
+    answer a deserializer's exception with UNKNOWN and protobuf's internals; ``Generate``
+    answers INVALID_ARGUMENT instead."""
+
+    message: str
+
+
+def _decode_generate_request(data: bytes) -> router_pb2.GenerateRequest | UndecodableRequest:
+    try:
+        return router_pb2.GenerateRequest.FromString(data)
+    except DecodeError as exc:
+        reason = str(exc).rsplit(": ", 1)[-1]  # "String field had bad UTF-8"
+        return UndecodableRequest(f"the request is not a valid pdserve.v1.GenerateRequest: "
+                                  f"{reason}")
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> router_pb2.Usage:
@@ -125,15 +198,41 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> ro
 
 def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, RequestError):
-        return _STATUS.get(exc.status, grpc.StatusCode.INTERNAL), str(exc)
+        code = _STATUS.get(exc.status, grpc.StatusCode.INTERNAL)
+        if code == grpc.StatusCode.INTERNAL:  # a worker's error: details to the log
+            logger.error("Generate failed: %s", exc.message)
+            return code, INTERNAL_ERROR
+        return code, str(exc)
     return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+
+
+def _add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    """``router_pb2_grpc.add_RouterServicer_to_server``, but ``Generate`` parses its own
+    request (``_decode_generate_request``) so that bytes that do not parse get
+    INVALID_ARGUMENT."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_decode_generate_request,
+            response_serializer=router_pb2.GenerateResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=router_pb2.RouterAbortRequest.FromString,
+            response_serializer=router_pb2.RouterAbortResponse.SerializeToString),
+        "Health": grpc.unary_unary_rpc_method_handler(
+            servicer.Health, request_deserializer=common_pb2.HealthRequest.FromString,
+            response_serializer=router_pb2.RouterHealthResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=router_pb2.ListModelsRequest.FromString,
+            response_serializer=router_pb2.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("pdserve.v1.Router", handlers),))
 
 
 async def start_grpc_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Start the router's gRPC server on ``host:port`` (0: a free port); returns it and
     the bound port. Raises RuntimeError when the port cannot be bound."""
     server = grpc.aio.server()
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
+    _add_router_servicer(RouterServicer(router), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind the router's gRPC server to {host}:{port}")

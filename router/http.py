@@ -3,8 +3,10 @@
 ``/metrics``.
 
 Every error is an OpenAI error body (``router/protocol.py``): 400 naming the offending
-field for invalid JSON or values, 404 for an unknown model or path, 503 with
-``Retry-After`` when no worker can take the request. Streams are server-sent events,
+field for invalid JSON or values, 404 for an unknown model or path, 413 for a body over
+``max_body_bytes``, 503 with ``Retry-After`` when no worker can take the request, and 500
+("internal error", nothing more) for a bug, whose stack goes to the log; the connection
+stays open after every one of them. Streams are server-sent events,
 ``data: {json}\\n\\n`` chunks ending with ``data: [DONE]\\n\\n``; a stream is started only
 once its first token arrived, so errors before it are plain HTTP errors.
 """
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,8 +26,16 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
+from pdserve.router.http_guard import (
+    MAX_BODY_BYTES,
+    ErrorJSONResponse,
+    InternalErrorMiddleware,
+    json_body,
+)
+from pdserve.router.limits import choice_seed
 from pdserve.router.logprobs import chat_logprobs, completion_logprobs
 from pdserve.router.protocol import (
+    INTERNAL_ERROR,
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -52,8 +61,12 @@ from pdserve.router.service import GenerateRequest, GenerationChunk, Router
 logger = logging.getLogger(__name__)
 
 
-def build_app(router: Router) -> FastAPI:
-    """The FastAPI app serving ``router``; its lifespan starts and stops the router."""
+def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving ``router``; its lifespan starts and stops the router.
+
+    ``max_body_bytes`` bounds a request body (413 beyond it, from ``Content-Length`` or
+    while reading).
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -65,10 +78,13 @@ def build_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     _add_error_handlers(app, router)
+    app.add_middleware(InternalErrorMiddleware)
+    context = {"vocab_size": router.vocab_size}
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        request = CompletionRequest.model_validate(await _json_body(raw))
+        request = CompletionRequest.model_validate(await json_body(raw, max_body_bytes),
+                                                   context=context)
         _check_model(router, request.model)
         prompts = [_tokenize_prompt(router, p) for p in request.prompts()]
         texts = [p if isinstance(p, str) else router.tokenizer.decode(p) for p in
@@ -78,7 +94,8 @@ def build_app(router: Router) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        request = ChatCompletionRequest.model_validate(await _json_body(raw))
+        request = ChatCompletionRequest.model_validate(await json_body(raw, max_body_bytes),
+                                                       context=context)
         _check_model(router, request.model)
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         try:
@@ -118,11 +135,14 @@ def _add_error_handlers(app: FastAPI, router: Router) -> None:
     retry_after = {"Retry-After": str(router.config.retry_after_s)}
 
     def reply(status: int, body: BaseModel) -> JSONResponse:
-        return JSONResponse(body.model_dump(), status_code=status,
-                            headers=retry_after if status == 503 else None)
+        return ErrorJSONResponse(body.model_dump(), status_code=status,
+                                 headers=retry_after if status == 503 else None)
 
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError) -> JSONResponse:
+        if exc.status >= 500 and exc.status != 503:  # a worker's error: details to the log
+            logger.error("%s %s failed: %s", request.method, request.url.path, exc.message)
+            return reply(exc.status, error_response(exc.status, INTERNAL_ERROR))
         return reply(exc.status, error_response(exc.status, exc.message, exc.param))
 
     @app.exception_handler(ValidationError)
@@ -141,39 +161,18 @@ def _add_error_handlers(app: FastAPI, router: Router) -> None:
             message = f"{request.method} {request.url.path}: no such route"
         return reply(exc.status_code, error_response(exc.status_code, message))
 
-    @app.exception_handler(Exception)
-    async def on_error(request: Request, exc: Exception) -> JSONResponse:
-        return reply(500, error_response(500, f"internal error: {type(exc).__name__}: {exc}"))
-
-
-async def _json_body(raw: Request) -> dict:
-    """The request's JSON object.
-
-    Raises:
-        RequestError: the body is not valid JSON, or not a JSON object.
-    """
-    body = await raw.body()
-    try:
-        value = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise RequestError(f"the request body must be a JSON object, not {type(value).__name__}")
-    return value
-
 
 def _check_model(router: Router, model: str | None) -> None:
     if model is not None and model != router.served_model_name:
-        raise RequestError(f"The model `{model}` does not exist.", "model", status=404)
+        shown = model if len(model) <= 100 else model[:97] + "..."
+        raise RequestError(f"The model `{shown}` does not exist.", "model", status=404)
 
 
 def _tokenize_prompt(router: Router, prompt: str | list[int]) -> list[int]:
+    """Token ids of one prompt (token-id prompts were checked against the vocabulary
+    when the request was validated)."""
     if isinstance(prompt, str):
         return encode_prompt(router.tokenizer, prompt)
-    bad = [t for t in prompt if t >= router.vocab_size]
-    if bad:
-        raise RequestError(f"token id {bad[0]} is out of the vocabulary (size "
-                           f"{router.vocab_size})", "prompt")
     return list(prompt)
 
 
@@ -185,10 +184,10 @@ async def _serve(router: Router, request: CompletionRequest | ChatCompletionRequ
         params = to_sampling_params(request, max_model_len=router.max_model_len,
                                     prompt_len=len(prompt))
         for i in range(request.n):
-            seed = None if params.seed is None else params.seed + i
             sequences.append(GenerateRequest(
                 f"{formatter.response_id}-{len(sequences)}", prompt,
-                dataclasses.replace(params, n=1, seed=seed), request.stop_strings(),
+                dataclasses.replace(params, n=1, seed=choice_seed(params.seed, i)),
+                request.stop_strings(),
                 request.include_stop_str_in_output, request.skip_special_tokens,
                 request.cache_salt))
     router.check_available()
@@ -218,10 +217,14 @@ async def _sse(formatter: Formatter, first: tuple[int, GenerationChunk],
         if usage is not None:
             yield _event(usage)
     except RequestError as exc:
-        yield _event(error_response(exc.status, exc.message, exc.param))
-    except Exception as exc:  # the headers are sent: report it in the stream
+        if exc.status >= 500 and exc.status != 503:
+            logger.error("stream failed: %s", exc.message)
+            yield _event(error_response(exc.status, INTERNAL_ERROR))
+        else:
+            yield _event(error_response(exc.status, exc.message, exc.param))
+    except Exception:  # the headers are sent: report it in the stream
         logger.exception("stream failed")
-        yield _event(error_response(500, f"internal error: {type(exc).__name__}: {exc}"))
+        yield _event(error_response(500, INTERNAL_ERROR))
     finally:
         merged.cancel()
     yield "data: [DONE]\n\n"

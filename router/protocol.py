@@ -7,26 +7,69 @@ Follows the OpenAI API reference (``/v1/completions``, ``/v1/chat/completions``,
 fields are kept in ``model_extra`` (vLLM logs and ignores them). Validation errors name the
 offending field: see ``validation_error_response``. Stop strings are not engine parameters:
 the router applies them (``router/detokenizer.py``).
+
+Every field is bounded where it is declared (the limits are in ``router/limits.py``), so
+no value reaches protobuf, the tokenizer or block hashing out of range (issue 12): integers
+that travel as protobuf ``int32`` stay within ``INT32_MAX``; ``n`` is at most ``MAX_N``
+and a request at most ``MAX_NUM_SEQUENCES`` sequences; ``stop`` at most
+``MAX_STOP_STRINGS`` strings of ``MAX_STOP_STRING_CHARS`` characters; ``stop_token_ids``
+at most ``MAX_STOP_TOKEN_IDS`` ids; strings hold no lone surrogates (JSON escapes such as
+``"\\ud800"`` decode to them, and they have no UTF-8 form); floats are finite. Token ids
+are checked against the vocabulary when the caller passes ``context={"vocab_size": ...}``
+to ``model_validate``.
 """
 
 from __future__ import annotations
 
+import reprlib
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.limits import (
+    INT32_MAX,
+    MAX_N,
+    MAX_NUM_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
+    SEED_LIMIT,
+    check_stop_strings,
+    check_text,
+    check_token_id,
+)
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; the engine's too
+INTERNAL_ERROR = "internal error; the server has logged it"  # all a client learns of a bug
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                404: "not_found_error", 429: "rate_limit_error", 500: "internal_server_error",
-                503: "service_unavailable"}
+                404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                500: "internal_server_error", 503: "service_unavailable"}
+
+
+def _vocab_size(info: ValidationInfo) -> int | None:
+    return info.context.get("vocab_size") if isinstance(info.context, dict) else None
+
+
+def _token_id_in_vocab(value: int, info: ValidationInfo) -> int:
+    return check_token_id(value, _vocab_size(info))
+
 
 StrictInt = Annotated[int, Field(strict=True)]
-TokenId = Annotated[int, Field(strict=True, ge=0)]
+Int32 = Annotated[int, Field(strict=True, le=INT32_MAX)]
+TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX),
+                    AfterValidator(_token_id_in_vocab)]
+Text = Annotated[str, AfterValidator(check_text)]  # no lone surrogates
 
 
 class RequestError(Exception):
@@ -48,28 +91,28 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by completion and chat requests (OpenAI's, then vLLM's extras)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    model: str | None = None
-    n: StrictInt = Field(1, ge=1)
+    model: Text | None = None
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    seed: StrictInt | None = Field(None, ge=0, lt=SEED_LIMIT)  # choice i: choice_seed(seed, i)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    user: str | None = None  # accepted and ignored, as vLLM does
-    top_k: StrictInt | None = Field(None, ge=-1)
+    user: Text | None = None  # accepted and ignored, as vLLM does
+    top_k: Int32 | None = Field(None, ge=-1)  # -1 and 0: off
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
-    min_tokens: StrictInt = Field(0, ge=0)
+    min_tokens: Int32 = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = None
+    cache_salt: Text | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -79,8 +122,7 @@ class _SamplingFields(BaseModel):
         strings = [value] if isinstance(value, str) else value
         if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
             raise ValueError("must be a string or a list of strings")
-        if not all(strings):
-            raise ValueError("stop strings must not be empty")
+        check_stop_strings(strings)
         return value
 
     @field_validator("stream_options")
@@ -103,23 +145,42 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` body. ``prompt`` is text, texts, token ids or lists of them."""
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: StrictInt | None = Field(16, ge=1)  # OpenAI's and vLLM's default; null = rest
+    max_tokens: Int32 | None = Field(16, ge=1)  # OpenAI's and vLLM's default; null = rest
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _check_prompt(cls, value: Any) -> Any:
+    def _check_prompt(cls, value: Any, info: ValidationInfo) -> Any:
+        """Token ids must be in the vocabulary (``check_token_id``), strings valid Unicode."""
         if isinstance(value, str):
-            return value
+            return check_text(value)
         if not isinstance(value, list) or not value:
             raise ValueError("prompt must be a string or a non-empty list")
-        if all(isinstance(p, str) for p in value) or _is_token_ids(value):
+        if all(isinstance(p, str) for p in value):
+            for p in value:
+                check_text(p)
             return value
-        if all(isinstance(p, list) and p and _is_token_ids(p) for p in value):
+        lists = [value] if _is_token_ids(value) else value
+        if all(isinstance(p, list) and p and _is_token_ids(p) for p in lists):
+            for p in lists:
+                for t in p:
+                    check_token_id(t, _vocab_size(info))
             return value
         raise ValueError("prompt must be a string, a list of strings, a list of token ids "
                          "(non-negative integers) or a list of non-empty token-id lists")
+
+    @model_validator(mode="after")
+    def _check_num_sequences(self) -> CompletionRequest:
+        """Raises ``RequestError`` (param ``n``; pydantic cannot name a field from a model
+        validator) when prompts x ``n`` exceeds ``MAX_NUM_SEQUENCES``."""
+        num_prompts = len(self.prompts())
+        if num_prompts * self.n > MAX_NUM_SEQUENCES:
+            raise RequestError(
+                f"Invalid value for 'n': {num_prompts} prompts x n={self.n} is "
+                f"{num_prompts * self.n} sequences; at most {MAX_NUM_SEQUENCES} per request",
+                "n")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts, each a string or a list of token ids."""
@@ -140,8 +201,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str
-    name: str | None = None
+    content: Text
+    name: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -163,8 +224,8 @@ class ChatCompletionRequest(_SamplingFields):
     deprecated ``max_tokens``; ``top_logprobs`` needs ``logprobs=True``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: Int32 | None = Field(None, ge=1)
+    max_completion_tokens: Int32 | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -370,11 +431,15 @@ def validation_error_response(exc: ValidationError | Sequence[dict]) -> ErrorRes
     first = errors[0]
     param = _param_from_loc(first.get("loc", ()))
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
-    shown = repr(first.get("input"))
+    shown = _SHORT_REPR.repr(first.get("input"))
     if len(shown) > 60:
         shown = shown[:57] + "..."
     where = f"'{param}'" if param else "the request body"
     return error_response(400, f"Invalid value for {where}: {msg} (got {shown})", param)
+
+
+_SHORT_REPR = reprlib.Repr()  # bounded work even for a 16 MiB input
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 60
 
 
 def _param_from_loc(loc: Sequence[str | int]) -> str | None:

@@ -3,14 +3,20 @@ parameters, and responses that the official `openai` client's types accept."""
 
 from __future__ import annotations
 
+import json
+
 import openai.types as oai
 import openai.types.chat as oai_chat
 import pytest
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerFast
 
+from pdserve.cluster.wire import sampling_params_from_proto, sampling_params_to_proto
 from pdserve.engine.demo_model import train_demo_tokenizer
 from pdserve.engine.request import Logprob
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.http_guard import MAX_JSON_DEPTH, parse_json
+from pdserve.router.limits import INT32_MAX, MAX_NUM_SEQUENCES, SEED_LIMIT, choice_seed
 from pdserve.router.logprobs import chat_logprobs, completion_logprobs
 from pdserve.router.protocol import (
     ChatCompletionChoice,
@@ -80,6 +86,138 @@ def test_bad_prompts_are_refused(prompt):
 ])
 def test_chat_validation_names_the_field(body, param):
     assert param_of(ChatCompletionRequest, **body) == param
+
+
+# ---- issue 12: bodies that made the router answer 500 ---------------------------------
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"top_k": 2**31}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"stop_token_ids": [5, 2**31]}, "stop_token_ids[1]"),
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"min_tokens": 2**31}, "min_tokens"),
+    ({"prompt": [1, 2**31]}, "prompt"),
+    ({"prompt": [[1], [2**40]]}, "prompt"),
+])
+def test_int32_overflow_is_refused_naming_the_field(body, param):
+    assert param_of(CompletionRequest, **{"prompt": "hi", **body}) == param
+
+
+def test_token_ids_are_checked_against_the_vocabulary_given_in_context():
+    def param(**body) -> str:
+        with pytest.raises(ValidationError) as info:
+            CompletionRequest.model_validate({"prompt": "hi", **body},
+                                             context={"vocab_size": 320})
+        error = validation_error_response(info.value).error
+        assert "vocabulary (size 320)" in error.message
+        return error.param
+
+    assert param(prompt=[5, 320]) == "prompt"
+    assert param(stop_token_ids=[319, 320]) == "stop_token_ids[1]"
+    assert CompletionRequest.model_validate({"prompt": [319], "stop_token_ids": [0]},
+                                            context={"vocab_size": 320}).prompts() == [[319]]
+
+
+def test_values_at_the_limits_reach_the_wire():
+    """Every field at its bound converts to protobuf without raising (2**31 did)."""
+    request = CompletionRequest(prompt="x", top_k=INT32_MAX, min_tokens=4, max_tokens=INT32_MAX,
+                                stop_token_ids=[INT32_MAX], seed=SEED_LIMIT - 1, logprobs=20)
+    params = to_sampling_params(request, max_model_len=2**40, prompt_len=1)
+    msg = sampling_params_to_proto(params)
+    assert (msg.top_k, msg.max_tokens, *msg.stop_token_ids) == (INT32_MAX,) * 3
+    assert sampling_params_from_proto(msg).seed == SEED_LIMIT - 1
+
+
+@pytest.mark.parametrize("body", [
+    b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+    b"[" * 100_000,
+    b'{"a": ' * (MAX_JSON_DEPTH + 1) + b"1" + b"}" * (MAX_JSON_DEPTH + 1),
+])
+def test_deep_json_is_a_400(body):
+    with pytest.raises(RequestError) as info:
+        parse_json(body)
+    assert info.value.status == 400 and "nested" in info.value.message
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"\xff{}", "UTF-8"),
+    (b'{"t": NaN}', "NaN"),
+    (b'{"t": -Infinity}', "Infinity"),
+    (b'{"n": ' + b"9" * 5000 + b"}", "too many digits"),
+    (b'{"prompt": "hi"', "Expecting"),
+])
+def test_other_pathological_json_is_a_400(body, words):
+    with pytest.raises(RequestError) as info:
+        parse_json(body)
+    assert info.value.status == 400 and words in info.value.message
+    nested = b'{"a": ' * MAX_JSON_DEPTH + b"1" + b"}" * MAX_JSON_DEPTH
+    assert parse_json(nested)["a"]["a"]  # the limit itself is fine
+
+
+@pytest.mark.parametrize("cls, body, param", [
+    (CompletionRequest, {"prompt": "hi \ud800"}, "prompt"),
+    (CompletionRequest, {"prompt": ["ok", "\udfff"]}, "prompt"),
+    (CompletionRequest, {"prompt": "hi", "cache_salt": "salt\udbff"}, "cache_salt"),
+    (CompletionRequest, {"prompt": "hi", "stop": ["\ud800"]}, "stop"),
+    (CompletionRequest, {"prompt": "hi", "user": "\ud800"}, "user"),
+    (CompletionRequest, {"prompt": "hi", "model": "\ud800"}, "model"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "\ud800"}]},
+     "messages[0].content"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\udc00"}]}]}, "messages[0].content"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "name": "\ud800"}]},
+     "messages[0].name"),
+])
+def test_lone_surrogates_are_refused_naming_the_field(cls, body, param):
+    assert param_of(cls, **body) == param
+    # The JSON escape ("\\ud800") decodes to the same lone surrogate, as the HTTP API
+    # parses it, and the error still renders as JSON.
+    with pytest.raises(ValidationError) as info:
+        cls.model_validate(parse_json(json.dumps(body).encode()))
+    error = validation_error_response(info.value)
+    assert error.error.param == param and "surrogate" in error.error.message
+    error.model_dump_json()
+
+
+def test_seed_near_2_63_with_n_wraps_for_each_choice():
+    """choice i gets (seed + i) mod 2**63: always a valid int64 seed, and seed + i as before
+    wherever that fits."""
+    request = CompletionRequest(prompt="hi", seed=SEED_LIMIT - 2, n=4)
+    seeds = [choice_seed(request.seed, i) for i in range(request.n)]
+    assert seeds == [SEED_LIMIT - 2, SEED_LIMIT - 1, 0, 1]
+    for seed in seeds:
+        sampling_params_to_proto(SamplingParams(seed=seed))
+    assert choice_seed(1234, 1) == 1235 and choice_seed(None, 3) is None
+
+
+def test_n_and_the_number_of_sequences_are_bounded():
+    assert param_of(CompletionRequest, prompt="hi", n=129) == "n"
+    assert param_of(ChatCompletionRequest, messages=USER, n=2**31) == "n"
+    CompletionRequest(prompt=["hi"] * 2, n=128)
+    with pytest.raises(RequestError) as info:
+        CompletionRequest(prompt=["hi"] * 3, n=128)
+    assert info.value.param == "n" and str(MAX_NUM_SEQUENCES) in info.value.message
+    with pytest.raises(RequestError):
+        CompletionRequest(prompt=[[1]] * (MAX_NUM_SEQUENCES + 1))
+
+
+def test_stop_lists_are_bounded():
+    CompletionRequest(prompt="hi", stop=["s"] * 16, stop_token_ids=list(range(1024)))
+    assert param_of(CompletionRequest, prompt="hi", stop=["s"] * 17) == "stop"
+    assert param_of(CompletionRequest, prompt="hi", stop="s" * 1025) == "stop"
+    assert param_of(CompletionRequest, prompt="hi", stop_token_ids=[1] * 1025) == \
+        "stop_token_ids"
+    assert param_of(CompletionRequest, prompt="hi", temperature=float("nan")) == "temperature"
+    assert param_of(CompletionRequest, prompt="hi", repetition_penalty=float("inf")) == \
+        "repetition_penalty"
+
+
+def test_wire_checks_stop_token_ids_against_the_vocabulary():
+    msg = sampling_params_to_proto(SamplingParams(stop_token_ids=[3, 320]))
+    assert sampling_params_from_proto(msg).stop_token_ids == [3, 320]
+    with pytest.raises(ValueError, match="^stop_token_ids: token id 320"):
+        sampling_params_from_proto(msg, vocab_size=320)
 
 
 def test_validation_error_body_is_openai_shaped():
