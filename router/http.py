@@ -190,7 +190,7 @@ async def _serve(router: Router, request: CompletionRequest | ChatCompletionRequ
                 request.stop_strings(),
                 request.include_stop_str_in_output, request.skip_special_tokens,
                 request.cache_salt))
-    router.check_available()
+    router.check_available(len(sequences))
     merged = _Merged([router.generate(s) for s in sequences])
     try:
         first = await anext(merged)

@@ -260,6 +260,12 @@ class Router:
         """Run ``request``; yield chunks until one carries ``finish_reason``. Closing the
         iterator early (client gone) aborts the request on its workers and releases any
         KV lease it holds. Failed attempts are retried or migrated (module docstring)."""
+        if self._num_waiting >= self.config.max_waiting_requests:  # exact: no await above
+            self.metrics.record_rejection("max_waiting_requests")
+            raise RequestError(
+                f"the server is overloaded: {self._num_waiting} requests are waiting for "
+                f"their first token (limit {self.config.max_waiting_requests}); retry later",
+                status=503)
         metrics = self.metrics.request()
         self.metrics.num_requests_waiting.inc()
         self._num_waiting += 1
@@ -320,19 +326,26 @@ class Router:
         """
         first = progress.num_attempts == 0
         progress.num_attempts += 1
+        # NOTE: a worker's num_inflight counts a request from the moment it is chosen, in
+        # the same step as the cap check, so a burst cannot pass a cap between two polls
         decode = self._choose_decode(exclude, admit=first)
-        needs_prefill = (not progress.generated and progress.kv is None
-                         and not should_prefill_locally(len(request.prompt_token_ids),
-                                                        self.config.local_prefill_threshold))
-        prefill = await self._choose_prefill(request, exclude, admit=first) \
-            if needs_prefill else None
-        if prefill is not None:
-            chunk = await self._prefill(request, prefill, progress, output, exclude)
-            yield chunk
-            if chunk.finish_reason:
-                return
-        async for chunk in self._decode(request, decode, progress, output, exclude):
-            yield chunk
+        decode.num_inflight += 1
+        try:
+            needs_prefill = (not progress.generated and progress.kv is None
+                             and not should_prefill_locally(
+                                 len(request.prompt_token_ids),
+                                 self.config.local_prefill_threshold))
+            prefill = await self._choose_prefill(request, exclude, admit=first) \
+                if needs_prefill else None
+            if prefill is not None:
+                chunk = await self._prefill(request, prefill, progress, output, exclude)
+                yield chunk
+                if chunk.finish_reason:
+                    return
+            async for chunk in self._decode(request, decode, progress, output, exclude):
+                yield chunk
+        finally:
+            decode.num_inflight -= 1
 
     def _choose_decode(self, exclude: set[str], admit: bool) -> WorkerHandle:
         workers = self._open_workers("decode", exclude) if admit else \
@@ -371,6 +384,7 @@ class Router:
                                        rotation=next(self._rotation["prefill"]))
         worker = next(w for w in workers if w.worker_id == choice.worker_id)
         worker.num_routed += 1
+        worker.num_inflight += 1  # given back by _prefill, called right after
         self.metrics.record_routing("prefill", choice.worker_id)
         return worker
 
@@ -399,7 +413,6 @@ class Router:
         """Prefill on ``worker``; returns the first token's chunk and leaves the leased KV
         in ``progress.kv``. Cancelled, it releases whatever the worker may hold."""
         salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
-        worker.num_inflight += 1
         try:
             reply = await worker.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
@@ -454,7 +467,6 @@ class Router:
         ``progress.generated``, so a failure later resumes right after it."""
         message = self._decode_request(request, progress)
         with_handle = message.HasField("kv_handle")
-        worker.num_inflight += 1
         call = worker.stub.Decode(message, timeout=self.config.request_timeout_s)
         worker_done = False
         try:
@@ -482,7 +494,6 @@ class Router:
                 raise AttemptFailed("decode", worker.worker_id, exc.details()) from exc
             raise self._failure("decode", worker, exc, exclude) from exc
         finally:
-            worker.num_inflight -= 1
             call.cancel()  # the worker aborts the request when its stream is cancelled
             if not worker_done:
                 self._spawn(worker.stub.Abort(
