@@ -50,9 +50,11 @@ async def serve(config, ready_file: str | None = None) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
     await stop.wait()
     if received[0] == signal.SIGTERM:
-        logging.getLogger(__name__).info("draining for at most %.0f s", config.drain_grace_s)
+        logging.getLogger(__name__).info("draining for at most %.1f s", config.drain_grace_s)
         await worker.drain(config.drain_grace_s)
-    await worker.stop()
+        await worker.stop(grace_s=0.0)  # the grace is spent: what still runs migrates
+    else:
+        await worker.stop()
 
 
 def main(role: str, argv=None) -> int:

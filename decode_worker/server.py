@@ -167,8 +167,9 @@ class DecodeWorker(Worker):
                 return record.grpc_address
         raise KeyError(f"prefill worker {prefill_worker_id!r} is not live in the registry")
 
-    async def stop(self) -> None:
-        await self.runtime.stop()
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Stop serving: RPCs in flight get ``grace_s`` seconds, then are cancelled."""
+        await self.runtime.stop(grace_s)
         await self.prefill_clients.close()
         if self.receiver is not None:
             self.receiver.close()

@@ -90,8 +90,9 @@ class PrefillWorker(Worker):
         await self.runtime.register(self.kv_address)
         logger.info("prefill worker %s serving gRPC on %s", self.worker_id, self.grpc_address)
 
-    async def stop(self) -> None:
-        await self.runtime.stop()
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Stop serving: RPCs in flight get ``grace_s`` seconds, then are cancelled."""
+        await self.runtime.stop(grace_s)
         if self.service is not None:
             self.service.sender.close()
 
