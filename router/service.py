@@ -47,6 +47,7 @@ from pdserve.engine.block_hash import hash_block_chain, root_block_hash
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.proto import decode_pb2, prefill_pb2
+from pdserve.router.limits import MAX_NUM_SEQUENCES
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.output import GenerationChunk, SequenceOutput, stop_reason_of
 from pdserve.router.protocol import RequestError
@@ -95,9 +96,11 @@ class RouterConfig:
     request_timeout_s: float = 600.0  # a whole Decode stream
     retry_after_s: int = 1
     migration_limit: int = 3
-    max_waiting_requests: int = 512
-    prefill_max_inflight: int = 64
-    decode_max_inflight: int = 512
+    # NOTE: the defaults admit any one request (at most MAX_NUM_SEQUENCES sequences)
+    # on an idle cluster of one worker per pool
+    max_waiting_requests: int = 2 * MAX_NUM_SEQUENCES
+    prefill_max_inflight: int = MAX_NUM_SEQUENCES
+    decode_max_inflight: int = 2 * MAX_NUM_SEQUENCES
     decode_max_kv_usage: float = 0.98
 
     def __post_init__(self) -> None:
