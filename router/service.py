@@ -38,18 +38,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from pdserve.cluster.prefix_index import PrefixIndex, PrefixIndexUnavailable
 from pdserve.cluster.registry import WorkerRegistry
-from pdserve.cluster.wire import logprob_from_proto, sampling_params_to_proto
 from pdserve.engine.block_hash import hash_block_chain, root_block_hash
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
-from pdserve.proto import decode_pb2, prefill_pb2
+from pdserve.router.attempt import AttemptFailed, Progress, WorkerCalls
 from pdserve.router.limits import MAX_NUM_SEQUENCES
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.output import GenerationChunk, SequenceOutput, stop_reason_of
+from pdserve.router.output import GenerationChunk, SequenceOutput
 from pdserve.router.protocol import RequestError
 from pdserve.router.routing import (
     choose_decode_worker,
@@ -63,7 +60,6 @@ logger = logging.getLogger(__name__)
 # NOTE: a prompt shorter than one block has no full block to reuse from any prefix cache
 # and costs the decode worker about one step to prefill, less than a KV transfer.
 DEFAULT_LOCAL_PREFILL_THRESHOLD = 16
-_MAX_HANDLE_ATTEMPTS = 2  # decode workers that try to pull one prefill's KV
 
 
 @dataclass(slots=True)
@@ -126,35 +122,6 @@ class GenerateRequest:
     cache_salt: str | None = None
 
 
-@dataclass(slots=True)
-class _LeasedKV:
-    """A prefill's answer whose KV a prefill worker holds under a lease."""
-
-    worker: WorkerHandle
-    reply: prefill_pb2.PrefillResponse
-    num_handle_attempts: int = 0
-
-
-@dataclass(slots=True)
-class _Progress:
-    """What one request has across its attempts: the tokens already sent to the client,
-    and the leased KV of its prefill until a decode worker takes it (or it is given up)."""
-
-    generated: list[int] = field(default_factory=list)
-    kv: _LeasedKV | None = None
-    num_attempts: int = 0
-
-
-class AttemptFailed(Exception):
-    """One attempt failed on a worker; the request goes on with another attempt."""
-
-    def __init__(self, role: str, worker_id: str, reason: str) -> None:
-        super().__init__(f"{role} worker {worker_id}: {reason}")
-        self.role = role
-        self.worker_id = worker_id
-        self.reason = reason
-
-
 class Router:
     """Routes and runs requests on the cluster in ``config.redis_url``.
 
@@ -183,7 +150,7 @@ class Router:
         self._rotation = {"prefill": itertools.count(), "decode": itertools.count()}
         self._index_down = False
         self._num_waiting = 0  # admitted requests without their first token yet
-        self._tasks: set[asyncio.Task] = set()
+        self.calls = WorkerCalls(config, self.pool, self.metrics)
         self._pool_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -198,8 +165,7 @@ class Router:
             self._pool_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pool_task
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.config.control_timeout_s)
+        await self.calls.wait_idle(self.config.control_timeout_s)
         await self.pool.close()
         self.index.close()
 
@@ -274,7 +240,7 @@ class Router:
         self._num_waiting += 1
         output = SequenceOutput(self.tokenizer, request.prompt_token_ids, request.stop,
                                 request.include_stop_str_in_output, request.skip_special_tokens)
-        progress, exclude = _Progress(), set()
+        progress, exclude = Progress(), set()
         waiting, finish = True, "abort"
         try:
             while True:
@@ -296,13 +262,13 @@ class Router:
         finally:
             if waiting:
                 self._num_waiting -= 1
-            self._release_kv(request, progress)
+            self.calls.release_kv(request, progress)
             gauge = self.metrics.num_requests_waiting if waiting else \
                 self.metrics.num_requests_running
             gauge.dec()
             metrics.on_finish(finish, num_prompt_tokens=len(request.prompt_token_ids))
 
-    def _on_attempt_failed(self, request: GenerateRequest, progress: _Progress,
+    def _on_attempt_failed(self, request: GenerateRequest, progress: Progress,
                            failure: AttemptFailed) -> None:
         """Log and count a failed attempt; raises RequestError(503) past the limit."""
         if progress.num_attempts > self.config.migration_limit:
@@ -319,7 +285,7 @@ class Router:
         logger.warning("%s of %s after %d tokens: %s", kind, request.request_id,
                        len(progress.generated), failure)
 
-    async def _attempt(self, request: GenerateRequest, progress: _Progress,
+    async def _attempt(self, request: GenerateRequest, progress: Progress,
                        output: SequenceOutput, exclude: set[str]
                        ) -> AsyncIterator[GenerationChunk]:
         """One attempt: route, Prefill (unless local, resumed or already leased), Decode.
@@ -341,11 +307,11 @@ class Router:
             prefill = await self._choose_prefill(request, exclude, admit=first) \
                 if needs_prefill else None
             if prefill is not None:
-                chunk = await self._prefill(request, prefill, progress, output, exclude)
+                chunk = await self.calls.prefill(request, prefill, progress, output, exclude)
                 yield chunk
                 if chunk.finish_reason:
                     return
-            async for chunk in self._decode(request, decode, progress, output, exclude):
+            async for chunk in self.calls.decode(request, decode, progress, output, exclude):
                 yield chunk
         finally:
             decode.num_inflight -= 1
@@ -409,130 +375,3 @@ class Router:
         self._index_down = False
         self.metrics.record_index_lookup("hit" if overlaps else "miss")
         return overlaps
-
-    async def _prefill(self, request: GenerateRequest, worker: WorkerHandle,
-                       progress: _Progress, output: SequenceOutput, exclude: set[str]
-                       ) -> GenerationChunk:
-        """Prefill on ``worker``; returns the first token's chunk and leaves the leased KV
-        in ``progress.kv``. Cancelled, it releases whatever the worker may hold."""
-        salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
-        try:
-            reply = await worker.stub.Prefill(prefill_pb2.PrefillRequest(
-                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                sampling_params=sampling_params_to_proto(request.params), **salt),
-                timeout=self.config.prefill_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            self._release(worker, request.request_id)  # it may have finished meanwhile
-            raise self._failure("prefill", worker, exc, exclude) from exc
-        except BaseException:
-            self._release(worker, request.request_id)
-            raise
-        finally:
-            worker.num_inflight -= 1
-        if reply.HasField("kv_handle"):
-            progress.kv = _LeasedKV(worker, reply)
-        output.num_cached_tokens = reply.num_cached_tokens
-        self.metrics.record_prefix_cache(len(request.prompt_token_ids), reply.num_cached_tokens)
-        first_lp = reply.first_logprob if reply.HasField("first_logprob") else None
-        chunk = output.add([reply.first_token_id],
-                           [logprob_from_proto(first_lp)] if first_lp else [],
-                           reply.finish_reason, stop_reason_of(reply))
-        progress.generated.append(reply.first_token_id)
-        return chunk
-
-    def _decode_request(self, request: GenerateRequest, progress: _Progress
-                        ) -> decode_pb2.DecodeRequest:
-        """The Decode call of this attempt: with the leased KV while it may still be
-        pulled, else resuming after the tokens generated so far (or from the prompt).
-        Attempts after the first use their own request id on the decode worker."""
-        salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
-        request_id = request.request_id if progress.num_attempts == 1 else \
-            f"{request.request_id}.{progress.num_attempts - 1}"
-        message = decode_pb2.DecodeRequest(
-            request_id=request_id, prompt_token_ids=request.prompt_token_ids,
-            sampling_params=sampling_params_to_proto(request.params), **salt)
-        kv = progress.kv
-        if kv is not None and kv.num_handle_attempts < _MAX_HANDLE_ATTEMPTS:
-            kv.num_handle_attempts += 1
-            message.first_token_id = kv.reply.first_token_id
-            if kv.reply.HasField("first_logprob"):
-                message.first_logprob.CopyFrom(kv.reply.first_logprob)
-            message.kv_handle.CopyFrom(kv.reply.kv_handle)
-        else:
-            self._release_kv(request, progress)
-            message.resume_token_ids.extend(progress.generated)
-        return message
-
-    async def _decode(self, request: GenerateRequest, worker: WorkerHandle,
-                      progress: _Progress, output: SequenceOutput, exclude: set[str]
-                      ) -> AsyncIterator[GenerationChunk]:
-        """Stream the Decode on ``worker``; every token sent on is recorded in
-        ``progress.generated``, so a failure later resumes right after it."""
-        message = self._decode_request(request, progress)
-        with_handle = message.HasField("kv_handle")
-        call = worker.stub.Decode(message, timeout=self.config.request_timeout_s)
-        worker_done = False
-        try:
-            async for reply in call:
-                if with_handle:
-                    progress.kv, with_handle = None, False  # it pulled the KV (or had it)
-                if not progress.generated and reply.num_cached_tokens:
-                    output.num_cached_tokens = reply.num_cached_tokens
-                if not reply.token_ids and not reply.finish_reason:
-                    continue
-                worker_done = bool(reply.finish_reason)
-                if reply.finish_reason == "abort":  # the worker gave up on it: migrate
-                    raise AttemptFailed("decode", worker.worker_id, "the worker aborted it")
-                chunk = output.add(list(reply.token_ids),
-                                   [logprob_from_proto(lp) for lp in reply.logprobs],
-                                   reply.finish_reason, stop_reason_of(reply))
-                progress.generated.extend(reply.token_ids)
-                yield chunk
-                if chunk.finish_reason:
-                    return
-            raise AttemptFailed("decode", worker.worker_id, "the stream ended unfinished")
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the pull failed
-                self._release_kv(request, progress)
-                raise AttemptFailed("decode", worker.worker_id, exc.details()) from exc
-            raise self._failure("decode", worker, exc, exclude) from exc
-        finally:
-            call.cancel()  # the worker aborts the request when its stream is cancelled
-            if not worker_done:
-                self._spawn(worker.stub.Abort(
-                    decode_pb2.AbortRequest(request_id=message.request_id),
-                    timeout=self.config.control_timeout_s))
-
-    def _failure(self, role: str, worker: WorkerHandle, exc: grpc.aio.AioRpcError,
-                 exclude: set[str]) -> Exception:
-        """What a failed RPC means: the client's error (400), or an ``AttemptFailed``
-        after which ``worker`` is left out (and marked unhealthy until it answers)."""
-        code = exc.code()
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return RequestError(exc.details() or "invalid request")
-        exclude.add(worker.worker_id)
-        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-            self.pool.mark_unhealthy(worker.worker_id)
-        return AttemptFailed(role, worker.worker_id, f"{code.name}: {exc.details()}")
-
-    def _release_kv(self, request: GenerateRequest, progress: _Progress) -> None:
-        """Give up the prefill's leased KV, if this request still holds it."""
-        if progress.kv is not None:
-            self._release(progress.kv.worker, request.request_id)
-            progress.kv = None
-
-    def _release(self, worker: WorkerHandle, request_id: str) -> None:
-        self._spawn(worker.stub.Release(prefill_pb2.ReleaseRequest(request_id=request_id),
-                                        timeout=self.config.control_timeout_s))
-
-    def _spawn(self, rpc) -> None:
-        """Run a clean-up RPC in the background (kept until done; failures logged)."""
-        async def run() -> None:
-            try:
-                await rpc
-            except grpc.aio.AioRpcError as exc:
-                logger.info("cleanup RPC failed: %s", exc.details())
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

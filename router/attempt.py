@@ -1,0 +1,203 @@
+"""One attempt of a request on the workers (DESIGN.md, Lifecycle and failure): the
+Prefill call, the Decode stream, what a failed RPC means for the request, and the
+clean-up RPCs that give back what an attempt held.
+
+``Progress`` is what a request keeps across attempts (the tokens already sent to the
+client, the prefill's leased KV); ``WorkerCalls`` runs one attempt's RPCs and raises
+``AttemptFailed`` when a worker fails, after which ``Router.generate`` tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from pdserve.cluster.wire import logprob_from_proto, sampling_params_to_proto
+from pdserve.proto import decode_pb2, prefill_pb2
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.output import GenerationChunk, SequenceOutput, stop_reason_of
+from pdserve.router.protocol import RequestError
+from pdserve.router.workers import WorkerHandle, WorkerPool
+
+if TYPE_CHECKING:
+    from pdserve.router.service import GenerateRequest, RouterConfig
+
+logger = logging.getLogger(__name__)
+MAX_HANDLE_ATTEMPTS = 2  # decode workers that try to pull one prefill's KV
+
+
+@dataclass(slots=True)
+class LeasedKV:
+    """A prefill's answer whose KV a prefill worker holds under a lease."""
+
+    worker: WorkerHandle
+    reply: prefill_pb2.PrefillResponse
+    num_handle_attempts: int = 0
+
+
+@dataclass(slots=True)
+class Progress:
+    """What one request has across its attempts: the tokens already sent to the client,
+    and the leased KV of its prefill until a decode worker takes it (or it is given up)."""
+
+    generated: list[int] = field(default_factory=list)
+    kv: LeasedKV | None = None
+    num_attempts: int = 0
+
+
+class AttemptFailed(Exception):
+    """One attempt failed on a worker; the request goes on with another attempt."""
+
+    def __init__(self, role: str, worker_id: str, reason: str) -> None:
+        super().__init__(f"{role} worker {worker_id}: {reason}")
+        self.role = role
+        self.worker_id = worker_id
+        self.reason = reason
+
+
+class WorkerCalls:
+    """The RPCs of one attempt, with their timeouts (``RouterConfig``), and background
+    clean-up RPCs (``Release``, ``Abort``) kept until they end (``wait_idle``)."""
+
+    def __init__(self, config: RouterConfig, pool: WorkerPool, metrics: RouterMetrics) -> None:
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+        self._tasks: set[asyncio.Task] = set()
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` seconds for the clean-up RPCs under way."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+
+    async def prefill(self, request: GenerateRequest, worker: WorkerHandle,
+                       progress: Progress, output: SequenceOutput, exclude: set[str]
+                       ) -> GenerationChunk:
+        """Prefill on ``worker``; returns the first token's chunk and leaves the leased KV
+        in ``progress.kv``. Cancelled, it releases whatever the worker may hold."""
+        salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
+        try:
+            reply = await worker.stub.Prefill(prefill_pb2.PrefillRequest(
+                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                sampling_params=sampling_params_to_proto(request.params), **salt),
+                timeout=self.config.prefill_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self.release(worker, request.request_id)  # it may have finished meanwhile
+            raise self.failure("prefill", worker, exc, exclude) from exc
+        except BaseException:
+            self.release(worker, request.request_id)
+            raise
+        finally:
+            worker.num_inflight -= 1
+        if reply.HasField("kv_handle"):
+            progress.kv = LeasedKV(worker, reply)
+        output.num_cached_tokens = reply.num_cached_tokens
+        self.metrics.record_prefix_cache(len(request.prompt_token_ids), reply.num_cached_tokens)
+        first_lp = reply.first_logprob if reply.HasField("first_logprob") else None
+        chunk = output.add([reply.first_token_id],
+                           [logprob_from_proto(first_lp)] if first_lp else [],
+                           reply.finish_reason, stop_reason_of(reply))
+        progress.generated.append(reply.first_token_id)
+        return chunk
+
+    def decode_request(self, request: GenerateRequest, progress: Progress
+                        ) -> decode_pb2.DecodeRequest:
+        """The Decode call of this attempt: with the leased KV while it may still be
+        pulled, else resuming after the tokens generated so far (or from the prompt).
+        Attempts after the first use their own request id on the decode worker."""
+        salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
+        request_id = request.request_id if progress.num_attempts == 1 else \
+            f"{request.request_id}.{progress.num_attempts - 1}"
+        message = decode_pb2.DecodeRequest(
+            request_id=request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling_params=sampling_params_to_proto(request.params), **salt)
+        kv = progress.kv
+        if kv is not None and kv.num_handle_attempts < MAX_HANDLE_ATTEMPTS:
+            kv.num_handle_attempts += 1
+            message.first_token_id = kv.reply.first_token_id
+            if kv.reply.HasField("first_logprob"):
+                message.first_logprob.CopyFrom(kv.reply.first_logprob)
+            message.kv_handle.CopyFrom(kv.reply.kv_handle)
+        else:
+            self.release_kv(request, progress)
+            message.resume_token_ids.extend(progress.generated)
+        return message
+
+    async def decode(self, request: GenerateRequest, worker: WorkerHandle,
+                      progress: Progress, output: SequenceOutput, exclude: set[str]
+                      ) -> AsyncIterator[GenerationChunk]:
+        """Stream the Decode on ``worker``; every token sent on is recorded in
+        ``progress.generated``, so a failure later resumes right after it."""
+        message = self.decode_request(request, progress)
+        with_handle = message.HasField("kv_handle")
+        call = worker.stub.Decode(message, timeout=self.config.request_timeout_s)
+        worker_done = False
+        try:
+            async for reply in call:
+                if with_handle:
+                    progress.kv, with_handle = None, False  # it pulled the KV (or had it)
+                if not progress.generated and reply.num_cached_tokens:
+                    output.num_cached_tokens = reply.num_cached_tokens
+                if not reply.token_ids and not reply.finish_reason:
+                    continue
+                worker_done = bool(reply.finish_reason)
+                if reply.finish_reason == "abort":  # the worker gave up on it: migrate
+                    raise AttemptFailed("decode", worker.worker_id, "the worker aborted it")
+                chunk = output.add(list(reply.token_ids),
+                                   [logprob_from_proto(lp) for lp in reply.logprobs],
+                                   reply.finish_reason, stop_reason_of(reply))
+                progress.generated.extend(reply.token_ids)
+                yield chunk
+                if chunk.finish_reason:
+                    return
+            raise AttemptFailed("decode", worker.worker_id, "the stream ended unfinished")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the pull failed
+                self.release_kv(request, progress)
+                raise AttemptFailed("decode", worker.worker_id, exc.details()) from exc
+            raise self.failure("decode", worker, exc, exclude) from exc
+        finally:
+            call.cancel()  # the worker aborts the request when its stream is cancelled
+            if not worker_done:
+                self.spawn(worker.stub.Abort(
+                    decode_pb2.AbortRequest(request_id=message.request_id),
+                    timeout=self.config.control_timeout_s))
+
+    def failure(self, role: str, worker: WorkerHandle, exc: grpc.aio.AioRpcError,
+                 exclude: set[str]) -> Exception:
+        """What a failed RPC means: the client's error (400), or an ``AttemptFailed``
+        after which ``worker`` is left out (and marked unhealthy until it answers)."""
+        code = exc.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return RequestError(exc.details() or "invalid request")
+        exclude.add(worker.worker_id)
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.pool.mark_unhealthy(worker.worker_id)
+        return AttemptFailed(role, worker.worker_id, f"{code.name}: {exc.details()}")
+
+    def release_kv(self, request: GenerateRequest, progress: Progress) -> None:
+        """Give up the prefill's leased KV, if this request still holds it."""
+        if progress.kv is not None:
+            self.release(progress.kv.worker, request.request_id)
+            progress.kv = None
+
+    def release(self, worker: WorkerHandle, request_id: str) -> None:
+        self.spawn(worker.stub.Release(prefill_pb2.ReleaseRequest(request_id=request_id),
+                                        timeout=self.config.control_timeout_s))
+
+    def spawn(self, rpc) -> None:
+        """Run a clean-up RPC in the background (kept until done; failures logged)."""
+        async def run() -> None:
+            try:
+                await rpc
+            except grpc.aio.AioRpcError as exc:
+                logger.info("cleanup RPC failed: %s", exc.details())
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
