@@ -30,6 +30,7 @@ from pdserve.router.service import GenerateRequest, Router
 
 logger = logging.getLogger(__name__)
 
+_END, _ABORTED = object(), object()  # the end of a Generate's chunks; an Abort
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
            503: grpc.StatusCode.UNAVAILABLE}
 
@@ -39,8 +40,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def __init__(self, router: Router) -> None:
         self.router = router
-        self._running: dict[str, asyncio.Task] = {}
-        self._aborted: set[str] = set()  # ids whose Generate an Abort is cancelling
+        # request id -> (the task running it, the queue its Generate reads)
+        self._running: dict[str, tuple[asyncio.Task, asyncio.Queue]] = {}
 
     async def Generate(self, request, context):
         if isinstance(request, UndecodableRequest):
@@ -54,44 +55,60 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             logger.exception("Generate failed before it started")
             await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
         request_id = generate_request.request_id
-        self._running[request_id] = asyncio.current_task()
+        # NOTE: the request runs in a task of its own, which Abort cancels (its clean-up
+        # frees the request on its workers); cancelling this handler's task instead could
+        # land inside grpc's send and reset the stream
+        chunks: asyncio.Queue = asyncio.Queue()
+        pump = asyncio.create_task(self._pump(generate_request, chunks))
+        self._running[request_id] = (pump, chunks)
         num_cached = num_tokens = 0
         prompt = len(generate_request.prompt_token_ids)
         try:
-            async with contextlib.aclosing(self.router.generate(generate_request)) as chunks:
-                async for chunk in chunks:
-                    num_cached = max(num_cached, chunk.num_cached_tokens)
-                    num_tokens += len(chunk.token_ids)
-                    response = router_pb2.GenerateResponse(
-                        request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
-                        logprobs=[logprob_to_proto(lp) for lp in chunk.logprobs],
-                        finish_reason=chunk.finish_reason or "")
-                    if chunk.finish_reason:
-                        response.usage.CopyFrom(_usage(prompt, num_tokens, num_cached))
-                    yield response
-        except RequestError as exc:
-            await context.abort(*_status(exc))
-        except asyncio.CancelledError:
-            if request_id not in self._aborted:
-                raise
-            # Abort: the request is freed on its workers (the stream above was closed);
-            # the client's stream ends cleanly, as vLLM's does, with finish_reason "abort"
-            self._aborted.discard(request_id)
-            yield router_pb2.GenerateResponse(
-                request_id=request_id, finish_reason="abort",
-                usage=_usage(prompt, num_tokens, num_cached))
-        except Exception:
-            logger.exception("Generate %s failed", request_id)
-            await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
+            while True:
+                chunk = await chunks.get()
+                if chunk is _END:
+                    return
+                if chunk is _ABORTED:  # ends cleanly, as vLLM's abort does
+                    yield router_pb2.GenerateResponse(
+                        request_id=request_id, finish_reason="abort",
+                        usage=_usage(prompt, num_tokens, num_cached))
+                    return
+                if isinstance(chunk, RequestError):
+                    await context.abort(*_status(chunk))
+                if isinstance(chunk, BaseException):
+                    logger.error("Generate %s failed", request_id, exc_info=chunk)
+                    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
+                num_cached = max(num_cached, chunk.num_cached_tokens)
+                num_tokens += len(chunk.token_ids)
+                response = router_pb2.GenerateResponse(
+                    request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
+                    logprobs=[logprob_to_proto(lp) for lp in chunk.logprobs],
+                    finish_reason=chunk.finish_reason or "")
+                if chunk.finish_reason:
+                    response.usage.CopyFrom(_usage(prompt, num_tokens, num_cached))
+                yield response
         finally:
             self._running.pop(request_id, None)
+            pump.cancel()  # the client left (or it ended): nothing keeps running
+
+    async def _pump(self, request: GenerateRequest, chunks: asyncio.Queue) -> None:
+        """Run ``request`` on the router, handing its chunks (then ``_END``, or the
+        exception that ended it) to ``chunks``."""
+        try:
+            async with contextlib.aclosing(self.router.generate(request)) as stream:
+                async for chunk in stream:
+                    chunks.put_nowait(chunk)
+            chunks.put_nowait(_END)
+        except Exception as exc:  # noqa: BLE001 - handed to the handler
+            chunks.put_nowait(exc)
 
     async def Abort(self, request, context):
-        task = self._running.pop(request.request_id, None)
-        if task is not None:
-            self._aborted.add(request.request_id)
-            task.cancel()  # closing the stream aborts the request on its workers
-        return router_pb2.RouterAbortResponse(aborted=task is not None)
+        entry = self._running.pop(request.request_id, None)
+        if entry is not None:
+            pump, chunks = entry
+            pump.cancel()  # closing the stream aborts the request on its workers
+            chunks.put_nowait(_ABORTED)
+        return router_pb2.RouterAbortResponse(aborted=entry is not None)
 
     async def Health(self, request, context):
         state = self.router.health()
