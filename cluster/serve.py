@@ -1,19 +1,54 @@
 """``pdserve serve``: the whole cluster from one command (DESIGN.md, Launch).
 
-Starts (or joins, ``--ray-address``) a Ray cluster, a private Redis unless ``--redis-url``
-names one, ``--prefill-workers`` and ``--decode-workers`` as Ray actors, and the
-OpenAI-compatible router on ``--host:--port``. With no ``--model`` it serves the demo
-model, written on first use. Ctrl-C stops everything it started.
+Start-up runs in phases, each printing one line (``pdserve: ...``) once done:
+
+1. the router's ports: ``--host:--port`` (HTTP) is bound and listening, and held until
+   uvicorn takes the socket; ``--grpc-port`` is held the same way until the gRPC server
+   binds it (it cannot take a socket). A port that is taken ends the command at once,
+   status 2, before anything is started;
+2. Redis: ``--redis-url``, or a private ``redis-server`` (cluster/redis_server.py);
+3. Ray: joins ``--ray-address`` or starts a local one;
+4. the C++ CPU kernels, when the workers run on the CPU and no build is cached: built once
+   here, so the workers load the build instead of each compiling it;
+5. the ``--prefill-workers`` and ``--decode-workers`` Ray actors, all at once, each
+   reported as it becomes ready;
+6. the OpenAI-compatible router: ``pdserve serving ...`` is printed once it accepts
+   connections.
+
+SIGINT or SIGTERM during start-up stops everything started so far and exits with
+128 + the signal number (``pdserve: start-up interrupted ...`` on stderr); after
+``serving`` they stop everything and print ``pdserve stopped``. Every child pdserve starts
+(Redis, the kernel build, Ray's processes) is out of reach of a terminal's Ctrl-C, which
+signals the whole foreground process group: pdserve alone decides when they stop.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 logger = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "pdserve-demo"  # the API's model name when serving the demo model
+WORKER_STOP_TIMEOUT_S = 30.0  # the workers' graceful stop, all together, after serving
+KERNEL_BUILD_TIMEOUT_S = 1800.0
+_BUILD_KERNELS = "from pdserve.kernels import cpu_ext; cpu_ext.main()"
+
+
+class StartupError(RuntimeError):
+    """Start-up cannot begin (a port is taken); ``pdserve`` prints it and exits with 2."""
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -36,78 +71,303 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="prompts shorter than this many tokens skip the prefill pool")
 
 
-async def run_router(router, app, host: str, port: int, grpc_port: int, note: str = "") -> None:
-    """Serve ``app`` (HTTP) and, with a ``grpc_port``, the router's gRPC API on one event
-    loop until SIGINT/SIGTERM."""
+class Interrupts:
+    """While entered, SIGINT and SIGTERM raise KeyboardInterrupt in the main thread (the
+    first one's number is kept in ``signum``); on exit the previous handlers return.
+
+    ``deferred()`` holds the first signal back until a short step that must not be cut in
+    half (start a child and register its stop) is done; a second one raises at once.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+        self._deferring = False
+        self._pending = False
+
+    def __enter__(self) -> Self:
+        self.install()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def install(self) -> None:
+        """(Re)install the handlers: ``ray.init`` replaces the SIGTERM one."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring, pending, self._pending = False, self._pending, False
+        if pending:
+            raise KeyboardInterrupt
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+        if self._deferring and not self._pending:
+            self._pending = True
+            return
+        raise KeyboardInterrupt
+
+
+def bind_listener(host: str, port: int, what: str) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening (SO_REUSEADDR; not inherited by
+    children), so no other process can take the port while pdserve starts.
+
+    Raises:
+        StartupError: the address is taken or not this machine's; the message names it.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {_address(host, port)} ({what}): "
+                           f"{exc.strerror or exc}") from None
+    return sock
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def say(line: str) -> None:
+    """One start-up phase line on stdout."""
+    print(f"pdserve: {line}", flush=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run ``pdserve serve`` until SIGINT/SIGTERM; returns the exit status (0 once it
+    served, 128 + the signal's number when a signal ended start-up).
+
+    Raises:
+        StartupError: a router port is taken (nothing was started).
+        ValueError: bad worker counts.
+        RuntimeError: a worker or Redis failed to start (all started so far is stopped).
+    """
+    if args.prefill_workers < 0 or args.decode_workers < 1:
+        raise ValueError("--decode-workers must be >= 1 and --prefill-workers >= 0")
+    with Interrupts() as interrupts:
+        run = _ServeRun(args, interrupts)
+        try:
+            with contextlib.ExitStack() as stack:
+                run.run(stack)
+        except KeyboardInterrupt:
+            pass  # NOTE: a signal; the stack has stopped everything
+    if run.announced:
+        print("pdserve stopped", flush=True)
+        return 0
+    name = signal.Signals(interrupts.signum or signal.SIGINT).name
+    print(f"pdserve: start-up interrupted by {name}; stopped everything it had started",
+          file=sys.stderr, flush=True)
+    return 128 + (interrupts.signum or signal.SIGINT)
+
+
+class _ServeRun:
+    """One run of ``pdserve serve``: each phase starts one thing and, in the same step,
+    registers how to stop it on the run's ``ExitStack``, which stops all in reverse."""
+
+    def __init__(self, args: argparse.Namespace, interrupts: Interrupts) -> None:
+        self.args = args
+        self.interrupts = interrupts
+        self.announced = False  # "pdserve serving" printed
+
+    def run(self, stack: contextlib.ExitStack) -> None:
+        args = self.args
+        http_sock = stack.enter_context(bind_listener(args.host, args.port, "router HTTP, --port"))
+        grpc_sock = None
+        if args.grpc_port:
+            grpc_sock = stack.enter_context(
+                bind_listener(args.host, args.grpc_port, "router gRPC, --grpc-port"))
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        engine = self._engine_config()
+        redis_url = self._start_redis(stack)
+        launcher = self._start_ray(stack)
+        if self._workers_on_cpu(engine, launcher):
+            build_cpu_kernels(self.interrupts)
+        self._start_workers(launcher, engine, redis_url)
+        router, app = self._make_router(engine, redis_url)
+        try:
+            asyncio.run(run_router(router, app, args.host, http_sock, grpc_sock,
+                                   f"(Redis {redis_url})", self._on_serving))
+        except KeyboardInterrupt:
+            if not self.announced:
+                raise
+
+    def _on_serving(self) -> None:
+        self.announced = True
+
+    def _engine_config(self):
+        from pdserve.cluster.cli import engine_kwargs
+        from pdserve.engine.llm_engine import EngineConfig
+
+        engine = EngineConfig(**engine_kwargs(self.args), load_progress=False)
+        if self.args.model is None and self.args.served_model_name is None:
+            engine.served_model_name = DEMO_MODEL_NAME
+        return engine
+
+    def _start_redis(self, stack: contextlib.ExitStack) -> str:
+        from pdserve.cluster.redis_server import RedisServer
+
+        if self.args.redis_url:
+            say(f"Redis at {self.args.redis_url} (--redis-url)")
+            return self.args.redis_url
+        with self.interrupts.deferred():
+            redis = stack.enter_context(RedisServer())
+        say(f"Redis at {redis.url} (private redis-server)")
+        return redis.url
+
+    def _start_ray(self, stack: contextlib.ExitStack):
+        import ray
+
+        from pdserve.cluster.launcher import RayLauncher
+
+        stack.callback(ray.shutdown)  # NOTE: also stops a Ray whose ray.init was cut short
+        try:
+            launcher = RayLauncher(self.args.ray_address)
+        except SystemExit as exc:  # NOTE: ray.init's own SIGTERM handler exits
+            if exc.code != signal.SIGTERM:
+                raise
+            self.interrupts.signum = self.interrupts.signum or signal.SIGTERM
+            raise KeyboardInterrupt from None
+        stack.callback(lambda: launcher.shutdown(
+            WORKER_STOP_TIMEOUT_S if self.announced else 0.0))
+        self.interrupts.install()  # NOTE: ray.init installs its own SIGTERM handler
+        where = f"joined {self.args.ray_address}" if self.args.ray_address else "started locally"
+        say(f"Ray {where} ({'GPU' if launcher.has_gpus else 'CPU'} workers)")
+        return launcher
+
+    def _workers_on_cpu(self, engine, launcher) -> bool:
+        return engine.device == "cpu" or (engine.device == "auto" and not launcher.has_gpus)
+
+    def _start_workers(self, launcher, engine, redis_url: str) -> None:
+        from pdserve.cluster.worker_config import WorkerConfig
+
+        args = self.args
+        common = {"engine": engine, "redis_url": redis_url, "host": args.worker_host,
+                  "kv_host": args.worker_host, "lease_s": args.kv_lease_s}
+        counts = {"prefill": args.prefill_workers, "decode": args.decode_workers}
+        total = sum(counts.values())
+        say(f"starting {counts['prefill']} prefill and {counts['decode']} decode workers")
+        actors = []
+        for role, count in counts.items():
+            if count:
+                actors += launcher.start(WorkerConfig(role, **common), count,
+                                         workers_on_node=total)
+        ready = dict.fromkeys(counts, 0)
+
+        def report(info) -> None:
+            ready[info.role] += 1
+            say(f"{info.role} worker {ready[info.role]}/{counts[info.role]} ready "
+                f"(gRPC {info.grpc_address}, id {info.worker_id})")
+
+        launcher.wait_ready(actors, on_ready=report)
+
+    def _make_router(self, engine, redis_url: str):
+        from pdserve.router.http import build_app
+        from pdserve.router.service import Router, RouterConfig
+
+        config = RouterConfig(
+            model=engine.model, redis_url=redis_url,
+            served_model_name=engine.served_model_name, block_size=engine.block_size,
+            max_model_len=engine.max_model_len)
+        if self.args.local_prefill_threshold is not None:
+            config.local_prefill_threshold = self.args.local_prefill_threshold
+        if self.args.prefill_workers == 0:
+            config.local_prefill_threshold = engine.max_model_len or 1 << 30
+        router = Router(config)
+        return router, build_app(router)
+
+
+def build_cpu_kernels(interrupts: Interrupts) -> None:
+    """Build the C++ CPU kernels (``pdserve.kernels.cpu_ext``) in a child process unless
+    they are off (``PDSERVE_CPU_KERNELS=0``) or already built for this machine.
+
+    The child runs in its own session; on an interrupt it and its compilers get SIGINT
+    (so torch releases its build lock) and then, after 10 s, SIGKILL. A failed build is
+    only reported: the workers then use the PyTorch references.
+    """
+    from pdserve.kernels import cpu_ext
+
+    if not cpu_ext.enabled() or cpu_ext.is_built():
+        return
+    say("building CPU kernels (first start only, about a minute)")
+    start = time.monotonic()
+    proc = None
+    try:
+        with interrupts.deferred():
+            proc = subprocess.Popen([sys.executable, "-c", _BUILD_KERNELS],
+                                    start_new_session=True)
+        status = proc.wait(KERNEL_BUILD_TIMEOUT_S)
+    finally:
+        if proc is not None:
+            _stop_group(proc)
+    if status == 0:
+        say(f"CPU kernels built in {time.monotonic() - start:.0f} s")
+    else:
+        say("CPU kernels unavailable (see the warning above); workers use the PyTorch "
+            "references")
+
+
+def _stop_group(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGINT, then SIGKILL, to the process group that ``proc`` leads, unless it is done."""
+    if proc.poll() is not None:
+        return
+    for sig in (signal.SIGINT, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout_s)
+            return
+
+
+async def run_router(router, app, host: str, http_sock: socket.socket,
+                     grpc_sock: socket.socket | None, note: str = "",
+                     on_serving: Callable[[], None] | None = None) -> None:
+    """Serve ``app`` (HTTP) on the listening ``http_sock`` and, with a ``grpc_sock``, the
+    router's gRPC API on its port, on one event loop until SIGINT/SIGTERM.
+
+    Prints ``pdserve serving ...`` and calls ``on_serving()`` once both accept
+    connections. ``grpc_sock`` only holds the port: it is closed right before the gRPC
+    server binds the same port (grpc cannot take a bound socket).
+    """
     import uvicorn
 
     from pdserve.router.grpc_server import start_grpc_server
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    class AnnouncingServer(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                print(line, flush=True)
+                if on_serving is not None:
+                    on_serving()
+
     grpc_server = None
-    if grpc_port:
-        grpc_server, grpc_port = await start_grpc_server(router, host, grpc_port)
-    grpc_note = f", gRPC {host}:{grpc_port}" if grpc_server else ""
-    print(f"pdserve serving {router.served_model_name} on http://{host}:{port}/v1"
-          f"{grpc_note} {note}", flush=True)
+    grpc_note = ""
     try:
-        await server.serve()
+        if grpc_sock is not None:
+            grpc_port = grpc_sock.getsockname()[1]
+            grpc_sock.close()
+            grpc_server, grpc_port = await start_grpc_server(router, host, grpc_port)
+            grpc_note = f", gRPC {_address(host, grpc_port)}"
+        line = (f"pdserve serving {router.served_model_name} on "
+                f"http://{_address(host, http_sock.getsockname()[1])}/v1{grpc_note} {note}")
+        server = AnnouncingServer(uvicorn.Config(app, log_level="warning"))
+        with contextlib.suppress(KeyboardInterrupt):
+            # NOTE: uvicorn stops on SIGINT/SIGTERM, then raises that signal again
+            await server.serve(sockets=[http_sock])
     finally:
         if grpc_server is not None:
             await grpc_server.stop(2)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from pdserve.cluster.cli import engine_kwargs
-    from pdserve.cluster.launcher import RayLauncher
-    from pdserve.cluster.redis_server import RedisServer
-    from pdserve.cluster.worker_config import WorkerConfig
-    from pdserve.engine.llm_engine import EngineConfig
-    from pdserve.router.http import build_app
-    from pdserve.router.service import Router, RouterConfig
-
-    if args.prefill_workers < 0 or args.decode_workers < 1:
-        raise ValueError("--decode-workers must be >= 1 and --prefill-workers >= 0")
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = EngineConfig(**engine_kwargs(args), load_progress=False)
-    if args.model is None and args.served_model_name is None:
-        engine.served_model_name = DEMO_MODEL_NAME
-    redis = None if args.redis_url else RedisServer()
-    redis_url = args.redis_url or redis.url
-    launcher = None
-    try:
-        launcher = RayLauncher(args.ray_address)
-        common = dict(engine=engine, redis_url=redis_url, host=args.worker_host,
-                      kv_host=args.worker_host, lease_s=args.kv_lease_s)
-        total = args.prefill_workers + args.decode_workers
-        workers = []
-        if args.prefill_workers:
-            workers += launcher.launch(WorkerConfig("prefill", **common), args.prefill_workers,
-                                       workers_on_node=total)
-        workers += launcher.launch(WorkerConfig("decode", **common), args.decode_workers,
-                                   workers_on_node=total)
-        for worker in workers:
-            print(f"{worker.role} worker {worker.worker_id}: gRPC {worker.grpc_address}",
-                  flush=True)
-        router_config = RouterConfig(
-            model=engine.model, redis_url=redis_url,
-            served_model_name=engine.served_model_name, block_size=engine.block_size,
-            max_model_len=engine.max_model_len)
-        if args.local_prefill_threshold is not None:
-            router_config.local_prefill_threshold = args.local_prefill_threshold
-        if args.prefill_workers == 0:
-            router_config.local_prefill_threshold = engine.max_model_len or 1 << 30
-        router = Router(router_config)
-        try:
-            asyncio.run(run_router(router, build_app(router), args.host, args.port,
-                                   args.grpc_port, f"(Redis {redis_url})"))
-        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled
-            pass
-    finally:
-        if launcher is not None:
-            launcher.shutdown()
-        if redis is not None:
-            redis.close()
-        print("pdserve stopped", flush=True)
-    return 0

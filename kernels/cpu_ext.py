@@ -11,6 +11,10 @@ first build takes about 10 s; later processes load the cached library at once.
 Where the build fails (no compiler, an unsupported platform) ``load`` logs one warning
 and returns False, and the kernels' dispatchers use the PyTorch references instead.
 ``PDSERVE_CPU_KERNELS=0`` turns the C++ kernels off.
+
+``python -c "from pdserve.kernels import cpu_ext; cpu_ext.main()"`` builds them ahead of
+time: ``pdserve serve`` does so once, before it starts CPU workers, where ``is_built()`` is
+False, so the workers load the cached build instead of each compiling it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import logging
 import os
 import platform
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -34,6 +39,7 @@ _SOURCES = ("cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_layers.cpp",
 _OPS = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "rms_norm",
         "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax_rows",
         "gather_block_rows", "scatter_block_rows")
+_CSRC = Path(__file__).resolve().parent / "csrc"
 _lock = threading.Lock()
 _loaded: bool | None = None
 
@@ -55,6 +61,32 @@ def load() -> bool:
         return _loaded
 
 
+def is_built() -> bool:
+    """Whether this machine kind's build of the current sources is in torch's extension
+    cache, so ``load`` will not compile (it still checks, and rebuilds if torch's own
+    versioning says so)."""
+    from torch.utils import cpp_extension
+
+    name = _extension_name()
+    try:
+        # NOTE: the folder cpp_extension.load builds in; private, hence the fallback
+        folder = cpp_extension._get_build_directory(name, verbose=False)
+    except (AttributeError, TypeError, OSError):
+        return False
+    return Path(folder, f"{name}.so").is_file()
+
+
+def main() -> None:
+    """Build (or load) the kernels in this process and exit: status 0 when usable, else 1
+    (the warning saying why is on stderr)."""
+    logging.basicConfig(level=logging.WARNING, format="pdserve: %(message)s")
+    try:
+        usable = load()
+    except KeyboardInterrupt:  # NOTE: the build was stopped; torch has released its lock
+        sys.exit(130)
+    sys.exit(0 if usable else 1)
+
+
 def has_prefill_attention() -> bool:
     """Whether the C++ paged prefill attention runs here: built, and the CPU has
     AVX512-BF16 (its only code path; elsewhere the reference serves)."""
@@ -69,11 +101,10 @@ def _has_prefill_attention() -> bool:
 def _build_and_load() -> bool:
     from torch.utils import cpp_extension
 
-    csrc = Path(__file__).resolve().parent / "csrc"
     try:
         cpp_extension.load(
-            name=f"pdserve_cpu_{_cpu_tag()}_{_source_tag(csrc)}",
-            sources=[str(csrc / name) for name in _SOURCES],
+            name=_extension_name(),
+            sources=[str(_CSRC / name) for name in _SOURCES],
             # NOTE: no fast-math: results stay IEEE; these two only let loops with
             # clamps and conversions vectorize.
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
@@ -90,6 +121,10 @@ def _build_and_load() -> bool:
         logger.warning("pdserve C++ CPU kernels unavailable, using the PyTorch references "
                        "(%s: %s)", type(exc).__name__, detail.strip())
         return False
+
+
+def _extension_name() -> str:
+    return f"pdserve_cpu_{_cpu_tag()}_{_source_tag(_CSRC)}"
 
 
 def _source_tag(csrc: Path) -> str:

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,6 +24,34 @@ from pdserve.proto import router_pb2, router_pb2_grpc
 
 openai = pytest.importorskip("openai")
 START_TIMEOUT_S = 240
+
+
+@dataclass
+class Served:
+    """A running ``pdserve serve``, and what it answered the moment it said "serving"."""
+
+    model: Path
+    port: int
+    grpc_port: int
+    redis: RedisServer
+    log: str  # its output up to "pdserve serving"
+    first_http_status: int  # GET /v1/models, sent right after "pdserve serving"
+    first_grpc_models: list[str]  # ListModels, likewise
+
+
+def ask_at_once(port: int, grpc_port: int) -> tuple[int, list[str]]:
+    """One HTTP GET /v1/models and one gRPC ListModels, each tried once."""
+    import httpx
+
+    status = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code
+
+    async def list_models():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            reply = await router_pb2_grpc.RouterStub(channel).ListModels(
+                router_pb2.ListModelsRequest(), timeout=10, wait_for_ready=False)
+            return list(reply.models)
+
+    return status, asyncio.run(list_models())
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +74,11 @@ def served(tmp_path_factory):
             proc.kill()
             redis.close()
             pytest.fail(f"pdserve serve did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
+        time.sleep(0.02)
     try:
-        yield model, port, grpc_port, redis
+        first_http_status, first_grpc_models = ask_at_once(port, grpc_port)
+        yield Served(model, port, grpc_port, redis, log.read_text(), first_http_status,
+                     first_grpc_models)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -57,9 +89,21 @@ def served(tmp_path_factory):
     assert "pdserve stopped" in log.read_text()
 
 
+def test_serving_line_comes_after_each_phase_and_means_accepting(served):
+    phases = ["pdserve: Redis at", "pdserve: Ray started locally",
+              "pdserve: starting 2 prefill and 1 decode workers",
+              "pdserve: prefill worker 1/2 ready", "pdserve: prefill worker 2/2 ready",
+              "pdserve: decode worker 1/1 ready", "pdserve serving demo on"]
+    assert all(phase in served.log for phase in phases)
+    assert served.log.index(phases[0]) < served.log.index(phases[3])
+    assert served.log.index(phases[-2]) < served.log.index(phases[-1])
+    assert served.first_http_status == 200
+    assert served.first_grpc_models == ["demo"]
+
+
 @pytest.fixture(scope="module")
 def offline(served):
-    return LLM(str(served[0]), dtype="float32", max_model_len=512, load_progress=False)
+    return LLM(str(served.model), dtype="float32", max_model_len=512, load_progress=False)
 
 
 def client(port: int):
@@ -71,7 +115,7 @@ PROMPTS = ["The prefill worker computes", "Paged attention reads keys through a 
 
 
 def test_completions_sync_and_stream_equal_offline_greedy(served, offline):
-    _, port, _, _ = served
+    port = served.port
     api = client(port)
     expected = [o.outputs[0].text for o in offline.generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
@@ -88,7 +132,7 @@ def test_completions_sync_and_stream_equal_offline_greedy(served, offline):
 
 
 def test_chat_async_stream_and_seeded_sampling(served, offline):
-    _, port, _, _ = served
+    port = served.port
     messages = [{"role": "user", "content": "What does a decode worker do?"}]
     expected = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10,
                                                      ignore_eos=True))[0].outputs[0].text
@@ -116,7 +160,7 @@ def test_chat_async_stream_and_seeded_sampling(served, offline):
 
 
 def test_grpc_generate_equals_http(served, offline):
-    _, port, grpc_port, _ = served
+    grpc_port = served.grpc_port
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = offline.generate([PROMPTS[1]], params)[0].outputs[0]
 
@@ -159,7 +203,7 @@ def routing_counts(port: int) -> dict[str, float]:
 
 
 def test_prefix_routing_picks_the_worker_holding_the_prefix(served):
-    _, port, _, _ = served
+    port = served.port
     api = client(port)
     shared = " ".join(["the paged KV cache keeps every block of every prompt"] * 12)
     before = routing_counts(port)
@@ -175,7 +219,7 @@ def test_prefix_routing_picks_the_worker_holding_the_prefix(served):
 
 
 def test_bad_input_gets_4xx_and_the_server_keeps_serving(served):
-    _, port, _, _ = served
+    port = served.port
     api = client(port)
     with pytest.raises(openai.BadRequestError, match="512"):
         api.completions.create(model="demo", prompt="hi " * 600, max_tokens=10)
@@ -188,7 +232,7 @@ def test_bad_input_gets_4xx_and_the_server_keeps_serving(served):
 
 
 def test_redis_outage_keeps_serving_and_prefix_routing_resumes(served):
-    _, port, _, redis = served
+    port, redis = served.port, served.redis
     api = client(port)
     redis.stop()
     try:
