@@ -69,6 +69,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-lease-s", type=float, default=30.0)
     parser.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="prompts shorter than this many tokens skip the prefill pool")
+    from pdserve.router.flags import add_lifecycle_args
+
+    add_lifecycle_args(parser)
 
 
 class Interrupts:
@@ -275,13 +278,14 @@ class _ServeRun:
         launcher.wait_ready(actors, on_ready=report)
 
     def _make_router(self, engine, redis_url: str):
+        from pdserve.router.flags import lifecycle_kwargs
         from pdserve.router.http import build_app
         from pdserve.router.service import Router, RouterConfig
 
         config = RouterConfig(
             model=engine.model, redis_url=redis_url,
             served_model_name=engine.served_model_name, block_size=engine.block_size,
-            max_model_len=engine.max_model_len)
+            max_model_len=engine.max_model_len, **lifecycle_kwargs(self.args))
         if self.args.local_prefill_threshold is not None:
             config.local_prefill_threshold = self.args.local_prefill_threshold
         if self.args.prefill_workers == 0:

@@ -14,37 +14,9 @@ import logging
 
 import uvicorn
 
+from pdserve.router.flags import add_lifecycle_args, lifecycle_kwargs
 from pdserve.router.http import build_app
 from pdserve.router.service import DEFAULT_LOCAL_PREFILL_THRESHOLD, Router, RouterConfig
-
-
-def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
-    """Admission control and migration flags (README, Operating pdserve); shared by
-    ``pdserve serve``. Defaults are ``RouterConfig``'s."""
-    defaults = RouterConfig(model="", redis_url="")
-    parser.add_argument("--migration-limit", type=int, default=defaults.migration_limit,
-                        help="attempts after the first a request may make when a worker "
-                             "fails (retries, and migrations of running streams)")
-    parser.add_argument("--max-waiting-requests", type=int,
-                        default=defaults.max_waiting_requests,
-                        help="admitted requests without their first token; past it: 503")
-    parser.add_argument("--prefill-max-inflight", type=int,
-                        default=defaults.prefill_max_inflight,
-                        help="Prefill calls in flight per prefill worker from this router")
-    parser.add_argument("--decode-max-inflight", type=int,
-                        default=defaults.decode_max_inflight,
-                        help="streams in flight per decode worker from this router")
-    parser.add_argument("--decode-max-kv-usage", type=float,
-                        default=defaults.decode_max_kv_usage,
-                        help="decode workers whose KV cache usage (0-1) is at or past this "
-                             "get no new request")
-
-
-def lifecycle_kwargs(args: argparse.Namespace) -> dict:
-    """``RouterConfig`` keyword arguments from ``add_lifecycle_args``'s flags."""
-    return {name: getattr(args, name) for name in (
-        "migration_limit", "max_waiting_requests", "prefill_max_inflight",
-        "decode_max_inflight", "decode_max_kv_usage")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -43,8 +43,8 @@ from pdserve.cluster.registry import WorkerRegistry
 from pdserve.engine.block_hash import hash_block_chain, root_block_hash
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.router import flags
 from pdserve.router.attempt import AttemptFailed, Progress, WorkerCalls
-from pdserve.router.limits import MAX_NUM_SEQUENCES
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.output import GenerationChunk, SequenceOutput
 from pdserve.router.protocol import RequestError
@@ -91,13 +91,11 @@ class RouterConfig:
     prefill_timeout_s: float = 120.0
     request_timeout_s: float = 600.0  # a whole Decode stream
     retry_after_s: int = 1
-    migration_limit: int = 3
-    # NOTE: the defaults admit any one request (at most MAX_NUM_SEQUENCES sequences)
-    # on an idle cluster of one worker per pool
-    max_waiting_requests: int = 2 * MAX_NUM_SEQUENCES
-    prefill_max_inflight: int = MAX_NUM_SEQUENCES
-    decode_max_inflight: int = 2 * MAX_NUM_SEQUENCES
-    decode_max_kv_usage: float = 0.98
+    migration_limit: int = flags.DEFAULT_MIGRATION_LIMIT
+    max_waiting_requests: int = flags.DEFAULT_MAX_WAITING_REQUESTS
+    prefill_max_inflight: int = flags.DEFAULT_PREFILL_MAX_INFLIGHT
+    decode_max_inflight: int = flags.DEFAULT_DECODE_MAX_INFLIGHT
+    decode_max_kv_usage: float = flags.DEFAULT_DECODE_MAX_KV_USAGE
 
     def __post_init__(self) -> None:
         for name in ("migration_limit", "max_waiting_requests", "prefill_max_inflight",
