@@ -11,6 +11,7 @@ import logging
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.router.protocol import INTERNAL_ERROR, RequestError, error_response
@@ -56,6 +57,8 @@ class InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, send_tracked)
+        except ClientDisconnect:  # gone before its body arrived: nothing to answer
+            logger.debug("client left during %s %s", scope.get("method"), scope.get("path"))
         except Exception:
             logger.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
             if started:

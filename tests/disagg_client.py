@@ -3,6 +3,10 @@ router does for one request (Prefill, then Decode with the KV handle)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -55,3 +59,18 @@ async def generate(prefill, decode, request_id: str, prompt: list[int], params,
         if message.finish_reason:
             result.finish_reason = message.finish_reason
     return result
+
+
+def start_worker_process(role: str, args: list[str], ready_file, timeout_s: float = 120
+                         ) -> tuple[subprocess.Popen, dict]:
+    """``python -m pdserve.<role>_worker *args`` as a plain process; waits (``timeout_s``
+    at most) for its ready file and returns the process and its addresses."""
+    proc = subprocess.Popen([sys.executable, "-m", f"pdserve.{role}_worker", *args,
+                             "--ready-file", str(ready_file)], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    while not ready_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{role} worker did not start (exit code {proc.poll()})")
+        time.sleep(0.1)
+    return proc, json.loads(ready_file.read_text())

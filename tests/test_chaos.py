@@ -119,8 +119,9 @@ def cluster(tmp_path_factory):
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     redis = RedisServer()
-    launcher = RayLauncher(num_cpus=2)
+    launcher = None
     try:
+        launcher = RayLauncher(num_cpus=2)
         common = {"engine": engine_config(model), "redis_url": redis.url, "lease_s": LEASE_S,
                   "kv_transfer_timeout_s": 10.0}
         launcher.launch(WorkerConfig("prefill", **common), 2, workers_on_node=4)
@@ -149,7 +150,8 @@ def cluster(tmp_path_factory):
 
         asyncio.run_coroutine_threadsafe(stop(), loop).result(60)
     finally:
-        launcher.shutdown()
+        if launcher is not None:
+            launcher.shutdown()
         redis.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
@@ -378,34 +380,45 @@ def test_past_the_caps_requests_get_503_at_once_and_below_none_is_lost(cluster):
 def run_streams_and_kill(cluster: Cluster, role: str, num_streams: int, max_tokens: int
                          ) -> tuple[list, list]:
     """Start ``num_streams`` gRPC streams (half greedy, half seeded) on prompts long
-    enough to be disaggregated; once the victim (the first ``role`` worker) is busy, kill
-    -9 it. Returns (results, expected)."""
+    enough to be disaggregated; kill -9 the first ``role`` worker seen holding requests.
+    Returns (results, expected)."""
     prompts = [encode_prompt(cluster.tokenizer, SENTENCES[i % 5] + f" number {i}")
                for i in range(num_streams)]
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
               if i % 2 == 0 else SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i,
                                                 max_tokens=max_tokens, ignore_eos=True)
               for i in range(num_streams)]
-    victim = next(info for info in cluster.launcher.infos() if info.role == role)
+    candidates = [info for info in cluster.launcher.infos() if info.role == role]
     stub_cls = prefill_pb2_grpc.PrefillWorkerStub if role == "prefill" else \
         decode_pb2_grpc.DecodeWorkerStub
 
+    async def busy_worker(stubs) -> int | None:
+        for i, stub in enumerate(stubs):
+            state = await stub.Health(common_pb2.HealthRequest(), timeout=5)
+            if state.num_running + state.num_waiting + state.num_kv_leases > 0:
+                return i
+        return None
+
     async def main():
-        async with grpc.aio.insecure_channel(cluster.grpc_address) as channel, \
-                grpc.aio.insecure_channel(victim.grpc_address) as victim_channel:
-            stub = router_pb2_grpc.RouterStub(channel)
-            victim_stub = stub_cls(victim_channel)
-            tasks = [asyncio.ensure_future(grpc_generate(stub, f"{role}-kill-{i}", prompt, p))
-                     for i, (prompt, p) in enumerate(zip(prompts, params))]
-            for _ in range(400):  # until the victim holds requests
-                state = await victim_stub.Health(common_pb2.HealthRequest(), timeout=5)
-                if state.num_running + state.num_waiting + state.num_kv_leases > 0:
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                raise AssertionError("the victim never got a request")
-            os.kill(victim.pid, signal.SIGKILL)
-            return await asyncio.gather(*tasks, return_exceptions=True)
+        channels = [grpc.aio.insecure_channel(info.grpc_address) for info in candidates]
+        try:
+            async with grpc.aio.insecure_channel(cluster.grpc_address) as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                stubs = [stub_cls(c) for c in channels]
+                tasks = [asyncio.ensure_future(grpc_generate(stub, f"{role}-kill-{i}", prompt, p))
+                         for i, (prompt, p) in enumerate(zip(prompts, params))]
+                for _ in range(400):  # until a worker of the role holds requests
+                    victim = await busy_worker(stubs)
+                    if victim is not None:
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError(f"no {role} worker ever held a request")
+                os.kill(candidates[victim].pid, signal.SIGKILL)
+                return await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for c in channels:
+                await c.close()
 
     results = asyncio.run(main())
     expected = [(cluster.expected_tokens(prompt, p), "length")

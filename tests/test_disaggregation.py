@@ -4,17 +4,15 @@ KV pulled over torch.distributed (gloo) pair channels, driven by a gRPC client."
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import grpc
 import pytest
 from conftest import random_prompts, write_tiny_checkpoint
-from disagg_client import decode_stub, generate, health, prefill_stub
+from disagg_client import decode_stub, generate, health, prefill_stub, start_worker_process
 
 from pdserve.cluster.launcher import RayLauncher
 from pdserve.cluster.redis_server import RedisServer
@@ -37,15 +35,17 @@ def engine_config(path) -> EngineConfig:
 def cluster(tiny_checkpoints):
     """Redis + 2 prefill and 2 decode workers as Ray actors."""
     redis = RedisServer()
-    launcher = RayLauncher(num_cpus=2)
+    launcher = None
     try:
+        launcher = RayLauncher(num_cpus=2)
         common = dict(engine=engine_config(tiny_checkpoints["llama"]), redis_url=redis.url,
                       kv_transfer_timeout_s=10.0, lease_s=5.0)
         prefill = launcher.launch(WorkerConfig("prefill", **common), 2, workers_on_node=4)
         decode = launcher.launch(WorkerConfig("decode", **common), 2, workers_on_node=4)
         yield launcher, prefill, decode
     finally:
-        launcher.shutdown()
+        if launcher is not None:
+            launcher.shutdown()
         redis.close()
 
 
@@ -163,19 +163,11 @@ BIG_KV_BLOCKS = BIG_KV_MAX_LEN // 16  # per worker: one sequence (20 blocks) fit
 def start_decode_process(checkpoint, redis_url: str, ready_file) -> tuple[subprocess.Popen, dict]:
     """``python -m pdserve.decode_worker`` serving the big-KV checkpoint; waits (60 s at
     most) for its ready file and returns the process and its addresses."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.decode_worker", "--model", str(checkpoint),
-         "--dtype", "float32", "--max-model-len", str(BIG_KV_MAX_LEN),
-         "--num-gpu-blocks-override", str(BIG_KV_BLOCKS), "--redis-url", redis_url,
-         "--num-threads", "1", "--kv-transfer-timeout-s", "30", "--ready-file",
-         str(ready_file), "--log-level", "WARNING"], stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not ready_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"decode worker did not start (exit code {proc.poll()})")
-        time.sleep(0.1)
-    return proc, json.loads(ready_file.read_text())
+    return start_worker_process("decode", [
+        "--model", str(checkpoint), "--dtype", "float32", "--max-model-len",
+        str(BIG_KV_MAX_LEN), "--num-gpu-blocks-override", str(BIG_KV_BLOCKS), "--redis-url",
+        redis_url, "--num-threads", "1", "--kv-transfer-timeout-s", "30", "--log-level",
+        "WARNING"], ready_file, timeout_s=60)
 
 
 async def wait_transfer_in_flight(stub, task: asyncio.Task, timeout_s: float) -> bool:

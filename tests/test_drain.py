@@ -6,14 +6,12 @@ within the grace period, it leaves the registry and exits 0; no stream is lost."
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import subprocess
-import sys
-import time
 
 import grpc
 import pytest
+from disagg_client import start_worker_process
 
 from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.registry import WorkerRegistry
@@ -28,19 +26,10 @@ GRACE_S = 0.3
 
 
 def start_decode_worker(model: str, redis_url: str, ready_file) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.decode_worker", "--model", model, "--dtype", "float32",
-         "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "128",
-         "--redis-url", redis_url, "--num-threads", "1", "--drain-grace-s", str(GRACE_S),
-         "--ready-file", str(ready_file), "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not ready_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"decode worker did not start (exit code {proc.poll()})")
-        time.sleep(0.1)
-    return proc, json.loads(ready_file.read_text())
+    return start_worker_process("decode", [
+        "--model", model, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+        "--num-gpu-blocks-override", "128", "--redis-url", redis_url, "--num-threads", "1",
+        "--drain-grace-s", str(GRACE_S), "--log-level", "WARNING"], ready_file)
 
 
 @pytest.fixture(scope="module")

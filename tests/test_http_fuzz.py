@@ -88,8 +88,9 @@ def served(tiny_checkpoints, tmp_path_factory):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
 
     redis = RedisServer()
-    launcher = RayLauncher(num_cpus=2)
+    launcher = None
     try:
+        launcher = RayLauncher(num_cpus=2)
         for role in ("prefill", "decode"):
             launcher.launch(WorkerConfig(role, engine, redis_url=redis.url,
                                          kv_transfer_timeout_s=10.0), 1, workers_on_node=2)
@@ -110,7 +111,8 @@ def served(tiny_checkpoints, tmp_path_factory):
             serving.result(30)
             call(grpc_server.stop(0))
     finally:
-        launcher.shutdown()
+        if launcher is not None:
+            launcher.shutdown()
         redis.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
