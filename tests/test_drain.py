@@ -55,10 +55,10 @@ def test_sigterm_drains_a_decode_worker_without_losing_a_stream(model, tmp_path)
                                              local_prefill_threshold=MAX_MODEL_LEN))
                 await router.start()
                 try:
-                    async def stream(i):
+                    async def stream(i, request_id=None):
                         tokens = []
                         async for chunk in router.generate(GenerateRequest(
-                                f"drain-{i}", prompts[i], params)):
+                                request_id or f"drain-{i}", prompts[i], params)):
                             tokens += chunk.token_ids
                         return tokens
 
@@ -73,7 +73,8 @@ def test_sigterm_drains_a_decode_worker_without_losing_a_stream(model, tmp_path)
                         victim.send_signal(signal.SIGTERM)
                         await asyncio.sleep(0.2)
                         draining = await stub.Health(common_pb2.HealthRequest(), timeout=5)
-                    late = await stream(len(prompts) - 1)  # a new request after the SIGTERM
+                    # a new request after the SIGTERM
+                    late = await stream(len(prompts) - 1, "after-sigterm")
                     results = await asyncio.gather(*tasks)
                     return state, draining, late, results, router.metrics
                 finally:
