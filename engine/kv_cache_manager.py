@@ -141,7 +141,7 @@ class KVCacheManager:
                 or a send of it is already running.
         """
         lease = self.held.get(request_id)
-        if lease is None or lease.sending:
+        if lease is None or lease.sending or lease.released:
             raise KeyError(f"no KV lease for request {request_id!r} (expired, released or "
                            "already being sent)")
         lease.sending = True
@@ -154,15 +154,18 @@ class KVCacheManager:
         if lease is None:
             return
         lease.sending = False
-        if ok:
+        if ok or lease.released:
             self.release_held(request_id)
 
     def release_held(self, request_id: str) -> bool:
-        """Unpin held blocks (they stay in the prefix cache); False if none are held or a
-        send of them is running (it unpins them when it ends)."""
+        """Unpin held blocks (they stay in the prefix cache); False if none are held. While
+        a send of them runs, they are unpinned as soon as it ends, whatever its outcome."""
         lease = self.held.get(request_id)
-        if lease is None or lease.sending:
+        if lease is None:
             return False
+        if lease.sending:
+            lease.released = True
+            return True
         del self.held[request_id]
         self.pool.free_blocks(reversed(lease.blocks))
         return True
@@ -185,8 +188,10 @@ class KVCacheManager:
 @dataclass(slots=True)
 class KVLease:
     """A finished prefill's blocks, pinned for a decode worker until ``expires_at``
-    (``time.monotonic()`` seconds); ``sending``: a transfer of them is running."""
+    (``time.monotonic()`` seconds); ``sending``: a transfer of them is running;
+    ``released``: given up during that transfer, so unpinned when it ends."""
 
     blocks: list[KVCacheBlock]
     expires_at: float
     sending: bool = False
+    released: bool = False

@@ -146,8 +146,8 @@ class PrefillService:
                 await asyncio.shield(self.engine.call(lambda e: e.end_kv_send(request_id, ok)))
 
     async def release(self, request_id: str) -> bool:
-        """Stop a prefill or unpin its lease now (the router will not decode it); False if
-        neither is here, or a send of it is running (which unpins it when it ends)."""
+        """Stop a prefill or unpin its lease now (the router will not decode it); a lease
+        being sent is unpinned when the send ends. False if neither is here."""
         return await self.engine.call(lambda e: e.abort_request(request_id))
 
 

@@ -49,3 +49,13 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 def random_prompts(lengths, vocab_size: int = TINY["vocab_size"], seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def stop_cluster(launcher, redis, loop, thread) -> None:
+    """Tear down a module's cluster: the Ray workers (if Ray started), Redis, and the
+    event loop thread that served the router."""
+    if launcher is not None:
+        launcher.shutdown()
+    redis.close()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)

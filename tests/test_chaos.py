@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import grpc
 import httpx
 import pytest
+from conftest import stop_cluster
 
 from pdserve.cluster.launcher import RayLauncher
 from pdserve.cluster.redis_server import RedisServer, free_port
@@ -150,11 +151,7 @@ def cluster(tmp_path_factory):
 
         asyncio.run_coroutine_threadsafe(stop(), loop).result(60)
     finally:
-        if launcher is not None:
-            launcher.shutdown()
-        redis.close()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        stop_cluster(launcher, redis, loop, thread)
 
 
 def wait_pool(cluster: Cluster, num_prefill: int, num_decode: int, timeout_s: float = 120):
@@ -179,6 +176,13 @@ async def worker_states(cluster: Cluster) -> list[common_pb2.HealthResponse]:
         async with grpc.aio.insecure_channel(info.grpc_address) as channel:
             states.append(await stub_cls(channel).Health(common_pb2.HealthRequest(), timeout=5))
     return states
+
+
+def summary(states) -> list[tuple]:
+    """(worker, free, total, running, waiting, leases, pulls, unowned) of each state."""
+    return [(s.worker_id, s.num_free_blocks, s.num_total_blocks, s.num_running, s.num_waiting,
+             s.num_kv_leases, s.num_requests_waiting_for_kv, s.num_unowned_blocks)
+            for s in states]
 
 
 def is_clean(state: common_pb2.HealthResponse) -> bool:
@@ -329,7 +333,7 @@ def test_cancel_at_random_points_leaves_no_block_held(cluster):
     assert not wrong, wrong[:3]
     assert sum(outcomes.values()) == NUM_REQUESTS
     assert all(outcomes.get(kind, 0) > 0 for kind in CANCEL_KINDS), outcomes
-    assert all(map(is_clean, states)), [str(s) for s in states]
+    assert all(map(is_clean, states)), summary(states)
     # within the lease time (a lease whose Release overtook its Prefill expires), plus
     # the audit's 0.5 s period and this loop's polling
     assert clean_after_s <= LEASE_S + 2.0, clean_after_s
@@ -512,4 +516,4 @@ def test_kill_a_decode_worker_mid_stream(cluster):
     assert cluster.router.metrics.request_migrations._value.get() > before
     wait_pool(cluster, 2, 2)
     states = asyncio.run(wait_clean(cluster, timeout_s=LEASE_S + 15))
-    assert all(map(is_clean, states)), [str(s) for s in states]
+    assert all(map(is_clean, states)), summary(states)

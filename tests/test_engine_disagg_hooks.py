@@ -129,7 +129,6 @@ def test_a_lease_expires_unless_it_is_being_sent(engines):
         prefill.begin_kv_send("sending")
     later = time.monotonic() + 3600
     assert prefill.expire_leases(later) == ["expiring"]
-    assert not prefill.release_held("sending")  # a running send cannot lose its blocks
     prefill.end_kv_send("sending", ok=False)  # a failed send: the lease stands
     assert prefill.held_block_ids("sending") is not None
     assert prefill.begin_kv_send("sending")  # another decode worker may pull it
@@ -137,6 +136,18 @@ def test_a_lease_expires_unless_it_is_being_sent(engines):
     assert prefill.is_idle_and_clean()
     with pytest.raises(KeyError, match="no KV lease"):
         prefill.begin_kv_send("sending")
+
+
+def test_a_lease_released_during_its_send_is_unpinned_when_the_send_ends(engines):
+    prefill, _, _ = engines
+    prefill_one(prefill, "given-up", random_prompts([20], seed=18)[0])
+    block_ids = prefill.begin_kv_send("given-up")
+    assert prefill.release_held("given-up")  # the router gave the KV up
+    assert prefill.held_block_ids("given-up") == block_ids  # still read by the send
+    with pytest.raises(KeyError):
+        prefill.begin_kv_send("given-up")  # no other decode worker may take it now
+    prefill.end_kv_send("given-up", ok=False)
+    assert prefill.is_idle_and_clean() and prefill.num_unowned_blocks() == 0
 
 
 def test_a_resumed_request_goes_on_as_if_undisturbed(engines):

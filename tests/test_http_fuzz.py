@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from conftest import stop_cluster
 
 from pdserve.cluster.launcher import RayLauncher
 from pdserve.cluster.redis_server import RedisServer, free_port
@@ -111,11 +112,7 @@ def served(tiny_checkpoints, tmp_path_factory):
             serving.result(30)
             call(grpc_server.stop(0))
     finally:
-        if launcher is not None:
-            launcher.shutdown()
-        redis.close()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        stop_cluster(launcher, redis, loop, thread)
 
 
 def uvicorn_server(app, port: int):
