@@ -133,39 +133,18 @@ class DecodeWorker(Worker):
 
     async def _request_kv(self, handle: KVHandle, decode_worker_id: str, kv_address: str,
                           block_indices: list[int], ticket: str) -> tuple[int, int]:
-        """Ask the prefill worker that holds ``handle`` to send ``block_indices`` for the
-        pull whose ticket text is ``ticket`` ("" when nothing is pulled). Its address
-        comes from the handle; only a handle without one (an older router) asks the
-        registry, off the event loop."""
-        address = handle.prefill_grpc_address or await asyncio.to_thread(
-            self.prefill_address, handle.prefill_worker_id)
-        reply = await self.prefill_clients.stub(address).SendKV(
+        """Ask the prefill worker that holds ``handle`` (at its ``prefill_grpc_address``)
+        to send ``block_indices`` for the pull whose ticket text is ``ticket`` ("" when
+        nothing is pulled). Raises KeyError for a handle without that address."""
+        if not handle.prefill_grpc_address:
+            raise KeyError(f"the KV handle of {handle.request_id!r} has no prefill_grpc_address")
+        reply = await self.prefill_clients.stub(handle.prefill_grpc_address).SendKV(
             prefill_pb2.SendKVRequest(request_id=handle.request_id,
                                       decode_worker_id=decode_worker_id,
                                       decode_kv_address=kv_address,
                                       block_indices=block_indices, kv_ticket=ticket),
             timeout=self.config.kv_transfer_timeout_s)
         return reply.num_blocks, reply.num_bytes
-
-    def prefill_address(self, prefill_worker_id: str) -> str:
-        """The gRPC address of a prefill worker, from the registry (blocking).
-
-        Raises:
-            KeyError: the worker is not registered (or its heartbeat lapsed), or the
-                registry is unreachable.
-        """
-        from pdserve.cluster.registry import RegistryUnavailable
-
-        if self.runtime.registry is None:
-            raise KeyError(f"prefill worker {prefill_worker_id!r} is unknown (no registry)")
-        try:
-            records = self.runtime.registry.list_live(role="prefill")
-        except RegistryUnavailable as exc:
-            raise KeyError(f"prefill worker {prefill_worker_id!r}: {exc}") from exc
-        for record in records:
-            if record.worker_id == prefill_worker_id:
-                return record.grpc_address
-        raise KeyError(f"prefill worker {prefill_worker_id!r} is not live in the registry")
 
     async def stop(self, grace_s: float = 2.0) -> None:
         """Stop serving: RPCs in flight get ``grace_s`` seconds, then are cancelled."""

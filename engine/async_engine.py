@@ -299,11 +299,6 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         logger.debug("dropped a result for a closed event loop")
 
 
-def _set_result(future: asyncio.Future, result: Any) -> None:
-    if not future.done():
-        future.set_result(result)
-
-
 def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)

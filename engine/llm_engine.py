@@ -281,8 +281,9 @@ class LLMEngine:
         return self.kv_cache_manager.begin_send(request_id)
 
     def end_kv_send(self, request_id: str, ok: bool) -> None:
-        """The send of a lease ended: sent, its blocks are unpinned into the prefix cache;
-        failed, the lease stands until it expires (another decode worker may pull it)."""
+        """The send of a lease ended: sent, or released meanwhile, its blocks are unpinned
+        into the prefix cache; failed, the lease stands until it expires (another decode
+        worker may pull it)."""
         self.kv_cache_manager.end_send(request_id, ok)
 
     def release_held(self, request_id: str) -> bool:
@@ -295,7 +296,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request at any point and free its blocks, or unpin its lease if it has
-        finished under one (and is not being sent); False if neither is here."""
+        finished under one (at the end of a send of it, if one runs); False if neither is
+        here."""
         if self.scheduler.abort_request(request_id) is not None:
             return True
         return self.kv_cache_manager.release_held(request_id)
@@ -357,4 +359,5 @@ class LLMEngine:
                 and not self.scheduler.waiting_for_kv)
 
 
-__all__ = ["BlockOwnership", "EngineConfig", "EngineOutput", "KVTransferAllocation", "LLMEngine", "RequestStatus"]
+__all__ = ["BlockOwnership", "EngineConfig", "EngineOutput", "KVTransferAllocation", "LLMEngine",
+           "RequestStatus"]

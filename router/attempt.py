@@ -76,8 +76,8 @@ class WorkerCalls:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
 
     async def prefill(self, request: GenerateRequest, worker: WorkerHandle,
-                       progress: Progress, output: SequenceOutput, exclude: set[str]
-                       ) -> GenerationChunk:
+                      progress: Progress, output: SequenceOutput, exclude: set[str]
+                     ) -> GenerationChunk:
         """Prefill on ``worker``; returns the first token's chunk and leaves the leased KV
         in ``progress.kv``. Cancelled, it releases whatever the worker may hold."""
         salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
@@ -106,7 +106,7 @@ class WorkerCalls:
         return chunk
 
     def decode_request(self, request: GenerateRequest, progress: Progress
-                        ) -> decode_pb2.DecodeRequest:
+                      ) -> decode_pb2.DecodeRequest:
         """The Decode call of this attempt: with the leased KV while it may still be
         pulled, else resuming after the tokens generated so far (or from the prompt).
         Attempts after the first use their own request id on the decode worker."""
@@ -129,8 +129,8 @@ class WorkerCalls:
         return message
 
     async def decode(self, request: GenerateRequest, worker: WorkerHandle,
-                      progress: Progress, output: SequenceOutput, exclude: set[str]
-                      ) -> AsyncIterator[GenerationChunk]:
+                     progress: Progress, output: SequenceOutput, exclude: set[str]
+                    ) -> AsyncIterator[GenerationChunk]:
         """Stream the Decode on ``worker``; every token sent on is recorded in
         ``progress.generated``, so a failure later resumes right after it."""
         message = self.decode_request(request, progress)
@@ -169,7 +169,7 @@ class WorkerCalls:
                     timeout=self.config.control_timeout_s))
 
     def failure(self, role: str, worker: WorkerHandle, exc: grpc.aio.AioRpcError,
-                 exclude: set[str]) -> Exception:
+                exclude: set[str]) -> Exception:
         """What a failed RPC means: the client's error (400), or an ``AttemptFailed``
         after which ``worker`` is left out (and marked unhealthy until it answers)."""
         code = exc.code()

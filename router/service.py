@@ -200,18 +200,23 @@ class Router:
         """
         if not self.pool.live("decode"):
             raise RequestError("no live decode worker; retry later", status=503)
-        if self._num_waiting + num_sequences > self.config.max_waiting_requests:
-            self.metrics.record_rejection("max_waiting_requests")
-            raise RequestError(
-                f"the server is overloaded: {self._num_waiting} requests are waiting for "
-                f"their first token (limit {self.config.max_waiting_requests}); retry later",
-                status=503)
+        self._check_waiting(num_sequences)
         if not self._open_workers("decode"):
             self.metrics.record_rejection("decode_pool_full")
             raise RequestError("every decode worker is at capacity; retry later", status=503)
         if self._uses_prefill and self.pool.live("prefill") and not self._open_workers("prefill"):
             self.metrics.record_rejection("prefill_pool_full")
             raise RequestError("every prefill worker is at capacity; retry later", status=503)
+
+    def _check_waiting(self, num_new: int) -> None:
+        """Raises RequestError(503) if ``num_new`` more waiting sequences would pass
+        ``max_waiting_requests``."""
+        if self._num_waiting + num_new > self.config.max_waiting_requests:
+            self.metrics.record_rejection("max_waiting_requests")
+            raise RequestError(
+                f"the server is overloaded: {self._num_waiting} requests are waiting for "
+                f"their first token (limit {self.config.max_waiting_requests}); retry later",
+                status=503)
 
     def _open_workers(self, role: str, exclude: set[str] = frozenset()) -> list[WorkerHandle]:
         """Live workers of ``role`` below their admission caps."""
@@ -227,12 +232,7 @@ class Router:
         """Run ``request``; yield chunks until one carries ``finish_reason``. Closing the
         iterator early (client gone) aborts the request on its workers and releases any
         KV lease it holds. Failed attempts are retried or migrated (module docstring)."""
-        if self._num_waiting >= self.config.max_waiting_requests:  # exact: no await above
-            self.metrics.record_rejection("max_waiting_requests")
-            raise RequestError(
-                f"the server is overloaded: {self._num_waiting} requests are waiting for "
-                f"their first token (limit {self.config.max_waiting_requests}); retry later",
-                status=503)
+        self._check_waiting(1)  # NOTE: exact here: no await between it and the count
         metrics = self.metrics.request()
         self.metrics.num_requests_waiting.inc()
         self._num_waiting += 1
