@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import secrets
+import socket
 import threading
 import time
 from collections import deque
@@ -104,8 +105,11 @@ class KVReceiver:
         self.connect_timeout_s = connect_timeout_s
         self.staging = StagingPool(staging_bytes)
         self._host, port = split_address(address)
+        # NOTE: TCPStore's own server listens on every interface; it gets a socket bound
+        # to the advertised host instead
         self._store = dist.TCPStore(self._host, port, None, True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=connect_timeout_s))
+                                    timeout=datetime.timedelta(seconds=connect_timeout_s),
+                                    master_listen_fd=_listen(self._host, port))
         self.address = f"{self._host}:{self._store.port}"
         self._incarnation = secrets.token_hex(6)
         self._lock = threading.Lock()
@@ -383,3 +387,23 @@ class KVReceiver:
         for key in [ticket_key(pull.channel.prefix, pull.request_id), *due]:
             with contextlib.suppress(RuntimeError):  # best effort; keys are per request
                 self._store.delete_key(key)
+
+
+def _listen(host: str, port: int) -> int:
+    """A listening TCP socket bound to ``host:port`` only, as a file descriptor that the
+    caller owns (``TCPStore`` closes it with the store).
+
+    Raises:
+        RuntimeError: the address cannot be bound (taken, or not this machine's).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(512)
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {host}:{port} for the KV store: "
+                           f"{exc.strerror or exc}") from None
+    return sock.detach()
