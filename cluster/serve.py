@@ -40,6 +40,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+from pdserve.cluster.auth import (
+    cluster_auth_from_args,
+    redact_url,
+    redis_password_from_args,
+    redis_url_with_password,
+)
+
 logger = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "pdserve-demo"  # the API's model name when serving the demo model
 WORKER_STOP_TIMEOUT_S = 30.0  # the workers' graceful stop, all together, after serving
@@ -69,9 +76,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-lease-s", type=float, default=30.0)
     parser.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="prompts shorter than this many tokens skip the prefill pool")
+    from pdserve.cluster.auth import add_cluster_auth_args
     from pdserve.router.flags import add_lifecycle_args
 
     add_lifecycle_args(parser)
+    add_cluster_auth_args(parser, generated=True)
 
 
 class Interrupts:
@@ -195,15 +204,16 @@ class _ServeRun:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         engine = self._engine_config()
+        auth = cluster_auth_from_args(args, generate=True)
         redis_url = self._start_redis(stack)
         launcher = self._start_ray(stack)
         if self._workers_on_cpu(engine, launcher):
             build_cpu_kernels(self.interrupts)
-        self._start_workers(launcher, engine, redis_url)
-        router, app = self._make_router(engine, redis_url)
+        self._start_workers(launcher, engine, redis_url, auth)
+        router, app = self._make_router(engine, redis_url, auth)
         try:
             asyncio.run(run_router(router, app, args.host, http_sock, grpc_sock,
-                                   f"(Redis {redis_url})", self._on_serving))
+                                   f"(Redis {redact_url(redis_url)})", self._on_serving))
         except KeyboardInterrupt:
             if not self.announced:
                 raise
@@ -221,14 +231,18 @@ class _ServeRun:
         return engine
 
     def _start_redis(self, stack: contextlib.ExitStack) -> str:
+        """The Redis URL, with its password: ``--redis-url`` (and ``--redis-password-file``
+        or ``$PDSERVE_REDIS_PASSWORD``), else a private server with a new random one."""
         from pdserve.cluster.redis_server import RedisServer
 
         if self.args.redis_url:
-            say(f"Redis at {self.args.redis_url} (--redis-url)")
-            return self.args.redis_url
+            url = redis_url_with_password(self.args.redis_url,
+                                          redis_password_from_args(self.args))
+            say(f"Redis at {redact_url(url)} (--redis-url)")
+            return url
         with self.interrupts.deferred():
             redis = stack.enter_context(RedisServer())
-        say(f"Redis at {redis.url} (private redis-server)")
+        say(f"Redis at {redis.display_url} (private redis-server, with a password)")
         return redis.url
 
     def _start_ray(self, stack: contextlib.ExitStack):
@@ -254,12 +268,12 @@ class _ServeRun:
     def _workers_on_cpu(self, engine, launcher) -> bool:
         return engine.device == "cpu" or (engine.device == "auto" and not launcher.has_gpus)
 
-    def _start_workers(self, launcher, engine, redis_url: str) -> None:
+    def _start_workers(self, launcher, engine, redis_url: str, auth) -> None:
         from pdserve.cluster.worker_config import WorkerConfig
 
         args = self.args
         common = {"engine": engine, "redis_url": redis_url, "host": args.worker_host,
-                  "kv_host": args.worker_host, "lease_s": args.kv_lease_s}
+                  "kv_host": args.worker_host, "lease_s": args.kv_lease_s, "auth": auth}
         counts = {"prefill": args.prefill_workers, "decode": args.decode_workers}
         total = sum(counts.values())
         say(f"starting {counts['prefill']} prefill and {counts['decode']} decode workers")
@@ -277,7 +291,7 @@ class _ServeRun:
 
         launcher.wait_ready(actors, on_ready=report)
 
-    def _make_router(self, engine, redis_url: str):
+    def _make_router(self, engine, redis_url: str, auth):
         from pdserve.router.flags import lifecycle_kwargs
         from pdserve.router.http import build_app
         from pdserve.router.service import Router, RouterConfig
@@ -285,7 +299,7 @@ class _ServeRun:
         config = RouterConfig(
             model=engine.model, redis_url=redis_url,
             served_model_name=engine.served_model_name, block_size=engine.block_size,
-            max_model_len=engine.max_model_len, **lifecycle_kwargs(self.args))
+            max_model_len=engine.max_model_len, auth=auth, **lifecycle_kwargs(self.args))
         if self.args.local_prefill_threshold is not None:
             config.local_prefill_threshold = self.args.local_prefill_threshold
         if self.args.prefill_workers == 0:

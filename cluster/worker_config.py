@@ -10,8 +10,15 @@ import argparse
 import os
 import socket
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pdserve.cluster.auth import (
+    ClusterAuth,
+    add_cluster_auth_args,
+    cluster_auth_from_args,
+    redis_password_from_args,
+    redis_url_with_password,
+)
 from pdserve.engine.llm_engine import EngineConfig
 
 ROLES = ("prefill", "decode")
@@ -34,6 +41,11 @@ class WorkerConfig:
     TCPStore, gloo's sockets); it must be reachable from the other pool.
     ``advertise_host`` is the gRPC address written to the registry when ``host`` is a
     wildcard such as ``0.0.0.0`` (default: ``host``).
+    ``auth``: the cluster secret (and mutual TLS) every RPC to and from this worker and
+    its registry record are authenticated with; None runs without authentication (only
+    for a worker built in-process; every command line sets one). ``redis_url`` may hold
+    the Redis password. ``kv_connect_timeout_s`` bounds reaching a peer's KV store and
+    setting up a pair channel.
     """
 
     role: str
@@ -49,12 +61,16 @@ class WorkerConfig:
     kv_transfer_timeout_s: float = 30.0
     heartbeat_ttl_s: float = 3.0
     drain_grace_s: float = 30.0
+    kv_connect_timeout_s: float = 5.0
+    auth: ClusterAuth | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role={self.role!r} must be one of {ROLES}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s={self.lease_s} must be > 0")
+        if self.kv_connect_timeout_s <= 0:
+            raise ValueError(f"kv_connect_timeout_s={self.kv_connect_timeout_s} must be > 0")
         if not self.worker_id:
             self.worker_id = default_worker_id(self.role)
 
@@ -74,18 +90,25 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-lease-s", type=float, default=30.0,
                         help="seconds prefilled KV stays pinned waiting for its decode worker")
     parser.add_argument("--kv-transfer-timeout-s", type=float, default=30.0)
+    parser.add_argument("--kv-connect-timeout-s", type=float, default=5.0,
+                        help="seconds to reach a peer's KV store and set up a pair channel")
     parser.add_argument("--drain-grace-s", type=float, default=30.0,
                         help="on SIGTERM: seconds running requests and KV leases get to end "
                         "before the worker stops (the router migrates the rest)")
+    add_cluster_auth_args(parser)
 
 
 def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig:
     """A ``WorkerConfig`` from parsed engine and worker flags."""
     from pdserve.cluster.cli import engine_kwargs
 
+    auth = cluster_auth_from_args(args)
+    redis_url = args.redis_url and redis_url_with_password(args.redis_url,
+                                                           redis_password_from_args(args))
     return WorkerConfig(
         role=role, engine=EngineConfig(**engine_kwargs(args)), host=args.host, port=args.port,
         kv_host=args.kv_host or args.advertise_host or args.host, kv_port=args.kv_port,
-        advertise_host=args.advertise_host, redis_url=args.redis_url,
+        advertise_host=args.advertise_host, redis_url=redis_url,
         worker_id=args.worker_id, lease_s=args.kv_lease_s,
-        kv_transfer_timeout_s=args.kv_transfer_timeout_s, drain_grace_s=args.drain_grace_s)
+        kv_transfer_timeout_s=args.kv_transfer_timeout_s, drain_grace_s=args.drain_grace_s,
+        kv_connect_timeout_s=args.kv_connect_timeout_s, auth=auth)

@@ -52,14 +52,21 @@ class WorkerRuntime:
         return self.engine
 
     async def start_server(self, add_servicer: Callable[[grpc.aio.Server], None]) -> str:
-        """Bind and start the gRPC server; returns ``host:port``.
+        """Bind and start the gRPC server; returns ``host:port``. With ``config.auth``,
+        every call needs the cluster's credentials (else UNAUTHENTICATED), over mutual TLS
+        when it has certificates.
 
         Raises:
             RuntimeError: the port could not be bound.
         """
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        auth = self.config.auth
+        interceptors = [auth.server_interceptor()] if auth is not None else []
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                      interceptors=interceptors)
         add_servicer(self.server)
-        port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        port = auth.add_port(self.server, address) if auth is not None else \
+            self.server.add_insecure_port(address)
         if port == 0:
             raise RuntimeError(f"cannot bind gRPC to {self.config.host}:{self.config.port}")
         await self.server.start()
@@ -75,7 +82,8 @@ class WorkerRuntime:
         from pdserve.cluster.registry import WorkerRecord, WorkerRegistry
 
         self.registry = WorkerRegistry(self.config.redis_url,
-                                       heartbeat_ttl_s=self.config.heartbeat_ttl_s)
+                                       heartbeat_ttl_s=self.config.heartbeat_ttl_s,
+                                       auth=self.config.auth)
         record = WorkerRecord(
             worker_id=self.worker_id, role=self.config.role, grpc_address=self.grpc_address,
             kv_address=kv_address, epoch=self.epoch,
@@ -89,7 +97,8 @@ class WorkerRuntime:
             raise WorkerDraining(f"worker {self.worker_id} is draining and takes no new "
                                  "requests")
 
-    def health(self, num_kv_transfers_in_flight: int = 0) -> common_pb2.HealthResponse:
+    def health(self, num_kv_transfers_in_flight: int = 0,
+               kv_address: str = "") -> common_pb2.HealthResponse:
         """Load figures read without stopping the engine (ints and floats are atomic), and
         the engine thread's last ownership audit; ``num_kv_transfers_in_flight`` comes from
         the worker's KV sender or receiver."""
@@ -106,7 +115,7 @@ class WorkerRuntime:
             num_kv_transfers_in_flight=num_kv_transfers_in_flight,
             num_requests_waiting_for_kv=ownership.num_requests_waiting_for_kv,
             num_kv_leases=ownership.num_leases, num_leased_blocks=ownership.num_leased_blocks,
-            num_unowned_blocks=ownership.num_unowned_blocks)
+            num_unowned_blocks=ownership.num_unowned_blocks, kv_address=kv_address)
 
     async def drain(self, grace_s: float) -> bool:
         """Stop taking requests (Health says ``draining``; new ``Prefill``/``Decode`` calls
@@ -169,6 +178,8 @@ def grpc_error_code(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, KeyError):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, PermissionError):
+        return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(exc, (KVTransferError, EngineDeadError, WorkerDraining)):

@@ -8,6 +8,7 @@ import logging
 
 import grpc
 
+from pdserve.cluster.auth import ClusterAuth
 from pdserve.cluster.wire import (
     KVHandle,
     kv_handle_from_proto,
@@ -22,19 +23,27 @@ from pdserve.kvtransfer import KVReceiver
 from pdserve.proto import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
+SEND_KV_METHOD = "/pdserve.v1.PrefillWorker/SendKV"
 
 
 class PrefillClients:
-    """Cached gRPC channels to prefill workers, for ``SendKV`` (keyed by address)."""
+    """Cached gRPC channels to prefill workers, for ``SendKV`` (keyed by address); with
+    the cluster's ``auth``, over mutual TLS when it has certificates."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, auth: ClusterAuth | None = None) -> None:
         self.timeout_s = timeout_s
+        self.auth = auth
         self._stubs: dict[str, prefill_pb2_grpc.PrefillWorkerStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
+    def metadata(self, method: str):
+        """The cluster credentials for a call of ``method``, or None."""
+        return None if self.auth is None else self.auth.rpc_metadata(method)
+
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillWorkerStub:
         if address not in self._stubs:
-            channel = grpc.aio.insecure_channel(address)
+            channel = grpc.aio.insecure_channel(address) if self.auth is None else \
+                self.auth.channel(address)
             self._channels.append(channel)
             self._stubs[address] = prefill_pb2_grpc.PrefillWorkerStub(channel)
         return self._stubs[address]
@@ -76,7 +85,8 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         return decode_pb2.AbortResponse(aborted=aborted)
 
     async def Health(self, request, context):
-        return self.runtime.health(self.service.receiver.counters().num_in_flight)
+        return self.runtime.health(self.service.receiver.counters().num_in_flight,
+                                   self.service.receiver.address)
 
 
 def _decode_error_code(exc: BaseException) -> grpc.StatusCode:
@@ -110,7 +120,7 @@ class DecodeWorker(Worker):
         super().__init__(config)
         self.receiver: KVReceiver | None = None
         self.service: DecodeService | None = None
-        self.prefill_clients = PrefillClients(config.kv_transfer_timeout_s)
+        self.prefill_clients = PrefillClients(config.kv_transfer_timeout_s, config.auth)
 
     @property
     def kv_address(self) -> str:
@@ -121,7 +131,8 @@ class DecodeWorker(Worker):
         self.receiver = KVReceiver(
             self.worker_id, engine.engine.model_runner.kv_cache,
             f"{self.config.kv_host}:{self.config.kv_port}",
-            timeout_s=self.config.kv_transfer_timeout_s)
+            timeout_s=self.config.kv_transfer_timeout_s,
+            connect_timeout_s=self.config.kv_connect_timeout_s)
         self.service = DecodeService(engine, self.receiver, self.worker_id, self._request_kv,
                                      self.config.kv_transfer_timeout_s)
         servicer = DecodeWorkerServicer(self.service, self.runtime)
@@ -143,7 +154,8 @@ class DecodeWorker(Worker):
                                       decode_worker_id=decode_worker_id,
                                       decode_kv_address=kv_address,
                                       block_indices=block_indices, kv_ticket=ticket),
-            timeout=self.config.kv_transfer_timeout_s)
+            timeout=self.config.kv_transfer_timeout_s,
+            metadata=self.prefill_clients.metadata(SEND_KV_METHOD))
         return reply.num_blocks, reply.num_bytes
 
     async def stop(self, grace_s: float = 2.0) -> None:

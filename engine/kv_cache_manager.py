@@ -126,26 +126,40 @@ class KVCacheManager:
         """Move a finished request's blocks under a lease of ``lease_s`` seconds: they stay
         referenced (pinned) until ``release_held``, a successful ``end_send``, or expiry."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.held[request.request_id] = KVLease(blocks, time.monotonic() + self.lease_s)
+        self.held[request.request_id] = KVLease(blocks, time.monotonic() + self.lease_s,
+                                                consumer=request.kv_consumer)
 
     def held_block_ids(self, request_id: str) -> list[int] | None:
         lease = self.held.get(request_id)
         return None if lease is None else [b.block_id for b in lease.blocks]
 
-    def begin_send(self, request_id: str) -> list[int]:
-        """Mark a lease as being sent (it cannot expire or be released meanwhile) and
-        return its block ids.
+    def begin_send(self, request_id: str, consumer: str | None = None) -> list[int]:
+        """Mark a lease as being sent to ``consumer`` (it cannot expire or be released
+        meanwhile) and return its block ids.
 
         Raises:
             KeyError: no lease for ``request_id`` (never held, expired, released or sent),
                 or a send of it is already running.
+            PermissionError: the lease names another consumer.
         """
         lease = self.held.get(request_id)
         if lease is None or lease.sending or lease.released:
             raise KeyError(f"no KV lease for request {request_id!r} (expired, released or "
                            "already being sent)")
+        if lease.consumer is not None and consumer != lease.consumer:
+            raise PermissionError(f"the KV lease of request {request_id!r} is for another "
+                                  "decode worker")
         lease.sending = True
         return [b.block_id for b in lease.blocks]
+
+    def grant(self, request_id: str, consumer: str | None) -> bool:
+        """Let ``consumer`` (instead of the one named so far) take a lease that is not
+        being sent; False if there is no such lease."""
+        lease = self.held.get(request_id)
+        if lease is None or lease.sending or lease.released:
+            return False
+        lease.consumer = consumer
+        return True
 
     def end_send(self, request_id: str, ok: bool) -> None:
         """A send of the lease ended: sent (``ok``), the blocks are unpinned; failed, the
@@ -189,9 +203,11 @@ class KVCacheManager:
 class KVLease:
     """A finished prefill's blocks, pinned for a decode worker until ``expires_at``
     (``time.monotonic()`` seconds); ``sending``: a transfer of them is running;
-    ``released``: given up during that transfer, so unpinned when it ends."""
+    ``released``: given up during that transfer, so unpinned when it ends; ``consumer``:
+    the only decode worker it may be sent to (None: any)."""
 
     blocks: list[KVCacheBlock]
     expires_at: float
     sending: bool = False
     released: bool = False
+    consumer: str | None = None

@@ -219,14 +219,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams, cache_salt: str | None = None,
-                    remote_decode: bool = False, resume_token_ids: Sequence[int] = ()
-                    ) -> Request:
+                    remote_decode: bool = False, resume_token_ids: Sequence[int] = (),
+                    kv_consumer: str | None = None) -> Request:
         """Queue a request (see ``make_request`` for the errors raised).
 
         ``remote_decode=True`` (prefill workers): the request ends after its first token
         with status ``FINISHED_REMOTE_DECODE`` (unless that token already finishes it) and
         its blocks stay pinned under a lease (``begin_kv_send``, ``release_held``,
-        ``expire_leases``). ``resume_token_ids``: a request migrated from another worker
+        ``expire_leases``) that only ``kv_consumer`` may take, when given (``grant_kv``
+        names another). ``resume_token_ids``: a request migrated from another worker
         goes on after the tokens it already generated, computing prompt and those tokens
         as one prefill (as recompute after preemption does); per-position seeds make its
         continuation the one it would have had.
@@ -234,6 +235,7 @@ class LLMEngine:
         request = self.make_request(request_id, prompt_token_ids, sampling_params, cache_salt,
                                     resume_token_ids)
         request.remote_decode = remote_decode
+        request.kv_consumer = kv_consumer
         self.scheduler.add_request(request)
         return request
 
@@ -274,11 +276,17 @@ class LLMEngine:
         """Block ids a finished prefill request still holds, or None."""
         return self.kv_cache_manager.held_block_ids(request_id)
 
-    def begin_kv_send(self, request_id: str) -> list[int]:
+    def begin_kv_send(self, request_id: str, consumer: str | None = None) -> list[int]:
         """Prefill workers: the block ids of ``request_id``'s lease, marked as being sent
-        until ``end_kv_send``. Raises KeyError without a live lease (or while another send
-        of it runs)."""
-        return self.kv_cache_manager.begin_send(request_id)
+        to ``consumer`` until ``end_kv_send``. Raises KeyError without a live lease (or
+        while another send of it runs), PermissionError if the lease names another
+        consumer."""
+        return self.kv_cache_manager.begin_send(request_id, consumer)
+
+    def grant_kv(self, request_id: str, consumer: str | None) -> bool:
+        """Let ``consumer`` take ``request_id``'s lease instead of the one it names (the
+        router retries the decode elsewhere); False without a live lease not being sent."""
+        return self.kv_cache_manager.grant(request_id, consumer)
 
     def end_kv_send(self, request_id: str, ok: bool) -> None:
         """The send of a lease ended: sent, or released meanwhile, its blocks are unpinned

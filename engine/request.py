@@ -59,6 +59,7 @@ class Request:
     ``max_model_len``); ``stop_reason`` holds the stop token id that ended it, if any.
     ``remote_decode`` marks a prefill worker's request: it ends after its first token
     (unless that token already finishes it) and its blocks stay held for the decode worker.
+    ``kv_consumer`` names the one decode worker that lease may be sent to (None: any).
     """
 
     request_id: str
@@ -78,6 +79,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | None = None
     remote_decode: bool = False
+    kv_consumer: str | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -119,6 +119,7 @@ class KVReceiver:
         self._counters = CounterSet()
         self._closed = threading.Event()
         self._threads = TransferThreads(f"kv-pull-{worker_id}")
+        self._connecting: list[threading.Thread] = []  # channel set-ups (under _lock)
         self._watch_store = self._store.clone()
         self._watch_store.set_timeout(_WATCH_TIMEOUT)
         self._watcher = threading.Thread(target=self._watch_claims, daemon=True,
@@ -176,7 +177,8 @@ class KVReceiver:
 
     def close(self) -> None:
         """Fail pulls in flight, abort channels, stop serving the store, free staging
-        buffers (those of pulls still running once they end)."""
+        buffers (those of pulls still running once they end). Waits for channel set-ups
+        still under way, ``connect_timeout_s`` seconds at most."""
         with self._lock:
             self._closed.set()
             pulls, channels = list(self._pulls.values()), list(self._channels.values())
@@ -189,6 +191,11 @@ class KVReceiver:
         with contextlib.suppress(RuntimeError):  # closing anyway
             self._store.queue_push(CLAIM_QUEUE_KEY, "\n")  # wakes the watcher
         self._watcher.join(timeout=5.0)
+        # NOTE: a channel set-up waits in gloo for its peer up to connect_timeout_s and
+        # cannot be cut short; one still waiting when the interpreter exits aborts it
+        deadline = time.monotonic() + self.connect_timeout_s + 1.0
+        for thread in self._connecting:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self.staging.close()
 
     def _channel(self, prefill_worker_id: str, prefix: str) -> RecvChannel:
@@ -204,9 +211,11 @@ class KVReceiver:
         channel = RecvChannel(prefix, self._store.add(gen_key, 1))
         self._channels[prefill_worker_id] = channel
         name = f"{prefix}/{self._incarnation}/{channel.generation}"
-        threading.Thread(target=channel.make, daemon=True, name=f"kv-connect-{name}", args=(
-            self._store.clone(), name, self._host, self.kv_cache.device,
-            self.connect_timeout_s)).start()
+        thread = threading.Thread(target=channel.make, daemon=True, name=f"kv-connect-{name}",
+                                  args=(self._store.clone(), name, self._host,
+                                        self.kv_cache.device, self.connect_timeout_s))
+        thread.start()
+        self._connecting = [t for t in self._connecting if t.is_alive()] + [thread]
         return channel
 
     def _watch_claims(self) -> None:

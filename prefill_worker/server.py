@@ -9,7 +9,7 @@ from pdserve.cluster.wire import kv_handle_to_proto, logprob_to_proto, sampling_
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.cluster.worker_runtime import Worker, WorkerRuntime, grpc_error_code
 from pdserve.kvtransfer import KVSender
-from pdserve.prefill_worker.service import PrefillService
+from pdserve.prefill_worker.service import PrefillService, kv_consumer
 from pdserve.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 class PrefillWorkerServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     """Maps RPCs onto ``PrefillService``; errors become gRPC status codes with the
     exception's message (INVALID_ARGUMENT for bad input, NOT_FOUND for an unknown lease,
-    UNAVAILABLE for a failed transfer)."""
+    PERMISSION_DENIED for a lease of another decode worker, UNAVAILABLE for a failed
+    transfer)."""
 
     def __init__(self, service: PrefillService, runtime: WorkerRuntime) -> None:
         self.service = service
@@ -27,10 +28,14 @@ class PrefillWorkerServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(self, request, context):
         try:
             self.runtime.check_admitting()
+            if not request.decode_worker_id or not request.decode_kv_address:
+                raise ValueError("decode_worker_id and decode_kv_address are required: the "
+                                 "decode worker the KV lease is for")
             params = sampling_params_from_proto(request.sampling_params)
             result = await self.service.prefill(
                 request.request_id, list(request.prompt_token_ids), params,
-                request.cache_salt if request.HasField("cache_salt") else None)
+                request.cache_salt if request.HasField("cache_salt") else None,
+                kv_consumer(request.decode_worker_id, request.decode_kv_address))
         except Exception as exc:  # noqa: BLE001 - mapped to a status
             await context.abort(grpc_error_code(exc), str(exc))
         response = prefill_pb2.PrefillResponse(
@@ -48,19 +53,23 @@ class PrefillWorkerServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                 request.request_id, request.decode_worker_id, request.decode_kv_address,
                 list(request.block_indices), request.kv_ticket or None)
         except Exception as exc:  # noqa: BLE001 - mapped to a status
-            if isinstance(exc, KeyError):  # fail the waiting pull now, not at its timeout
-                await asyncio.to_thread(self.service.sender.send_failure, request.request_id,
-                                        request.decode_worker_id, request.decode_kv_address,
-                                        str(exc))
+            # NOTE: nothing is sent to the decode worker's address for an unknown lease or
+            # another worker's: its pull fails when this RPC does
             await context.abort(grpc_error_code(exc), str(exc))
         return prefill_pb2.SendKVResponse(num_blocks=num_blocks, num_bytes=num_bytes)
+
+    async def GrantKV(self, request, context):
+        granted = await self.service.grant(request.request_id, request.decode_worker_id,
+                                           request.decode_kv_address)
+        return prefill_pb2.GrantKVResponse(granted=granted)
 
     async def Release(self, request, context):
         released = await self.service.release(request.request_id)
         return prefill_pb2.ReleaseResponse(released=released)
 
     async def Health(self, request, context):
-        return self.runtime.health(self.service.sender.counters().num_in_flight)
+        return self.runtime.health(self.service.sender.counters().num_in_flight,
+                                   self.service.kv_address)
 
 
 class PrefillWorker(Worker):
@@ -81,7 +90,8 @@ class PrefillWorker(Worker):
     async def start(self) -> None:
         engine = await asyncio.to_thread(self.runtime.build_engine)
         sender = KVSender(self.worker_id, engine.engine.model_runner.kv_cache,
-                          host=self.config.kv_host, timeout_s=self.config.kv_transfer_timeout_s)
+                          host=self.config.kv_host, timeout_s=self.config.kv_transfer_timeout_s,
+                          connect_timeout_s=self.config.kv_connect_timeout_s)
         self.service = PrefillService(engine, sender, self.worker_id, self.config.kv_host,
                                       self.config.lease_s, self.config.kv_transfer_timeout_s)
         servicer = PrefillWorkerServicer(self.service, self.runtime)

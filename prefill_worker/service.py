@@ -4,7 +4,9 @@ A ``Prefill`` runs the prompt through the engine as a ``remote_decode`` request:
 after the first token and, in the same engine step, its blocks move under a lease
 (``KVCacheManager.hold``), so no await separates the hold from its owner. ``SendKV`` sends
 the blocks the decode worker lacks over the pair channel and then unpins all of them (into
-the prefix cache); a failed send leaves the lease standing, so the router can retry the
+the prefix cache), but only to the decode worker the lease names (``kv_consumer``: the
+router names it in ``Prefill`` and, to retry elsewhere, in ``GrantKV``); an unknown lease
+or another decode worker is refused before anything is sent or connected; a failed send leaves the lease standing, so the router can retry the
 decode elsewhere. ``Release``, an abort, or the lease running out (the engine thread
 expires leases) unpins them too, so nothing stays pinned when a decode worker never comes.
 """
@@ -25,6 +27,11 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer import KVSender, KVTransferError
 
 logger = logging.getLogger(__name__)
+
+
+def kv_consumer(decode_worker_id: str, decode_kv_address: str) -> str:
+    """How a lease names the decode worker it is for (its id and KV store address)."""
+    return f"{decode_worker_id}@{decode_kv_address}"
 
 
 @dataclass(slots=True)
@@ -70,8 +77,10 @@ class PrefillService:
         self._sends: set[asyncio.Task] = set()
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, cache_salt: str | None = None) -> PrefillResult:
-        """Compute the prompt's KV and first token; the KV stays pinned under a lease.
+                      params: SamplingParams, cache_salt: str | None = None,
+                      consumer: str | None = None) -> PrefillResult:
+        """Compute the prompt's KV and first token; the KV stays pinned under a lease that
+        only ``consumer`` (``kv_consumer(...)``; None: any decode worker) may take.
         Cancelled at any point, the request is aborted and its lease (if made) released.
 
         Raises:
@@ -81,7 +90,8 @@ class PrefillService:
         last = None
         try:
             async for output in self.engine.generate(request_id, prompt_token_ids, params,
-                                                     cache_salt, remote_decode=True):
+                                                     cache_salt, remote_decode=True,
+                                                     kv_consumer=consumer):
                 last = output
         except BaseException:
             self.engine.post(lambda e: e.abort_request(request_id))  # the lease, if any
@@ -111,10 +121,12 @@ class PrefillService:
 
         Raises:
             KeyError: no live lease for ``request_id`` (expired, released or sent).
+            PermissionError: the lease is for another decode worker.
             ValueError: an index outside the request's blocks, or a malformed ticket.
             KVTransferError: the transfer failed or timed out.
         """
-        block_ids = await self.engine.call(lambda e: e.begin_kv_send(request_id),
+        consumer = kv_consumer(decode_worker_id, decode_kv_address)
+        block_ids = await self.engine.call(lambda e: e.begin_kv_send(request_id, consumer),
                                            undo=lambda e, _: e.end_kv_send(request_id, False))
         task = asyncio.ensure_future(self._send(request_id, decode_worker_id,
                                                 decode_kv_address, block_ids, block_indices,
@@ -144,6 +156,13 @@ class PrefillService:
         finally:
             with contextlib.suppress(EngineDeadError):  # stopping: the leases go with it
                 await asyncio.shield(self.engine.call(lambda e: e.end_kv_send(request_id, ok)))
+
+    async def grant(self, request_id: str, decode_worker_id: str,
+                    decode_kv_address: str) -> bool:
+        """Let another decode worker take ``request_id``'s lease; False if no lease is
+        live (or one is being sent)."""
+        consumer = kv_consumer(decode_worker_id, decode_kv_address)
+        return await self.engine.call(lambda e: e.grant_kv(request_id, consumer))
 
     async def release(self, request_id: str) -> bool:
         """Stop a prefill or unpin its lease now (the router will not decode it); a lease

@@ -80,7 +80,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "status", "num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "model", "epoch", "num_kv_transfers_in_flight", "num_requests_waiting_for_kv", "num_kv_leases", "num_leased_blocks", "num_unowned_blocks")
+    __slots__ = ("worker_id", "role", "status", "num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "model", "epoch", "num_kv_transfers_in_flight", "num_requests_waiting_for_kv", "num_kv_leases", "num_leased_blocks", "num_unowned_blocks", "kv_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class HealthResponse(_message.Message):
     NUM_KV_LEASES_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_UNOWNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     status: str
@@ -111,4 +112,5 @@ class HealthResponse(_message.Message):
     num_kv_leases: int
     num_leased_blocks: int
     num_unowned_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., status: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., num_kv_transfers_in_flight: _Optional[int] = ..., num_requests_waiting_for_kv: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., num_unowned_blocks: _Optional[int] = ...) -> None: ...
+    kv_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., status: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., model: _Optional[str] = ..., epoch: _Optional[int] = ..., num_kv_transfers_in_flight: _Optional[int] = ..., num_requests_waiting_for_kv: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., num_unowned_blocks: _Optional[int] = ..., kv_address: _Optional[str] = ...) -> None: ...

@@ -51,6 +51,11 @@ class PrefillWorkerStub(object):
                 request_serializer=pdserve_dot_proto_dot_prefill__pb2.SendKVRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_prefill__pb2.SendKVResponse.FromString,
                 _registered_method=True)
+        self.GrantKV = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/GrantKV',
+                request_serializer=pdserve_dot_proto_dot_prefill__pb2.GrantKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_prefill__pb2.GrantKVResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Release',
                 request_serializer=pdserve_dot_proto_dot_prefill__pb2.ReleaseRequest.SerializeToString,
@@ -76,7 +81,16 @@ class PrefillWorkerServicer(object):
 
     def SendKV(self, request, context):
         """Send some of a prefilled prompt's blocks over the pair channel to a decode worker
-        that has started pulling them (pdserve.kvtransfer). Returns once sent.
+        that has started pulling them (pdserve.kvtransfer). Returns once sent. Honoured only
+        for a live lease and only toward the decode worker it names: NOT_FOUND (no lease),
+        PERMISSION_DENIED (another decode worker), both at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GrantKV(self, request, context):
+        """Name another decode worker for a live lease (the router retries its decode there).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,6 +121,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.SendKV,
                     request_deserializer=pdserve_dot_proto_dot_prefill__pb2.SendKVRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_prefill__pb2.SendKVResponse.SerializeToString,
+            ),
+            'GrantKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantKV,
+                    request_deserializer=pdserve_dot_proto_dot_prefill__pb2.GrantKVRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_prefill__pb2.GrantKVResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -174,6 +193,33 @@ class PrefillWorker(object):
             '/pdserve.v1.PrefillWorker/SendKV',
             pdserve_dot_proto_dot_prefill__pb2.SendKVRequest.SerializeToString,
             pdserve_dot_proto_dot_prefill__pb2.SendKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/GrantKV',
+            pdserve_dot_proto_dot_prefill__pb2.GrantKVRequest.SerializeToString,
+            pdserve_dot_proto_dot_prefill__pb2.GrantKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

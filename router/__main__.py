@@ -1,10 +1,11 @@
 """``python -m pdserve.router``: the OpenAI-compatible router as a plain process.
 
 Finds the workers through Redis (``--redis-url``) and serves HTTP with uvicorn until
-SIGINT or SIGTERM. Example::
+SIGINT or SIGTERM. It needs the cluster secret its workers have (``--cluster-secret-file``
+or ``$PDSERVE_CLUSTER_SECRET``). Example::
 
-    python -m pdserve.router --redis-url redis://127.0.0.1:6379/0 --model /path/to/model \\
-        --port 8000
+    PDSERVE_CLUSTER_SECRET=$(cat secret) python -m pdserve.router \\
+        --redis-url redis://127.0.0.1:6379/0 --model /path/to/model --port 8000
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ import logging
 
 import uvicorn
 
+from pdserve.cluster.auth import (
+    ClusterAuthError,
+    add_cluster_auth_args,
+    cluster_auth_from_args,
+    redis_password_from_args,
+    redis_url_with_password,
+)
 from pdserve.router.flags import add_lifecycle_args, lifecycle_kwargs
 from pdserve.router.http import build_app
 from pdserve.router.service import DEFAULT_LOCAL_PREFILL_THRESHOLD, Router, RouterConfig
@@ -40,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="prompts shorter than this many tokens are prefilled on the "
                              "decode worker (0: never; default: one block)")
     add_lifecycle_args(parser)
+    add_cluster_auth_args(parser)
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -49,10 +58,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        auth = cluster_auth_from_args(args)
+        redis_url = redis_url_with_password(args.redis_url, redis_password_from_args(args))
+    except ClusterAuthError as exc:
+        raise SystemExit(f"python -m pdserve.router: error: {exc}") from None
     router = Router(RouterConfig(
-        model=args.model, redis_url=args.redis_url, served_model_name=args.served_model_name,
+        model=args.model, redis_url=redis_url, served_model_name=args.served_model_name,
         block_size=args.block_size, max_model_len=args.max_model_len,
-        local_prefill_threshold=args.local_prefill_threshold, **lifecycle_kwargs(args)))
+        local_prefill_threshold=args.local_prefill_threshold, auth=auth,
+        **lifecycle_kwargs(args)))
     uvicorn.run(build_app(router), host=args.host, port=args.port, log_level=args.log_level)
 
 

@@ -33,10 +33,12 @@ MAX_HANDLE_ATTEMPTS = 2  # decode workers that try to pull one prefill's KV
 
 @dataclass(slots=True)
 class LeasedKV:
-    """A prefill's answer whose KV a prefill worker holds under a lease."""
+    """A prefill's answer whose KV a prefill worker holds under a lease for the decode
+    worker ``consumer_id`` (only it may have the KV sent)."""
 
     worker: WorkerHandle
     reply: prefill_pb2.PrefillResponse
+    consumer_id: str
     num_handle_attempts: int = 0
 
 
@@ -76,16 +78,20 @@ class WorkerCalls:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
 
     async def prefill(self, request: GenerateRequest, worker: WorkerHandle,
-                      progress: Progress, output: SequenceOutput, exclude: set[str]
-                     ) -> GenerationChunk:
-        """Prefill on ``worker``; returns the first token's chunk and leaves the leased KV
-        in ``progress.kv``. Cancelled, it releases whatever the worker may hold."""
+                      decode: WorkerHandle, progress: Progress, output: SequenceOutput,
+                      exclude: set[str]) -> GenerationChunk:
+        """Prefill on ``worker`` for the decode worker ``decode``; returns the first
+        token's chunk and leaves the KV leased to ``decode`` in ``progress.kv``.
+        Cancelled, it releases whatever the worker may hold."""
         salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
         try:
             reply = await worker.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                sampling_params=sampling_params_to_proto(request.params), **salt),
-                timeout=self.config.prefill_timeout_s)
+                sampling_params=sampling_params_to_proto(request.params),
+                decode_worker_id=decode.worker_id, decode_kv_address=decode.record.kv_address,
+                **salt),
+                timeout=self.config.prefill_timeout_s,
+                metadata=self.pool.credentials(worker, "Prefill"))
         except grpc.aio.AioRpcError as exc:
             self.release(worker, request.request_id)  # it may have finished meanwhile
             raise self.failure("prefill", worker, exc, exclude) from exc
@@ -95,7 +101,7 @@ class WorkerCalls:
         finally:
             worker.num_inflight -= 1
         if reply.HasField("kv_handle"):
-            progress.kv = LeasedKV(worker, reply)
+            progress.kv = LeasedKV(worker, reply, decode.worker_id)
         output.num_cached_tokens = reply.num_cached_tokens
         self.metrics.record_prefix_cache(len(request.prompt_token_ids), reply.num_cached_tokens)
         first_lp = reply.first_logprob if reply.HasField("first_logprob") else None
@@ -134,8 +140,13 @@ class WorkerCalls:
         """Stream the Decode on ``worker``; every token sent on is recorded in
         ``progress.generated``, so a failure later resumes right after it."""
         message = self.decode_request(request, progress)
+        if message.HasField("kv_handle") and progress.kv.consumer_id != worker.worker_id \
+                and not await self.grant_kv(progress.kv, worker, request.request_id):
+            self.release_kv(request, progress)
+            message = self.decode_request(request, progress)  # resumes without the KV
         with_handle = message.HasField("kv_handle")
-        call = worker.stub.Decode(message, timeout=self.config.request_timeout_s)
+        call = worker.stub.Decode(message, timeout=self.config.request_timeout_s,
+                                  metadata=self.pool.credentials(worker, "Decode"))
         worker_done = False
         try:
             async for reply in call:
@@ -166,7 +177,25 @@ class WorkerCalls:
             if not worker_done:
                 self.spawn(worker.stub.Abort(
                     decode_pb2.AbortRequest(request_id=message.request_id),
-                    timeout=self.config.control_timeout_s))
+                    timeout=self.config.control_timeout_s,
+                    metadata=self.pool.credentials(worker, "Abort")))
+
+    async def grant_kv(self, kv: LeasedKV, decode: WorkerHandle, request_id: str) -> bool:
+        """Have the prefill worker lease ``kv`` to ``decode`` instead (a retry on another
+        decode worker); False if the lease is gone or the prefill worker does not answer."""
+        try:
+            reply = await kv.worker.stub.GrantKV(
+                prefill_pb2.GrantKVRequest(request_id=request_id,
+                                           decode_worker_id=decode.worker_id,
+                                           decode_kv_address=decode.record.kv_address),
+                timeout=self.config.control_timeout_s,
+                metadata=self.pool.credentials(kv.worker, "GrantKV"))
+        except grpc.aio.AioRpcError as exc:
+            logger.info("GrantKV of %s failed: %s", request_id, exc.details())
+            return False
+        if reply.granted:
+            kv.consumer_id = decode.worker_id
+        return reply.granted
 
     def failure(self, role: str, worker: WorkerHandle, exc: grpc.aio.AioRpcError,
                 exclude: set[str]) -> Exception:
@@ -188,7 +217,8 @@ class WorkerCalls:
 
     def release(self, worker: WorkerHandle, request_id: str) -> None:
         self.spawn(worker.stub.Release(prefill_pb2.ReleaseRequest(request_id=request_id),
-                                        timeout=self.config.control_timeout_s))
+                                        timeout=self.config.control_timeout_s,
+                                        metadata=self.pool.credentials(worker, "Release")))
 
     def spawn(self, rpc) -> None:
         """Run a clean-up RPC in the background (kept until done; failures logged)."""

@@ -39,7 +39,9 @@ class RouterMetrics:
     ``worker``), ``pdserve:prefix_index_lookups`` (``result``: hit, miss, unavailable),
     ``pdserve:prefix_index_available`` (1 or 0), ``pdserve:request_retries``,
     ``pdserve:request_migrations``, ``pdserve:registry_available`` (1 or 0),
-    ``pdserve:registry_outages``, ``pdserve:requests_rejected`` (``reason``), and from the
+    ``pdserve:registry_outages``, ``pdserve:registry_rejected_records`` (records ignored
+    because their signature does not verify), ``pdserve:requests_rejected`` (``reason``),
+    and from the
     workers' Health: ``pdserve:worker_requests_waiting_for_kv``, ``pdserve:worker_kv_leases``,
     ``pdserve:worker_leased_blocks``, ``pdserve:worker_unowned_blocks`` and
     ``pdserve:worker_kv_transfers_in_flight`` (``role``, ``worker``).
@@ -91,6 +93,10 @@ class RouterMetrics:
             "view of the workers.")
         self.registry_outages = self._one(
             Counter, "pdserve:registry_outages", "Times the worker registry became unreachable.")
+        self.registry_rejected_records = self._one(
+            Gauge, "pdserve:registry_rejected_records",
+            "Worker records in the registry the router ignores: unsigned, forged, or signed "
+            "with another cluster's secret.")
         self._registry_up = True
         self._rejections = Counter(
             "pdserve:requests_rejected", "Requests refused with 503 by admission control, "
@@ -129,8 +135,11 @@ class RouterMetrics:
         """Count one request refused by admission control (``reason``: the cap)."""
         self._rejections.labels(self.model_name, reason).inc()
 
-    def record_registry(self, available: bool) -> None:
-        """The registry answered (or not) a refresh; an outage is counted as it starts."""
+    def record_registry(self, available: bool, num_rejected: int | None = None) -> None:
+        """The registry answered (or not) a refresh; an outage is counted as it starts.
+        ``num_rejected``: records that listing ignored (bad or no signature)."""
+        if num_rejected is not None:
+            self.registry_rejected_records.set(num_rejected)
         if not available and self._registry_up:
             self.registry_outages.inc()
         self._registry_up = available

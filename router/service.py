@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.cluster.auth import ClusterAuth
 from pdserve.cluster.prefix_index import PrefixIndex, PrefixIndexUnavailable
 from pdserve.cluster.registry import WorkerRegistry
 from pdserve.engine.block_hash import hash_block_chain, root_block_hash
@@ -75,6 +76,9 @@ class RouterConfig:
     usage under ``decode_max_kv_usage`` (its last Health). A worker at a cap gets no new
     request; a request that no worker of a needed pool can take is refused.
     ``migration_limit``: attempts after the first that one request may make.
+    ``auth``: the cluster secret (and mutual TLS) of every call to a worker, and the key
+    that registry records must be signed with; None: a cluster without authentication.
+    ``redis_url`` may hold the Redis password.
     """
 
     model: str
@@ -96,6 +100,7 @@ class RouterConfig:
     prefill_max_inflight: int = flags.DEFAULT_PREFILL_MAX_INFLIGHT
     decode_max_inflight: int = flags.DEFAULT_DECODE_MAX_INFLIGHT
     decode_max_kv_usage: float = flags.DEFAULT_DECODE_MAX_KV_USAGE
+    auth: ClusterAuth | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("migration_limit", "max_waiting_requests", "prefill_max_inflight",
@@ -140,7 +145,8 @@ class Router:
         self.max_model_len = config.max_model_len or model_config["max_position_embeddings"]
         self.vocab_size = int(model_config.get("vocab_size", len(self.tokenizer)))
         self.metrics = RouterMetrics(self.served_model_name)
-        self.pool = WorkerPool(WorkerRegistry(config.redis_url), config, self.metrics)
+        self.pool = WorkerPool(WorkerRegistry(config.redis_url, auth=config.auth), config,
+                               self.metrics)
         self.index = PrefixIndex(config.redis_url)
         self._root_hash = root_block_hash(self.served_model_name, config.block_size)
         # NOTE: one rotation per role: a shared counter advanced twice per request makes
@@ -305,7 +311,8 @@ class Router:
             prefill = await self._choose_prefill(request, exclude, admit=first) \
                 if needs_prefill else None
             if prefill is not None:
-                chunk = await self.calls.prefill(request, prefill, progress, output, exclude)
+                chunk = await self.calls.prefill(request, prefill, decode, progress, output,
+                                                 exclude)
                 yield chunk
                 if chunk.finish_reason:
                     return

@@ -46,6 +46,7 @@ class WorkerHandle:
 
 _STUBS = {"prefill": prefill_pb2_grpc.PrefillWorkerStub,
           "decode": decode_pb2_grpc.DecodeWorkerStub}
+_SERVICES = {"prefill": "/pdserve.v1.PrefillWorker/", "decode": "/pdserve.v1.DecodeWorker/"}
 
 
 class WorkerPool:
@@ -64,6 +65,14 @@ class WorkerPool:
         self.workers: dict[str, dict[str, WorkerHandle]] = {"prefill": {}, "decode": {}}
         self.registry_down = False
         self._retired: list[grpc.aio.Channel] = []
+
+    def credentials(self, worker: WorkerHandle, rpc: str):
+        """gRPC metadata proving the cluster secret for a call of ``rpc`` ("Prefill")
+        on ``worker``; None in a cluster without authentication."""
+        auth = self.config.auth
+        if auth is None:
+            return None
+        return auth.rpc_metadata(_SERVICES[worker.record.role] + rpc)
 
     def mark_unhealthy(self, worker_id: str) -> None:
         """A call to ``worker_id`` failed: route elsewhere until its Health answers."""
@@ -96,7 +105,8 @@ class WorkerPool:
             logger.info("worker registry reachable again")
         self.registry_down = False
         if self.metrics is not None:
-            self.metrics.record_registry(available=True)
+            self.metrics.record_registry(available=True,
+                                         num_rejected=len(self.registry.rejected_ids))
         for role, known in self.workers.items():
             fresh = {r.worker_id: r for r in records if r.role == role}
             for worker_id in list(known):
@@ -113,7 +123,9 @@ class WorkerPool:
                         self.metrics.forget_worker(role, worker_id)
             for worker_id, record in fresh.items():
                 if worker_id not in known:
-                    channel = grpc.aio.insecure_channel(record.grpc_address)
+                    auth = self.config.auth
+                    channel = grpc.aio.insecure_channel(record.grpc_address) \
+                        if auth is None else auth.channel(record.grpc_address)
                     known[worker_id] = WorkerHandle(record, channel, _STUBS[role](channel),
                                                     WorkerLoad(worker_id))
 
@@ -125,7 +137,8 @@ class WorkerPool:
     async def _poll(self, worker: WorkerHandle) -> None:
         try:
             reply = await worker.stub.Health(common_pb2.HealthRequest(),
-                                             timeout=self.config.health_timeout_s)
+                                             timeout=self.config.health_timeout_s,
+                                             metadata=self.credentials(worker, "Health"))
         except grpc.aio.AioRpcError:
             worker.healthy = False
             return

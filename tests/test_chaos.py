@@ -36,6 +36,8 @@ import grpc
 import httpx
 import pytest
 from conftest import stop_cluster
+from disagg_client import TEST_AUTH
+from disagg_client import channel as worker_channel
 
 from pdserve.cluster.launcher import RayLauncher
 from pdserve.cluster.redis_server import RedisServer, free_port
@@ -124,11 +126,12 @@ def cluster(tmp_path_factory):
     try:
         launcher = RayLauncher(num_cpus=2)
         common = {"engine": engine_config(model), "redis_url": redis.url, "lease_s": LEASE_S,
-                  "kv_transfer_timeout_s": 10.0}
+                  "kv_transfer_timeout_s": 10.0, "auth": TEST_AUTH}
         launcher.launch(WorkerConfig("prefill", **common), 2, workers_on_node=4)
         launcher.launch(WorkerConfig("decode", **common), 2, workers_on_node=4)
         router = Router(RouterConfig(model, redis.url, max_model_len=MAX_MODEL_LEN,
-                                     request_timeout_s=120.0, prefill_timeout_s=60.0))
+                                     request_timeout_s=120.0, prefill_timeout_s=60.0,
+                                     auth=TEST_AUTH))
         port = free_port()
 
         async def start():
@@ -173,7 +176,7 @@ async def worker_states(cluster: Cluster) -> list[common_pb2.HealthResponse]:
     for info in infos:
         stub_cls = prefill_pb2_grpc.PrefillWorkerStub if info.role == "prefill" else \
             decode_pb2_grpc.DecodeWorkerStub
-        async with grpc.aio.insecure_channel(info.grpc_address) as channel:
+        async with worker_channel(info.grpc_address) as channel:
             states.append(await stub_cls(channel).Health(common_pb2.HealthRequest(), timeout=5))
     return states
 
@@ -345,7 +348,7 @@ def test_past_the_caps_requests_get_503_at_once_and_below_none_is_lost(cluster):
     with ``Retry-After`` fast; every admitted one completes exactly."""
     caps = Router(RouterConfig(cluster.model, cluster.redis.url, max_model_len=MAX_MODEL_LEN,
                                max_waiting_requests=4, prefill_max_inflight=2,
-                               decode_max_inflight=6))
+                               decode_max_inflight=6, auth=TEST_AUTH))
     port = free_port()
     server, task = cluster.call(serve_http(caps, port))
     params = GREEDY[1]
@@ -409,7 +412,7 @@ def run_streams_and_kill(cluster: Cluster, role: str, num_streams: int, max_toke
         return None
 
     async def main():
-        channels = [grpc.aio.insecure_channel(info.grpc_address) for info in candidates]
+        channels = [worker_channel(info.grpc_address) for info in candidates]
         try:
             async with grpc.aio.insecure_channel(cluster.grpc_address) as channel:
                 stub = router_pb2_grpc.RouterStub(channel)

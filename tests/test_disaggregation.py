@@ -12,7 +12,15 @@ import time
 import grpc
 import pytest
 from conftest import random_prompts, write_tiny_checkpoint
-from disagg_client import decode_stub, generate, health, prefill_stub, start_worker_process
+from disagg_client import (
+    TEST_AUTH,
+    decode_stub,
+    generate,
+    health,
+    lease_for,
+    prefill_stub,
+    start_worker_process,
+)
 
 from pdserve.cluster.launcher import RayLauncher
 from pdserve.cluster.redis_server import RedisServer
@@ -39,7 +47,7 @@ def cluster(tiny_checkpoints):
     try:
         launcher = RayLauncher(num_cpus=2)
         common = dict(engine=engine_config(tiny_checkpoints["llama"]), redis_url=redis.url,
-                      kv_transfer_timeout_s=10.0, lease_s=5.0)
+                      kv_transfer_timeout_s=10.0, lease_s=5.0, auth=TEST_AUTH)
         prefill = launcher.launch(WorkerConfig("prefill", **common), 2, workers_on_node=4)
         decode = launcher.launch(WorkerConfig("decode", **common), 2, workers_on_node=4)
         yield launcher, prefill, decode
@@ -115,7 +123,7 @@ def test_abort_while_decoding_frees_blocks_on_both_sides(cluster):
         p, d = prefill_stub(prefill[0].grpc_address), decode_stub(decode[0].grpc_address)
         params = sampling_params_to_proto(long)
         first = await p.Prefill(prefill_pb2.PrefillRequest(
-            request_id="to-abort", prompt_token_ids=prompt, sampling_params=params), timeout=30)
+            request_id="to-abort", prompt_token_ids=prompt, sampling_params=params, **await lease_for(d)), timeout=30)
         stream = d.Decode(decode_pb2.DecodeRequest(
             request_id="to-abort", prompt_token_ids=prompt, first_token_id=first.first_token_id,
             sampling_params=params, kv_handle=first.kv_handle), timeout=30)
@@ -205,7 +213,8 @@ def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints
 
     async def main(redis_url: str, procs: list, infos: list):
         prefill = PrefillWorker(WorkerConfig("prefill", config, redis_url=redis_url,
-                                             lease_s=60.0, kv_transfer_timeout_s=30.0))
+                                             lease_s=60.0, kv_transfer_timeout_s=30.0,
+                                             auth=TEST_AUTH))
         await prefill.start()
         try:
             p = prefill_stub(prefill.grpc_address)

@@ -9,9 +9,8 @@ import asyncio
 import signal
 import subprocess
 
-import grpc
 import pytest
-from disagg_client import start_worker_process
+from disagg_client import TEST_AUTH, channel, start_worker_process
 
 from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.registry import WorkerRegistry
@@ -52,7 +51,8 @@ def test_sigterm_drains_a_decode_worker_without_losing_a_stream(model, tmp_path)
 
             async def main():
                 router = Router(RouterConfig(model, redis.url, max_model_len=MAX_MODEL_LEN,
-                                             local_prefill_threshold=MAX_MODEL_LEN))
+                                             local_prefill_threshold=MAX_MODEL_LEN,
+                                             auth=TEST_AUTH))
                 await router.start()
                 try:
                     async def stream(i, request_id=None):
@@ -63,7 +63,7 @@ def test_sigterm_drains_a_decode_worker_without_losing_a_stream(model, tmp_path)
                         return tokens
 
                     tasks = [asyncio.ensure_future(stream(i)) for i in range(len(prompts))]
-                    async with grpc.aio.insecure_channel(victim_info["grpc_address"]) as ch:
+                    async with channel(victim_info["grpc_address"]) as ch:
                         stub = decode_pb2_grpc.DecodeWorkerStub(ch)
                         for _ in range(500):
                             state = await stub.Health(common_pb2.HealthRequest(), timeout=5)
@@ -82,7 +82,7 @@ def test_sigterm_drains_a_decode_worker_without_losing_a_stream(model, tmp_path)
 
             busy, draining, late, results, metrics = asyncio.run(main())
             exit_code = victim.wait(timeout=30)
-            registry = WorkerRegistry(redis.url)
+            registry = WorkerRegistry(redis.url, auth=TEST_AUTH)
             live = {r.worker_id for r in registry.list_live()}
             registry.close()
         finally:

@@ -7,10 +7,21 @@ import asyncio
 import dataclasses
 
 import grpc
+import psutil
 import pytest
 from conftest import random_prompts
-from disagg_client import decode_stub, generate, health, prefill_stub
+from disagg_client import (
+    TEST_AUTH,
+    TEST_SECRET,
+    decode_stub,
+    generate,
+    health,
+    lease_for,
+    prefill_stub,
+    start_worker_process,
+)
 
+from pdserve.cluster.auth import write_secret_file
 from pdserve.cluster.redis_server import RedisServer, free_port
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.cluster.worker_config import WorkerConfig
@@ -35,10 +46,11 @@ def run_with_workers(tiny_checkpoints, redis_server, body, lease_s: float = 30.0
 
     async def main():
         prefill = PrefillWorker(WorkerConfig("prefill", engine, redis_url=redis_server.url,
-                                             lease_s=lease_s, kv_transfer_timeout_s=5.0))
+                                             lease_s=lease_s, kv_transfer_timeout_s=5.0,
+                                             auth=TEST_AUTH))
         decode = DecodeWorker(WorkerConfig("decode", dataclasses.replace(engine),
                                            redis_url=redis_server.url,
-                                           kv_transfer_timeout_s=5.0))
+                                           kv_transfer_timeout_s=5.0, auth=TEST_AUTH))
         await prefill.start()
         await decode.start()
         try:
@@ -55,7 +67,7 @@ def test_lease_expiry_unpins_blocks_of_a_never_pulled_prefill(tiny_checkpoints, 
     async def body(p, d, workers):
         reply = await p.Prefill(prefill_pb2.PrefillRequest(
             request_id="orphan", prompt_token_ids=random_prompts([70], 41)[0],
-            sampling_params=sampling_params_to_proto(GREEDY)), timeout=30)
+            sampling_params=sampling_params_to_proto(GREEDY), **await lease_for(d)), timeout=30)
         pinned = await health(p)
         await asyncio.sleep(2.0)  # lease is 1 s; the reaper runs every 0.5 s
         after = await health(p)
@@ -71,7 +83,7 @@ def test_release_and_unknown_lease(tiny_checkpoints, redis_server):
     async def body(p, d, workers):
         await p.Prefill(prefill_pb2.PrefillRequest(
             request_id="r", prompt_token_ids=[1, 2, 3, 4, 5],
-            sampling_params=sampling_params_to_proto(GREEDY)), timeout=30)
+            sampling_params=sampling_params_to_proto(GREEDY), **await lease_for(d)), timeout=30)
         released = await p.Release(prefill_pb2.ReleaseRequest(request_id="r"), timeout=10)
         again = await p.Release(prefill_pb2.ReleaseRequest(request_id="r"), timeout=10)
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -91,7 +103,7 @@ def test_failed_pull_fails_request_and_frees_blocks(tiny_checkpoints, redis_serv
     async def body(p, d, workers):
         first = await p.Prefill(prefill_pb2.PrefillRequest(
             request_id="x", prompt_token_ids=random_prompts([40], 42)[0],
-            sampling_params=sampling_params_to_proto(GREEDY)), timeout=30)
+            sampling_params=sampling_params_to_proto(GREEDY), **await lease_for(d)), timeout=30)
         handle = first.kv_handle
         handle.prefill_worker_id = "ghost"  # a prefill worker that is gone:
         handle.prefill_grpc_address = f"127.0.0.1:{free_port()}"  # nothing listens there
@@ -125,12 +137,12 @@ def test_local_prefill_and_bad_input(tiny_checkpoints, redis_server):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await p.Prefill(prefill_pb2.PrefillRequest(
                 request_id="bad", prompt_token_ids=[1] * 300,
-                sampling_params=sampling_params_to_proto(GREEDY)), timeout=10)
+                sampling_params=sampling_params_to_proto(GREEDY), **await lease_for(d)), timeout=10)
         bad_params = sampling_params_to_proto(GREEDY)
         bad_params.top_p = 3.0
         with pytest.raises(grpc.aio.AioRpcError) as err2:
             await p.Prefill(prefill_pb2.PrefillRequest(
-                request_id="bad2", prompt_token_ids=[1, 2], sampling_params=bad_params),
+                request_id="bad2", prompt_token_ids=[1, 2], sampling_params=bad_params, **await lease_for(d)),
                 timeout=10)
         ok = await generate(p, d, "still-serving", prompt, GREEDY)
         return tokens, err.value, err2.value, ok
@@ -145,27 +157,28 @@ def test_local_prefill_and_bad_input(tiny_checkpoints, redis_server):
 
 def test_plain_process_workers_find_each_other_through_redis(tiny_checkpoints, redis_server,
                                                             tmp_path):
-    """``python -m pdserve.prefill_worker`` and ``... decode_worker`` as subprocesses."""
-    import json
-    import subprocess
-    import sys
-    import time
-
+    """``python -m pdserve.prefill_worker`` and ``... decode_worker`` as subprocesses: the
+    cluster secret comes from a file for one and from the environment for the other, the
+    Redis password from a file (the URL has none), so no secret is on a command line."""
+    secret_file = write_secret_file(tmp_path / "cluster-secret", TEST_SECRET.encode())
+    password_file = write_secret_file(tmp_path / "redis-password",
+                                      redis_server.password.encode())
+    plain_url = f"redis://{redis_server.host}:{redis_server.port}/0"
     procs, infos = [], []
     try:
-        for role in ("prefill", "decode"):
-            ready = tmp_path / f"{role}.json"
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", f"pdserve.{role}_worker", "--model",
-                 str(tiny_checkpoints["qwen2"]), "--dtype", "float32", "--max-model-len", "256",
-                 "--redis-url", redis_server.url, "--num-threads", "1", "--ready-file",
-                 str(ready), "--log-level", "WARNING"],
-                stdout=subprocess.DEVNULL))
-            deadline = time.monotonic() + 60
-            while not ready.exists() and time.monotonic() < deadline:
-                assert procs[-1].poll() is None, f"{role} worker exited"
-                time.sleep(0.1)
-            infos.append(json.loads(ready.read_text()))
+        for role, secret_file_args in (
+                ("prefill", ["--cluster-secret-file", str(secret_file)]), ("decode", [])):
+            proc, info = start_worker_process(role, [
+                "--model", str(tiny_checkpoints["qwen2"]), "--dtype", "float32",
+                "--max-model-len", "256", "--redis-url", plain_url, "--redis-password-file",
+                str(password_file), "--num-threads", "1", "--log-level", "WARNING",
+                *secret_file_args], tmp_path / f"{role}.json", timeout_s=60,
+                secret_in_env=not secret_file_args)
+            procs.append(proc)
+            infos.append(info)
+            command_line = " ".join(psutil.Process(proc.pid).cmdline())
+            assert TEST_SECRET not in command_line
+            assert redis_server.password not in command_line
         prompt = random_prompts([33], 44)[0]
 
         async def main():
@@ -198,7 +211,7 @@ def test_abort_while_waiting_for_kv_frees_blocks_at_once(tiny_checkpoints, redis
     async def body(p, d, workers):
         first = await p.Prefill(prefill_pb2.PrefillRequest(
             request_id="w", prompt_token_ids=prompt,
-            sampling_params=sampling_params_to_proto(GREEDY)), timeout=30)
+            sampling_params=sampling_params_to_proto(GREEDY), **await lease_for(d)), timeout=30)
         handle = first.kv_handle
         handle.prefill_worker_id = "hung-prefill"
         handle.prefill_grpc_address = f"127.0.0.1:{hung.getsockname()[1]}"
@@ -233,7 +246,7 @@ def test_mismatched_kv_handle_is_refused_and_nothing_leaks(tiny_checkpoints, red
     async def body(p, d, workers):
         first = await p.Prefill(prefill_pb2.PrefillRequest(
             request_id="m", prompt_token_ids=prompt,
-            sampling_params=sampling_params_to_proto(GREEDY)), timeout=30)
+            sampling_params=sampling_params_to_proto(GREEDY), **await lease_for(d)), timeout=30)
         errors = []
         for prompt_ids, token in ((prompt[:-1], first.first_token_id), (prompt, 10**6)):
             with pytest.raises(grpc.aio.AioRpcError) as err:
