@@ -67,16 +67,16 @@ _WILDCARDS = ("0.0.0.0", "::", "")
 
 
 def _on_this_node(config: WorkerConfig) -> WorkerConfig:
-    """Replace wildcard addresses with this node's IP where an address is advertised: the
-    registry's gRPC address and the KV channel's, which other nodes must reach."""
+    """Replace wildcard addresses (``--worker-host 0.0.0.0``: "whichever node a worker
+    lands on") with this node's IP, for the gRPC server and the KV channel alike: each
+    binds the address it advertises, which the other nodes must reach, and nothing else."""
     if config.host not in _WILDCARDS and config.kv_host not in _WILDCARDS:
         return config
     import ray
 
     node_ip = ray.util.get_node_ip_address()
     return dataclasses.replace(
-        config,
-        advertise_host=config.advertise_host or (node_ip if config.host in _WILDCARDS else None),
+        config, host=node_ip if config.host in _WILDCARDS else config.host,
         kv_host=node_ip if config.kv_host in _WILDCARDS else config.kv_host)
 
 
