@@ -69,9 +69,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-lease-s", type=float, default=30.0)
     parser.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="prompts shorter than this many tokens skip the prefill pool")
-    from pdserve.router.flags import add_lifecycle_args
+    from pdserve.router.flags import add_api_auth_args, add_lifecycle_args
 
     add_lifecycle_args(parser)
+    add_api_auth_args(parser)
 
 
 class Interrupts:
@@ -278,7 +279,7 @@ class _ServeRun:
         launcher.wait_ready(actors, on_ready=report)
 
     def _make_router(self, engine, redis_url: str):
-        from pdserve.router.flags import lifecycle_kwargs
+        from pdserve.router.flags import api_auth_from_args, lifecycle_kwargs
         from pdserve.router.http import build_app
         from pdserve.router.service import Router, RouterConfig
 
@@ -291,7 +292,7 @@ class _ServeRun:
         if self.args.prefill_workers == 0:
             config.local_prefill_threshold = engine.max_model_len or 1 << 30
         router = Router(config)
-        return router, build_app(router)
+        return router, build_app(router, api_auth=api_auth_from_args(self.args))
 
 
 def build_cpu_kernels(interrupts: Interrupts) -> None:
@@ -344,7 +345,8 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
 
     Prints ``pdserve serving ...`` and calls ``on_serving()`` once both accept
     connections. ``grpc_sock`` only holds the port: it is closed right before the gRPC
-    server binds the same port (grpc cannot take a bound socket).
+    server binds the same port (grpc cannot take a bound socket). The gRPC API accepts
+    the HTTP app's API keys (``app.state.api_auth``, from ``build_app``).
     """
     import uvicorn
 
@@ -364,7 +366,8 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
         if grpc_sock is not None:
             grpc_port = grpc_sock.getsockname()[1]
             grpc_sock.close()
-            grpc_server, grpc_port = await start_grpc_server(router, host, grpc_port)
+            grpc_server, grpc_port = await start_grpc_server(
+                router, host, grpc_port, api_auth=getattr(app.state, "api_auth", None))
             grpc_note = f", gRPC {_address(host, grpc_port)}"
         line = (f"pdserve serving {router.served_model_name} on "
                 f"http://{_address(host, http_sock.getsockname()[1])}/v1{grpc_note} {note}")
