@@ -77,9 +77,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="prompts shorter than this many tokens skip the prefill pool")
     from pdserve.cluster.auth import add_cluster_auth_args
-    from pdserve.router.flags import add_lifecycle_args
+    from pdserve.router.flags import add_api_auth_args, add_lifecycle_args
 
     add_lifecycle_args(parser)
+    add_api_auth_args(parser)
     add_cluster_auth_args(parser, generated=True)
 
 
@@ -190,8 +191,14 @@ class _ServeRun:
     registers how to stop it on the run's ``ExitStack``, which stops all in reverse."""
 
     def __init__(self, args: argparse.Namespace, interrupts: Interrupts) -> None:
+        """Raises ValueError for unusable API keys or cluster credentials, before anything
+        starts."""
+        from pdserve.router.flags import api_auth_from_args
+
         self.args = args
         self.interrupts = interrupts
+        self.api_auth = api_auth_from_args(args)
+        self.auth = cluster_auth_from_args(args, generate=True)
         self.announced = False  # "pdserve serving" printed
 
     def run(self, stack: contextlib.ExitStack) -> None:
@@ -204,7 +211,7 @@ class _ServeRun:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         engine = self._engine_config()
-        auth = cluster_auth_from_args(args, generate=True)
+        auth = self.auth
         redis_url = self._start_redis(stack)
         launcher = self._start_ray(stack)
         if self._workers_on_cpu(engine, launcher):
@@ -305,7 +312,7 @@ class _ServeRun:
         if self.args.prefill_workers == 0:
             config.local_prefill_threshold = engine.max_model_len or 1 << 30
         router = Router(config)
-        return router, build_app(router)
+        return router, build_app(router, api_auth=self.api_auth)
 
 
 def build_cpu_kernels(interrupts: Interrupts) -> None:
@@ -358,7 +365,8 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
 
     Prints ``pdserve serving ...`` and calls ``on_serving()`` once both accept
     connections. ``grpc_sock`` only holds the port: it is closed right before the gRPC
-    server binds the same port (grpc cannot take a bound socket).
+    server binds the same port (grpc cannot take a bound socket). The gRPC API accepts
+    the HTTP app's API keys (``app.state.api_auth``, from ``build_app``).
     """
     import uvicorn
 
@@ -378,7 +386,8 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
         if grpc_sock is not None:
             grpc_port = grpc_sock.getsockname()[1]
             grpc_sock.close()
-            grpc_server, grpc_port = await start_grpc_server(router, host, grpc_port)
+            grpc_server, grpc_port = await start_grpc_server(
+                router, host, grpc_port, api_auth=getattr(app.state, "api_auth", None))
             grpc_note = f", gRPC {_address(host, grpc_port)}"
         line = (f"pdserve serving {router.served_model_name} on "
                 f"http://{_address(host, http_sock.getsockname()[1])}/v1{grpc_note} {note}")

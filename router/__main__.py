@@ -2,27 +2,34 @@
 
 Finds the workers through Redis (``--redis-url``) and serves HTTP with uvicorn until
 SIGINT or SIGTERM. It needs the cluster secret its workers have (``--cluster-secret-file``
-or ``$PDSERVE_CLUSTER_SECRET``). Example::
+or ``$PDSERVE_CLUSTER_SECRET``). Example, with clients required to send ``Authorization:
+Bearer <key>`` for a key in ``keys.txt``::
 
     PDSERVE_CLUSTER_SECRET=$(cat secret) python -m pdserve.router \\
-        --redis-url redis://127.0.0.1:6379/0 --model /path/to/model --port 8000
+        --redis-url redis://127.0.0.1:6379/0 --model /path/to/model --port 8000 \\
+        --api-key-file keys.txt
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 import uvicorn
 
 from pdserve.cluster.auth import (
-    ClusterAuthError,
     add_cluster_auth_args,
     cluster_auth_from_args,
     redis_password_from_args,
     redis_url_with_password,
 )
-from pdserve.router.flags import add_lifecycle_args, lifecycle_kwargs
+from pdserve.router.flags import (
+    add_api_auth_args,
+    add_lifecycle_args,
+    api_auth_from_args,
+    lifecycle_kwargs,
+)
 from pdserve.router.http import build_app
 from pdserve.router.service import DEFAULT_LOCAL_PREFILL_THRESHOLD, Router, RouterConfig
 
@@ -48,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="prompts shorter than this many tokens are prefilled on the "
                              "decode worker (0: never; default: one block)")
     add_lifecycle_args(parser)
+    add_api_auth_args(parser)
     add_cluster_auth_args(parser)
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
@@ -59,16 +67,19 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        auth = cluster_auth_from_args(args)
+        api_auth = api_auth_from_args(args)
+        auth = cluster_auth_from_args(args)  # NOTE: ClusterAuthError is a ValueError
         redis_url = redis_url_with_password(args.redis_url, redis_password_from_args(args))
-    except ClusterAuthError as exc:
-        raise SystemExit(f"python -m pdserve.router: error: {exc}") from None
+    except ValueError as exc:
+        print(f"python -m pdserve.router: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     router = Router(RouterConfig(
         model=args.model, redis_url=redis_url, served_model_name=args.served_model_name,
         block_size=args.block_size, max_model_len=args.max_model_len,
         local_prefill_threshold=args.local_prefill_threshold, auth=auth,
         **lifecycle_kwargs(args)))
-    uvicorn.run(build_app(router), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(build_app(router, api_auth=api_auth), host=args.host, port=args.port,
+                log_level=args.log_level)
 
 
 if __name__ == "__main__":

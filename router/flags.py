@@ -1,12 +1,20 @@
-"""The router's admission and migration flags (README, Operating pdserve), shared by
-``python -m pdserve.router`` and ``pdserve serve``. Light on imports: ``pdserve --help``
-reads them without loading the router."""
+"""The router's admission, migration and client authentication flags (README, Operating
+pdserve), shared by ``python -m pdserve.router`` and ``pdserve serve``. Light on imports:
+``pdserve --help`` reads them without loading the router."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+from typing import TYPE_CHECKING
 
 from pdserve.router.limits import MAX_NUM_SEQUENCES
+
+if TYPE_CHECKING:
+    from pdserve.router.auth import ApiKeyAuth
+
+logger = logging.getLogger(__name__)
 
 # NOTE: the defaults admit any one request (at most MAX_NUM_SEQUENCES sequences) on an
 # idle cluster of one worker per pool
@@ -15,6 +23,7 @@ DEFAULT_MAX_WAITING_REQUESTS = 2 * MAX_NUM_SEQUENCES
 DEFAULT_PREFILL_MAX_INFLIGHT = MAX_NUM_SEQUENCES
 DEFAULT_DECODE_MAX_INFLIGHT = 2 * MAX_NUM_SEQUENCES
 DEFAULT_DECODE_MAX_KV_USAGE = 0.98
+DEFAULT_PUBLIC_ENDPOINTS = ("/health", "/ready", "/metrics")  # served without an API key
 LIFECYCLE_FIELDS = ("migration_limit", "max_waiting_requests", "prefill_max_inflight",
                     "decode_max_inflight", "decode_max_kv_usage")
 
@@ -42,3 +51,80 @@ def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
 def lifecycle_kwargs(args: argparse.Namespace) -> dict:
     """``RouterConfig`` keyword arguments from ``add_lifecycle_args``'s flags."""
     return {name: getattr(args, name) for name in LIFECYCLE_FIELDS}
+
+
+def add_api_auth_args(parser: argparse.ArgumentParser) -> None:
+    """Client authentication flags, vLLM's ``--api-key`` and pdserve's own
+    (``router/auth.py``; ``api_auth_from_args`` reads them)."""
+    group = parser.add_argument_group(
+        "client authentication", "With an API key (from a flag, else PDSERVE_API_KEY, else "
+        "VLLM_API_KEY) clients must send 'Authorization: Bearer <key>' (gRPC: the same "
+        "metadata); with none, the API is open.")
+    group.add_argument("--api-key", action="append", type=_api_key, metavar="KEY",
+                       help="accept this API key; repeat for several (visible to local "
+                            "users in ps: prefer PDSERVE_API_KEY or --api-key-file)")
+    group.add_argument("--api-key-file", type=_api_key_file, metavar="PATH",
+                       help="accept the API keys in this file, one per non-empty line")
+    group.add_argument("--public-endpoints", type=_public_endpoints,
+                       default=",".join(DEFAULT_PUBLIC_ENDPOINTS), metavar="PATHS",
+                       help="comma-separated HTTP paths served without a key (gRPC Health "
+                            "follows /health); '' protects every path (default: %(default)s)")
+
+
+def _api_key(value: str) -> str:
+    from pdserve.router.auth import check_api_key
+
+    return _argument(check_api_key, value)
+
+
+def _api_key_file(path: str) -> str:
+    # NOTE: read now, and again by api_auth_from_args, so that a bad file stops
+    # ``pdserve serve`` before it starts anything
+    from pdserve.router.auth import read_api_key_file
+
+    _argument(read_api_key_file, path)
+    return path
+
+
+def _argument(check, value):
+    """``check(value)``, its ValueError an argparse error (printed with the flag's name)."""
+    try:
+        return check(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _public_endpoints(value: str) -> frozenset[str]:
+    paths = frozenset(path.strip() for path in value.split(",") if path.strip())
+    for path in sorted(paths):
+        if not path.startswith("/"):
+            raise argparse.ArgumentTypeError(f"{path!r} is not a path (one starts with /)")
+    return paths
+
+
+def api_auth_from_args(args: argparse.Namespace,
+                       environ: dict[str, str] | None = None) -> ApiKeyAuth | None:
+    """The client authentication that ``add_api_auth_args``'s flags and the environment
+    (``environ``, default ``os.environ``) ask for, or None when they give no key (an
+    open API); logs which, and warns when a key was given on the command line.
+
+    Raises:
+        ValueError: a key is empty or invalid, or the key file is unusable; the message
+            names the flag, file and line, or variable (``router/auth.py``,
+            ``load_api_keys``).
+    """
+    from pdserve.router.auth import ApiKeyAuth, load_api_keys
+
+    keys, source = load_api_keys(args.api_key or (), args.api_key_file,
+                                 os.environ if environ is None else environ)
+    if args.api_key:
+        logger.warning("an API key given with --api-key is visible to other local users "
+                       "(ps, /proc/<pid>/cmdline); prefer PDSERVE_API_KEY or --api-key-file")
+    if not keys:
+        logger.info("client authentication off: no API key (--api-key, --api-key-file, "
+                    "PDSERVE_API_KEY, VLLM_API_KEY)")
+        return None
+    public = ", ".join(sorted(args.public_endpoints)) or "none"
+    logger.info("client authentication on: %d API key(s) from %s; public endpoints: %s",
+                len(keys), source, public)
+    return ApiKeyAuth.of(keys, args.public_endpoints)

@@ -2,7 +2,8 @@
 ``Abort`` stops one, ``Health`` and ``ListModels`` describe the service.
 
 It runs on the same event loop and the same ``Router`` as the HTTP API, so both see the
-same workers, routing and metrics. Errors map to status codes: INVALID_ARGUMENT for bad
+same workers, routing and metrics. Errors map to status codes: UNAUTHENTICATED without an
+accepted API key where keys are set (``router/auth.py``); INVALID_ARGUMENT for bad
 input (the message names the field and the limit; the bounds are the HTTP API's,
 ``router/limits.py``), also for a request that does not parse (a string field that is not
 UTF-8); NOT_FOUND for an unknown model; UNAVAILABLE when no worker of a needed role is
@@ -24,6 +25,7 @@ from google.protobuf.message import DecodeError
 from pdserve.cluster.wire import logprob_to_proto, sampling_params_from_proto
 from pdserve.engine.tokenizer import encode_prompt
 from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.router.auth import ApiKeyAuth, ApiKeyInterceptor
 from pdserve.router.limits import MAX_STOP_TOKEN_IDS, check_stop_strings, check_text
 from pdserve.router.protocol import INTERNAL_ERROR, RequestError
 from pdserve.router.service import GenerateRequest, Router
@@ -245,10 +247,15 @@ def _add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> N
         (grpc.method_handlers_generic_handler("pdserve.v1.Router", handlers),))
 
 
-async def start_grpc_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def start_grpc_server(router: Router, host: str, port: int, *,
+                            api_auth: ApiKeyAuth | None = None
+                            ) -> tuple[grpc.aio.Server, int]:
     """Start the router's gRPC server on ``host:port`` (0: a free port); returns it and
-    the bound port. Raises RuntimeError when the port cannot be bound."""
-    server = grpc.aio.server()
+    the bound port. With ``api_auth``, a call needs the metadata ``authorization:
+    Bearer <key>`` (UNAUTHENTICATED otherwise; ``router/auth.py``). Raises RuntimeError
+    when the port cannot be bound."""
+    server = grpc.aio.server(
+        interceptors=None if api_auth is None else [ApiKeyInterceptor(api_auth)])
     _add_router_servicer(RouterServicer(router), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -2,7 +2,8 @@
 ``/v1/chat/completions``, ``/v1/models``, ``/health`` (liveness, with the router's state), ``/ready`` (readiness),
 ``/metrics``.
 
-Every error is an OpenAI error body (``router/protocol.py``): 400 naming the offending
+Every error is an OpenAI error body (``router/protocol.py``): 401 without an accepted API
+key where keys are set (``router/auth.py``), 400 naming the offending
 field for invalid JSON or values, 404 for an unknown model or path, 413 for a body over
 ``max_body_bytes``, 503 with ``Retry-After`` when no worker can take the request, and 500
 ("internal error", nothing more) for a bug, whose stack goes to the log; the connection
@@ -26,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
+from pdserve.router.auth import ApiKeyAuth, ApiKeyMiddleware
 from pdserve.router.http_guard import (
     MAX_BODY_BYTES,
     ErrorJSONResponse,
@@ -61,11 +63,14 @@ from pdserve.router.service import GenerateRequest, GenerationChunk, Router
 logger = logging.getLogger(__name__)
 
 
-def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
+              api_auth: ApiKeyAuth | None = None) -> FastAPI:
     """The FastAPI app serving ``router``; its lifespan starts and stops the router.
 
     ``max_body_bytes`` bounds a request body (413 beyond it, from ``Content-Length`` or
-    while reading).
+    while reading). With ``api_auth``, every path but its public ones needs one of its
+    API keys (401 otherwise, ``router/auth.py``); it is kept as ``app.state.api_auth``,
+    so that a gRPC server started beside the app can take the same keys.
     """
 
     @asynccontextmanager
@@ -79,6 +84,9 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAP
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     _add_error_handlers(app, router)
     app.add_middleware(InternalErrorMiddleware)
+    app.state.api_auth = api_auth
+    if api_auth is not None:  # NOTE: added last, so it runs first: before anything else
+        app.add_middleware(ApiKeyMiddleware, auth=api_auth)
     context = {"vocab_size": router.vocab_size}
 
     @app.post("/v1/completions")

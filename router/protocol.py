@@ -414,13 +414,14 @@ def random_id(prefix: str) -> str:
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   type: str | None = None) -> ErrorResponse:
+                   type: str | None = None, code: int | str | None = None) -> ErrorResponse:
     """An ``ErrorResponse``; ``type`` defaults from the HTTP ``status`` (400 ->
-    ``invalid_request_error``) and ``code`` is the status, as vLLM sends it."""
+    ``invalid_request_error``) and ``code`` to the status, as vLLM sends it (OpenAI's own
+    codes, such as ``invalid_api_key``, where one fits)."""
     err_type = type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else
                                         "invalid_request_error")
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param,
-                                         code=status))
+                                         code=status if code is None else code))
 
 
 def validation_error_response(exc: ValidationError | Sequence[dict]) -> ErrorResponse:

@@ -108,7 +108,7 @@ def test_sigint_during_start_up_stops_everything_it_started(model, tmp_path):
                        "--prefill-workers", "1", "--decode-workers", "1")
     try:
         log = wait_for_line(proc, log_path, "pdserve: starting 1 prefill", timeout_s=120)
-        redis_port = int(log.split("Redis at redis://127.0.0.1:")[1].split("/")[0])
+        redis_port = int(log.split("Redis at redis://:***@127.0.0.1:")[1].split("/")[0])
         time.sleep(1.0)  # the workers' constructors are running
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("redis" in child.name() for child in children)
