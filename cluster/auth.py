@@ -200,34 +200,27 @@ def _interceptor_class() -> type:
         async def intercept_service(self, continuation, handler_call_details):
             method = handler_call_details.method
             reason = self._auth.check_rpc(method, handler_call_details.invocation_metadata)
-            handler = await continuation(handler_call_details)
-            if reason is None or handler is None:
-                return handler
+            if reason is None:
+                return await continuation(handler_call_details)
             self._num_refused += 1
             if self._num_refused <= 10 or self._num_refused % 1000 == 0:
                 logger.warning("refused %s: %s (%d refused so far)", method, reason,
                                self._num_refused)
-            return _refusal(handler, f"{method}: {reason}")
+            return unauthenticated_handler(f"{method}: {reason}")
 
     return ClusterAuthInterceptor
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind that ends the call with UNAUTHENTICATED."""
+def unauthenticated_handler(message: str) -> grpc.RpcMethodHandler:
+    """A handler that ends a call with UNAUTHENTICATED and ``message`` without reading its
+    request: a streaming one, so grpc does not wait for a whole request message first
+    (the client's call kind does not matter on the wire)."""
     import grpc
 
-    async def refuse(request_or_iterator, context):
+    async def refuse(request_iterator, context) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    kwargs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(refuse, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 # Where secrets come from

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve.cluster.auth import unauthenticated_handler
 from pdserve.router.flags import DEFAULT_PUBLIC_ENDPOINTS
 from pdserve.router.http_guard import ErrorJSONResponse
 from pdserve.router.protocol import error_response
@@ -223,15 +224,5 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                                   if name == "authorization"])
         if reason is None:
             return await continuation(handler_call_details)
-        return _refusal(reason)
+        return unauthenticated_handler(reason)
 
-
-def _refusal(reason: str) -> grpc.RpcMethodHandler:
-    """A handler that ends the call with UNAUTHENTICATED without reading its request:
-    streaming requests, so that grpc does not wait for a whole message first (the
-    client's call kind does not matter on the wire)."""
-
-    async def refuse(request_iterator, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-
-    return grpc.stream_stream_rpc_method_handler(refuse)
