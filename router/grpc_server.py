@@ -254,7 +254,10 @@ async def start_grpc_server(router: Router, host: str, port: int, *,
     the bound port. With ``api_auth``, a call needs the metadata ``authorization:
     Bearer <key>`` (UNAUTHENTICATED otherwise; ``router/auth.py``). Raises RuntimeError
     when the port cannot be bound."""
+    # NOTE: no SO_REUSEPORT (grpc's default), so no other process can bind the port too
+    # and take a share of the connections
     server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0)],
         interceptors=None if api_auth is None else [ApiKeyInterceptor(api_auth)])
     _add_router_servicer(RouterServicer(router), server)
     bound = server.add_insecure_port(f"{host}:{port}")
