@@ -108,7 +108,8 @@ def test_sampling_params_presence_distinguishes_unset_from_zero():
 def test_services_have_the_contract_methods():
     prefill = prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"]
     decode = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"]
-    assert [m.name for m in prefill.methods] == ["Prefill", "SendKV", "Release", "Health"]
+    assert [m.name for m in prefill.methods] == ["Prefill", "SendKV", "GrantKV", "Release",
+                                                 "Health"]
     assert [m.name for m in decode.methods] == ["Decode", "Abort", "Health"]
     assert decode.methods_by_name["Decode"].server_streaming
     assert hasattr(prefill_pb2_grpc, "PrefillWorkerServicer")
