@@ -413,3 +413,45 @@ def test_mutual_tls_between_router_and_workers(model, prompts_and_expected, tmp_
             cluster.close()
     assert results == expected[:4]
     assert failures == [grpc.StatusCode.UNAVAILABLE] * 2
+
+
+def test_grant_kv_moves_a_lease_to_another_decode_worker(cluster, prompts_and_expected):
+    """The router's retry on another decode worker: a lease named for decode worker A
+    cannot be sent to B (PERMISSION_DENIED, and the lease stands) until GrantKV names B;
+    then B pulls it and decodes the right tokens. GrantKV of an unknown lease is
+    refused."""
+    prompts, expected = prompts_and_expected
+    params = sampling_params_to_proto(GREEDY)
+
+    async def decode_all(stub, request_id, first):
+        tokens = []
+        async for reply in stub.Decode(decode_pb2.DecodeRequest(
+                request_id=request_id, prompt_token_ids=prompts[1],
+                first_token_id=first.first_token_id, sampling_params=params,
+                kv_handle=first.kv_handle), timeout=30):
+            tokens += reply.token_ids
+        return [first.first_token_id] + tokens
+
+    async def main():
+        prefill = prefill_stub(cluster.infos["prefill"]["grpc_address"])
+        decode = decode_stub(cluster.infos["decode"]["grpc_address"])
+        real = await lease_for(decode)
+        first = await prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id="moved", prompt_token_ids=prompts[1], sampling_params=params,
+            decode_worker_id="decode-a", decode_kv_address="127.0.0.1:1"), timeout=30)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await prefill.SendKV(prefill_pb2.SendKVRequest(
+                request_id="moved", decode_worker_id=real["decode_worker_id"],
+                decode_kv_address=real["decode_kv_address"], block_indices=[0]), timeout=10)
+        granted = await prefill.GrantKV(prefill_pb2.GrantKVRequest(
+            request_id="moved", **real), timeout=10)
+        tokens = await decode_all(decode, "moved", first)
+        unknown = await prefill.GrantKV(prefill_pb2.GrantKVRequest(
+            request_id="no-such-lease", **real), timeout=10)
+        return refused.value, granted.granted, tokens, unknown.granted, await settled(prefill)
+
+    refused, granted, tokens, unknown, after = asyncio.run(main())
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "another decode worker" in refused.details()
+    assert granted and tokens == expected[1] and not unknown
+    assert after.num_kv_leases == 0 and after.num_free_blocks == after.num_total_blocks
