@@ -83,19 +83,30 @@ def _on_this_node(config: WorkerConfig) -> WorkerConfig:
 class RayLauncher:
     """Joins a Ray cluster (``ray_address``) or starts a local one, and runs worker actors.
 
+    A local Ray is started as narrowly as Ray allows: with Ray's token authentication
+    (Ray's default for a local cluster unless ``RAY_AUTH_MODE=disabled``; Ray keeps the
+    token in ``~/.ray/auth_token``) and without the dashboard unless ``dashboard`` (then
+    on 127.0.0.1). Ray itself still binds its gRPC servers (GCS, raylet, each worker's core
+    worker) and its agents' ports on every interface, and refuses 127.0.0.1 as a node IP:
+    README, Security, lists them.
+
     Raises:
         RuntimeError: from ``launch`` and ``wait_ready`` when an actor fails to start, or
             does not within ``START_TIMEOUT_S`` seconds.
     """
 
-    def __init__(self, ray_address: str | None = None, num_cpus: int | None = None) -> None:
+    def __init__(self, ray_address: str | None = None, num_cpus: int | None = None,
+                 dashboard: bool = False) -> None:
         import ray
 
         self.ray = ray
         if not ray.is_initialized():
-            ray.init(address=ray_address, num_cpus=num_cpus, include_dashboard=False,
-                     ignore_reinit_error=True, log_to_driver=False,
-                     configure_logging=False)
+            # NOTE: Ray (2.60 here) turns its token authentication on for a local
+            # cluster unless RAY_AUTH_MODE says otherwise; setting it here, after ray
+            # cached its config, would leave this driver out of its own cluster
+            ray.init(address=ray_address, num_cpus=num_cpus, include_dashboard=dashboard,
+                     dashboard_host="127.0.0.1", ignore_reinit_error=True,
+                     log_to_driver=False, configure_logging=False)
         self.actors: list = []
         self._names: dict = {}  # actor handle -> its first worker id ("prefill-0")
         self._actor_cls = ray.remote(WorkerActor)

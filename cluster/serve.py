@@ -66,6 +66,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-address", default=None,
                         help="join this Ray cluster ('auto' for the local head); "
                              "default: start a local one")
+    parser.add_argument("--ray-dashboard", action="store_true",
+                        help="start Ray's dashboard (on 127.0.0.1) with a local Ray")
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--redis-url", default=None,
@@ -259,7 +261,7 @@ class _ServeRun:
 
         stack.callback(ray.shutdown)  # NOTE: also stops a Ray whose ray.init was cut short
         try:
-            launcher = RayLauncher(self.args.ray_address)
+            launcher = RayLauncher(self.args.ray_address, dashboard=self.args.ray_dashboard)
         except SystemExit as exc:  # NOTE: ray.init's own SIGTERM handler exits
             if exc.code != signal.SIGTERM:
                 raise
@@ -294,7 +296,7 @@ class _ServeRun:
         def report(info) -> None:
             ready[info.role] += 1
             say(f"{info.role} worker {ready[info.role]}/{counts[info.role]} ready "
-                f"(gRPC {info.grpc_address}, id {info.worker_id})")
+                f"(gRPC {info.grpc_address}, KV {info.kv_address}, id {info.worker_id})")
 
         launcher.wait_ready(actors, on_ready=report)
 
