@@ -287,7 +287,9 @@ async def benchmark(args: argparse.Namespace) -> dict:
     url = f"{base_url}/v1/" + ("chat/completions" if args.endpoint == "chat" else "completions")
     timeout = httpx.Timeout(args.request_timeout, connect=10.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    api_key = os.environ.get("OPENAI_API_KEY")  # as vLLM's benchmark client reads it
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         model = args.model or await asyncio.wait_for(fetch_model(client, base_url), 30.0)
         requests = make_prompts(args.num_prompts, args.input_len, args.output_len, args.seed)
         # Warm-up with other words, so no benchmark prompt is prefix-cached by it.
@@ -408,7 +410,8 @@ def machine_info() -> dict:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command-line flags (vLLM's names where it has one)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server; its API key, if it has one, from $OPENAI_API_KEY")
     p.add_argument("--model", default=None, help="default: the first id from /v1/models")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--num-prompts", type=int, default=32)
