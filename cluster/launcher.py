@@ -137,13 +137,14 @@ class RayLauncher:
     def __init__(self, ray_address: str | None = None, num_cpus: int | None = None,
                  node_ip: str | None = LOOPBACK_NODE_IP, dashboard: bool = False) -> None:
         local = ray_address is None
-        if local and node_ip == LOOPBACK_NODE_IP:
+        loopback = local and node_ip == LOOPBACK_NODE_IP
+        if loopback:
             os.environ[SINGLE_NODE_ENV] = "0"  # NOTE: read once, when Ray is imported
         import ray
 
         self.ray = ray
         if not ray.is_initialized():
-            if local and node_ip == LOOPBACK_NODE_IP:
+            if loopback:
                 _check_single_node_mode()
             init_kwargs = {"_node_ip_address": node_ip} if local and node_ip else {}
             # NOTE: "local", not None: None would join a cluster named by RAY_ADDRESS or
