@@ -22,6 +22,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,7 +177,7 @@ def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monke
         assert reply.status_code == 200, reply.text
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         procs = list({p.pid: p for p in [*tree, *marked(mark)]}.values())
-        ray = ray_ports(procs)
+        ray_known = ray_ports(procs)
         listeners = sockets_of(procs, proc.pid)
         proc.send_signal(signal.SIGINT)
         status = proc.wait(timeout=60)
@@ -190,7 +192,7 @@ def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monke
     worker_ports = {int(port): role for role, port, _ in ready}
     worker_pids = {int(pid): role for role, _, pid in ready}
     router_ports = {port: "router HTTP", grpc_port: "router gRPC"}
-    found = [classify(listener, router_ports, worker_ports, worker_pids, ray)
+    found = [classify(listener, router_ports, worker_ports, worker_pids, ray_known)
              for listener in listeners]
     table = "\n".join(map(str, sorted(found, key=lambda f: (f.owner, f.purpose, f.port))))
     print(table)  # NOTE: shown with -s
@@ -217,3 +219,16 @@ def test_ray_node_ip_is_loopback_unless_a_host_is_another_address():
     assert node_ip_for("127.0.0.1", "::") is None
     assert node_ip_for("10.0.0.7", "127.0.0.1") == "10.0.0.7"
     assert node_ip_for("127.0.0.1", "10.0.0.8") == "10.0.0.8"
+
+
+def test_a_loopback_ray_is_refused_once_ray_was_imported_without_single_node_mode():
+    """The launcher cannot narrow a Ray imported before it: it refuses rather than start
+    one on the routable address."""
+    code = ("import ray\nfrom pdserve.cluster.launcher import RayLauncher\n"
+            "try:\n    RayLauncher(num_cpus=1)\nexcept RuntimeError as exc:\n    print(exc)\n"
+            "print('initialized', ray.is_initialized())")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert "cannot start Ray on 127.0.0.1 only" in out
+    assert "initialized False" in out
