@@ -5,12 +5,21 @@ when they die (``max_restarts=-1``); a restarted actor is a new incarnation with
 worker id, so the registry and prefix index never mix its empty cache with the old one's.
 On GPU nodes each actor takes one GPU; on CPU the machine's cores are split between the
 workers (``num_threads``), so two workers on one machine do not oversubscribe it.
+
+A local Ray (no ``ray_address``) binds as narrowly as Ray allows: with node IP 127.0.0.1
+Ray's gRPC servers (GCS, raylet, object manager, every worker's and driver's core worker),
+its dashboard agent, metrics exporter and runtime-env agent all listen on loopback only,
+and there is no dashboard unless asked for. Ray keys all of that on the node IP being
+exactly ``127.0.0.1``, and on Linux ``ray.init`` replaces a loopback node IP by the
+routable one unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (its single-node mode, the
+default on Windows and macOS) is set before Ray is imported.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import os
 import threading
@@ -64,6 +73,35 @@ class WorkerActor:
 
 
 _WILDCARDS = ("0.0.0.0", "::", "")
+LOOPBACK_NODE_IP = "127.0.0.1"  # the one node IP for which Ray binds loopback only
+SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": ray.init keeps 127.0.0.1
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and any 127.0.0.0/8 or ::1 address (IPv4-mapped too)."""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def node_ip_for(*hosts: str) -> str | None:
+    """The node IP a local Ray should take for workers and a router on ``hosts``.
+
+    127.0.0.1 (loopback only) when every host is a loopback address; Ray's own choice
+    (``None``: the routable address) when one is a wildcard; else the first other host,
+    which other nodes can reach.
+    """
+    others = [host for host in hosts if not is_loopback(host)]
+    if not others:
+        return LOOPBACK_NODE_IP
+    if any(host in _WILDCARDS for host in others):
+        return None
+    return others[0]
 
 
 def _on_this_node(config: WorkerConfig) -> WorkerConfig:
@@ -83,30 +121,40 @@ def _on_this_node(config: WorkerConfig) -> WorkerConfig:
 class RayLauncher:
     """Joins a Ray cluster (``ray_address``) or starts a local one, and runs worker actors.
 
-    A local Ray is started as narrowly as Ray allows: with Ray's token authentication
-    (Ray's default for a local cluster unless ``RAY_AUTH_MODE=disabled``; Ray keeps the
-    token in ``~/.ray/auth_token``) and without the dashboard unless ``dashboard`` (then
-    on 127.0.0.1). Ray itself still binds its gRPC servers (GCS, raylet, each worker's core
-    worker) and its agents' ports on every interface, and refuses 127.0.0.1 as a node IP:
-    README, Security, lists them.
+    Without ``ray_address`` it always starts a new local Ray (it never joins one named by
+    ``RAY_ADDRESS`` or left by ``ray start``), which takes ``node_ip`` (default 127.0.0.1:
+    every Ray listener on loopback; ``None``: Ray's routable default) and starts its
+    dashboard only with ``dashboard`` (on 127.0.0.1:8265, Ray's default). Neither applies
+    when joining ``ray_address``. Ray's token authentication is on for a local
+    Ray (Ray's default unless ``RAY_AUTH_MODE=disabled``; the token is
+    ``~/.ray/auth_token``).
 
     Raises:
-        RuntimeError: from ``launch`` and ``wait_ready`` when an actor fails to start, or
-            does not within ``START_TIMEOUT_S`` seconds.
+        RuntimeError: from the constructor when a loopback Ray was asked for but Ray was
+            imported before this process could select its single-node mode; from
+            ``launch`` and ``wait_ready`` when an actor fails to start, or does not within
+            ``START_TIMEOUT_S`` seconds.
     """
 
     def __init__(self, ray_address: str | None = None, num_cpus: int | None = None,
-                 dashboard: bool = False) -> None:
+                 node_ip: str | None = LOOPBACK_NODE_IP, dashboard: bool = False) -> None:
+        local = ray_address is None
+        loopback = local and node_ip == LOOPBACK_NODE_IP
+        if loopback:
+            os.environ[SINGLE_NODE_ENV] = "0"  # NOTE: read once, when Ray is imported
         import ray
 
         self.ray = ray
         if not ray.is_initialized():
-            # NOTE: Ray (2.60 here) turns its token authentication on for a local
-            # cluster unless RAY_AUTH_MODE says otherwise; setting it here, after ray
-            # cached its config, would leave this driver out of its own cluster
-            ray.init(address=ray_address, num_cpus=num_cpus, include_dashboard=dashboard,
-                     dashboard_host="127.0.0.1", ignore_reinit_error=True,
-                     log_to_driver=False, configure_logging=False)
+            if loopback:
+                _check_single_node_mode()
+            init_kwargs = {"_node_ip_address": node_ip} if local and node_ip else {}
+            # NOTE: "local", not None: None would join a cluster named by RAY_ADDRESS or
+            # by the last `ray start` on this machine, with whatever listeners it has
+            ray.init(address=ray_address or "local", num_cpus=num_cpus,
+                     include_dashboard=dashboard if local else False,
+                     ignore_reinit_error=True, log_to_driver=False,
+                     configure_logging=False, **init_kwargs)
         self.actors: list = []
         self._names: dict = {}  # actor handle -> its first worker id ("prefill-0")
         self._actor_cls = ray.remote(WorkerActor)
@@ -198,8 +246,23 @@ class RayLauncher:
             self._names.clear()
             self.ray.shutdown()
 
+    def node_ip(self) -> str:
+        """The IP address of the Ray node this process is on."""
+        return self.ray.util.get_node_ip_address()
+
     def _kill_quietly(self, actor) -> None:
         try:
             self.ray.kill(actor, no_restart=True)
         except Exception:  # NOTE: already dead, or Ray is going down
             logger.debug("could not kill a worker actor", exc_info=True)
+
+
+def _check_single_node_mode() -> None:
+    """Raise unless Ray's single-node mode is on (it keeps node IP 127.0.0.1)."""
+    from ray._private import ray_constants
+
+    if ray_constants.ENABLE_RAY_CLUSTER:
+        raise RuntimeError(
+            f"cannot start Ray on 127.0.0.1 only: Ray was imported before {SINGLE_NODE_ENV}=0 "
+            "was set; set it in the environment, or import pdserve's launcher first, or "
+            "pass node_ip=None for Ray's routable node IP")

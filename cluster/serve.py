@@ -7,7 +7,8 @@ Start-up runs in phases, each printing one line (``pdserve: ...``) once done:
    binds it (it cannot take a socket). A port that is taken ends the command at once,
    status 2, before anything is started;
 2. Redis: ``--redis-url``, or a private ``redis-server`` (cluster/redis_server.py);
-3. Ray: joins ``--ray-address`` or starts a local one;
+3. Ray: joins ``--ray-address`` or starts a local one, bound to 127.0.0.1 unless
+   ``--host`` or ``--worker-host`` names another address (cluster/launcher.py);
 4. the C++ CPU kernels, when the workers run on the CPU and no build is cached: built once
    here, so the workers load the build instead of each compiling it;
 5. the ``--prefill-workers`` and ``--decode-workers`` Ray actors, all at once, each
@@ -65,9 +66,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="router gRPC port (pdserve.v1.Router; 0: none)")
     parser.add_argument("--ray-address", default=None,
                         help="join this Ray cluster ('auto' for the local head); "
-                             "default: start a local one")
+                             "default: start a local one, on 127.0.0.1 only unless --host "
+                             "or --worker-host is another address")
     parser.add_argument("--ray-dashboard", action="store_true",
-                        help="start Ray's dashboard (on 127.0.0.1) with a local Ray")
+                        help="start the local Ray's dashboard (on 127.0.0.1:8265)")
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--redis-url", default=None,
@@ -255,13 +257,14 @@ class _ServeRun:
         return redis.url
 
     def _start_ray(self, stack: contextlib.ExitStack):
-        import ray
+        from pdserve.cluster.launcher import RayLauncher, node_ip_for
 
-        from pdserve.cluster.launcher import RayLauncher
-
-        stack.callback(ray.shutdown)  # NOTE: also stops a Ray whose ray.init was cut short
+        args = self.args
+        node_ip = node_ip_for(args.worker_host, args.host)
+        stack.callback(_ray_shutdown)  # NOTE: also stops a Ray whose ray.init was cut short
         try:
-            launcher = RayLauncher(self.args.ray_address, dashboard=self.args.ray_dashboard)
+            launcher = RayLauncher(args.ray_address, node_ip=node_ip,
+                                   dashboard=args.ray_dashboard)
         except SystemExit as exc:  # NOTE: ray.init's own SIGTERM handler exits
             if exc.code != signal.SIGTERM:
                 raise
@@ -270,7 +273,8 @@ class _ServeRun:
         stack.callback(lambda: launcher.shutdown(
             WORKER_STOP_TIMEOUT_S if self.announced else 0.0))
         self.interrupts.install()  # NOTE: ray.init installs its own SIGTERM handler
-        where = f"joined {self.args.ray_address}" if self.args.ray_address else "started locally"
+        where = (f"joined {args.ray_address}" if args.ray_address
+                 else f"started locally on {launcher.node_ip()}")
         say(f"Ray {where} ({'GPU' if launcher.has_gpus else 'CPU'} workers)")
         return launcher
 
@@ -315,6 +319,12 @@ class _ServeRun:
             config.local_prefill_threshold = engine.max_model_len or 1 << 30
         router = Router(config)
         return router, build_app(router, api_auth=self.api_auth)
+
+
+def _ray_shutdown() -> None:
+    ray = sys.modules.get("ray")  # NOTE: not imported here: the launcher imports it first
+    if ray is not None:
+        ray.shutdown()
 
 
 def build_cpu_kernels(interrupts: Interrupts) -> None:

@@ -1,148 +1,234 @@
-"""What a default ``pdserve serve`` listens on (issue 13): every listener of pdserve's own
-(the router's HTTP and gRPC, the workers' gRPC and KV stores, the gloo pair channels,
-Redis) binds loopback only; what binds wider is Ray's, and only what Ray does not let
-anyone narrow (README, Security).
+"""What a default ``pdserve serve`` listens on: every socket of its process tree, its
+own and those of the local Ray it starts, binds a loopback address.
 
-One real ``pdserve serve`` with no flag but its ports, one completion through it (so the
-pair channels exist), then every listening socket of every process it started.
+pdserve's own listeners: the router's HTTP (``--port``) and gRPC (``--grpc-port``), the
+private Redis, each worker's gRPC, and the KV transfer's: the decode worker's TCPStore and
+both ends' gloo (made by the first remote prefill, so the test sends one). Ray's: the GCS,
+the raylet (node manager, object manager), every core worker (the driver's, the actors',
+idle workers'), the dashboard agent, runtime-env agent, and the metrics exporters of the
+dashboard head and the autoscaler monitor. Ray binds all of these to loopback once its node
+IP is 127.0.0.1 (cluster/launcher.py), so no Ray listener needs an exception here.
+
+Each socket is classified by owner: pdserve's by port (the router's flags, the workers'
+``ready`` lines) or process (Redis), Ray's gRPC servers by the port each one logs at
+start-up (``<name> server started, listening on port N``), its agents' and exporters' by
+the ports it records in its session folder, the rest by process.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
-import time
-import urllib.request
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import psutil
 import pytest
+from test_serve_startup import (
+    kill_marked,
+    marked,
+    start_serve,
+    wait_for_line,
+    wait_none_marked,
+)
 
+from pdserve.cluster.launcher import node_ip_for
 from pdserve.cluster.redis_server import free_port
 from pdserve.engine.demo_model import make_demo_model
 
-MARK = "PDSERVE_TEST_MARK"
-START_TIMEOUT_S = 240.0
-# Ray's own servers, which bind every interface whatever ray.init is given (it turns a
-# 127.0.0.1 node IP into the machine's address): matched on the command line.
-RAY_SERVICES = {
-    "gcs_server": "the GCS (cluster metadata), gRPC",
-    "raylet": "the raylet (scheduling, object manager), gRPC",
-    "ray::DashboardAgent": "the dashboard agent (gRPC, HTTP, metrics export)",
-    "ray::RuntimeEnvAgent": "the runtime-env agent (HTTP, on the node's IP)",
-    "dashboard/dashboard.py": "the dashboard head's metrics port (no UI without "
-                              "--ray-dashboard)",
-    "autoscaler/_private/monitor.py": "the autoscaler monitor's metrics port",
-}
-# Processes that run a Ray core worker (the pdserve serve driver, the worker actors, idle
-# Ray workers): each has one gRPC server of Ray's on every interface, and nothing else
-# pdserve may open there.
-RAY_CORE_WORKERS = ("pdserve.cluster.cli serve", "ray::WorkerActor", "ray::IDLE")
+START_TIMEOUT_S = 150
+READY = re.compile(r"(prefill|decode) worker \d+/\d+ ready \(gRPC \S+:(\d+), id \S+-(\d+)\)")
+RAY_GRPC_LOG = re.compile(r"^\[\S+ \S+ \w (\d+) \d+\].* (\w+) server started, "
+                          r"listening on port (\d+)\.", re.MULTILINE)
 
 
-def is_loopback(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
+@dataclass(frozen=True, slots=True)
+class Listener:
+    """One listening TCP or bound UDP socket of one process."""
+
+    pid: int
+    process: str  # short process name: "pdserve", "raylet", "ray::WorkerActor", ...
+    transport: str  # "tcp" or "udp"
+    ip: str
+    port: int
+    owner: str = ""  # "pdserve" or "ray"
+    purpose: str = ""
+
+    def __str__(self) -> str:
+        return (f"{self.owner:7} {self.purpose:40} {self.process:22} pid {self.pid:<7} "
+                f"{self.transport} {self.ip}:{self.port}")
 
 
-def listeners(processes: list[psutil.Process]) -> list[tuple[int, str, int, str]]:
-    """(pid, address, port, command line) of each listening TCP socket and bound UDP
-    socket of ``processes``."""
+def is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1: an IPv6 socket on IPv4 loopback
+    return (mapped or address).is_loopback
+
+
+def process_name(proc: psutil.Process, serve_pid: int) -> str:
+    if proc.pid == serve_pid:
+        return "pdserve"
+    cmdline = proc.cmdline()
+    if cmdline and cmdline[0].startswith("ray::"):
+        return cmdline[0].split()[0].split(".")[0]  # "ray::WorkerActor.info": an actor
+    scripts = [Path(arg).name for arg in cmdline[:3] if arg.endswith(".py")]
+    return scripts[0] if scripts else proc.name()
+
+
+def sockets_of(procs: list[psutil.Process], serve_pid: int) -> list[Listener]:
+    """Every TCP socket in LISTEN and every bound UDP socket of ``procs``."""
     found = []
-    for proc in processes:
+    for proc in procs:
         try:
-            command = " ".join(proc.cmdline())
-            for conn in proc.net_connections(kind="inet"):
-                udp = conn.type == 2 and not conn.raddr
-                if conn.status == psutil.CONN_LISTEN or udp:
-                    found.append((proc.pid, conn.laddr.ip, conn.laddr.port, command))
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
+            name = process_name(proc, serve_pid)
+            connections = proc.net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        for conn in connections:
+            tcp = conn.type == socket.SOCK_STREAM
+            if (tcp and conn.status != psutil.CONN_LISTEN) or not conn.laddr:
+                continue
+            found.append(Listener(proc.pid, name, "tcp" if tcp else "udp", conn.laddr.ip,
+                                  conn.laddr.port))
     return found
 
 
-def started_by(proc: subprocess.Popen, mark: str) -> list[psutil.Process]:
-    """``proc``, its descendants, and every process carrying ``mark`` in its environment
-    (Ray's processes are not all its descendants)."""
-    found = {}
-    root = psutil.Process(proc.pid)
-    for p in [root, *root.children(recursive=True)]:
-        found[p.pid] = p
-    for p in psutil.process_iter():
+# Ray's own names for the ports it records in its session folder (``<name>_<node id>``)
+RAY_PORT_FILES = {"metrics_agent_port": "dashboard agent gRPC (metrics)",
+                  "metrics_export_port": "Prometheus metrics export",
+                  "dashboard_agent_listen_port": "dashboard agent HTTP",
+                  "runtime_env_agent_port": "runtime-env agent HTTP"}
+RAY_PROCESSES = {"monitor.py": "autoscaler monitor metrics",
+                 "dashboard.py": "dashboard head (metrics)"}
+
+
+def ray_ports(procs: list[psutil.Process]) -> dict[tuple[int | None, int], str]:
+    """What Ray's ports are for, from the session of the GCS among ``procs``:
+    ``(pid, port) -> name`` of each gRPC server Ray logs ("GcsServer", "NodeManager",
+    "ObjectManager", "driver", "worker"), and ``(None, port) -> purpose`` of the ports it
+    records in its session folder."""
+    session = None
+    for proc in procs:
         try:
-            if p.environ().get(MARK) == mark:
-                found[p.pid] = p
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return list(found.values())
+            cmdline = proc.cmdline()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if cmdline and cmdline[0].endswith("gcs_server"):
+            log_dirs = [arg.split("=", 1)[1] for arg in cmdline if arg.startswith("--log_dir=")]
+            session = Path(log_dirs[0]).parent
+    assert session is not None, "no gcs_server among pdserve serve's processes"
+    ports: dict[tuple[int | None, int], str] = {}
+    for path in (session / "logs").iterdir():
+        if path.is_file() and path.suffix in (".log", ".out", ".err"):
+            for pid, name, port in RAY_GRPC_LOG.findall(path.read_text(errors="replace")):
+                ports[int(pid), int(port)] = f"{name} gRPC"
+    for path in session.glob("*_port_*"):
+        purpose = RAY_PORT_FILES.get(path.name.rsplit("_", 1)[0])
+        if purpose is not None and path.read_text().strip().isdigit():
+            ports[None, int(path.read_text())] = purpose
+    return ports
+
+
+def classify(listener: Listener, router_ports: dict[int, str], worker_ports: dict[int, str],
+             worker_pids: dict[int, str], ray: dict[tuple[int | None, int], str]) -> Listener:
+    """``listener`` with its owner and purpose."""
+    pid, port = listener.pid, listener.port
+    if listener.process == "pdserve" and port in router_ports:
+        owner, purpose = "pdserve", router_ports[port]
+    elif listener.process == "redis-server":
+        owner, purpose = "pdserve", "private Redis"
+    elif port in worker_ports and pid in worker_pids:
+        owner, purpose = "pdserve", f"{worker_ports[port]} worker gRPC"
+    elif (pid, port) in ray or (None, port) in ray:
+        owner, purpose = "ray", ray.get((pid, port)) or ray[None, port]
+    elif pid in worker_pids:
+        ends = "TCPStore, gloo" if worker_pids[pid] == "decode" else "gloo"
+        owner, purpose = "pdserve", f"{worker_pids[pid]} KV transfer ({ends})"
+    else:
+        owner, purpose = "ray", RAY_PROCESSES.get(listener.process, "unknown")
+    return Listener(pid, listener.process, listener.transport, listener.ip, port, owner,
+                    purpose)
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return make_demo_model(tmp_path_factory.mktemp("listeners") / "demo")
+    return make_demo_model(tmp_path_factory.mktemp("demo") / "model")
 
 
-def test_a_default_pdserve_serve_listens_on_loopback_only(model, tmp_path):
-    port, grpc_port, mark = free_port(), free_port(), uuid.uuid4().hex
+def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")  # NOTE: no kernel build: it listens on nothing
+    mark = uuid.uuid4().hex
     log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--model", str(model),
-             "--dtype", "float32", "--max-model-len", "512", "--port", str(port),
-             "--grpc-port", str(grpc_port)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, MARK: mark})
+    port, grpc_port = free_port(), free_port()
+    proc = start_serve(model, log_path, mark, "--port", str(port), "--grpc-port",
+                       str(grpc_port), "--served-model-name", "demo",
+                       "--local-prefill-threshold", "0")  # every prompt is prefilled remotely
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "pdserve serving" not in (output := log_path.read_text()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"pdserve serve did not start:\n{output[-3000:]}")
-            time.sleep(0.2)
-        body = json.dumps({"model": str(model), "prompt": "a prompt of a few blocks " * 8,
-                           "max_tokens": 4}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            assert json.loads(reply.read())["usage"]["completion_tokens"] == 4
-        found = listeners(started_by(proc, mark))
+        log = wait_for_line(proc, log_path, "pdserve serving", START_TIMEOUT_S)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"model": "demo", "prompt": "The KV cache", "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        procs = list({p.pid: p for p in [*tree, *marked(mark)]}.values())
+        ray_known = ray_ports(procs)
+        listeners = sockets_of(procs, proc.pid)
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=60)
+        left = wait_none_marked(mark, timeout_s=20)
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-    output = log_path.read_text()
-    redis_port = int(re.search(r"Redis at redis://:\*\*\*@127\.0\.0\.1:(\d+)/", output)[1])
-    worker_ports = {int(p) for p in re.findall(r"gRPC 127\.0\.0\.1:(\d+), KV", output)}
-    kv_ports = {int(p) for p in re.findall(r"KV 127\.0\.0\.1:(\d+),", output)}
-    assert len(worker_ports) == 2 and len(kv_ports) == 1  # a prefill and a decode worker
-    ours = {port, grpc_port, redis_port, *worker_ports, *kv_ports}
+            proc.wait(timeout=10)
+        kill_marked(mark)
 
-    table = "\n".join(f"{pid} {address}:{p} {command[:80]}" for pid, address, p, command in found)
-    by_port = {}
-    for _, address, p, _ in found:
-        by_port.setdefault(p, set()).add(address)
-    for p in ours:  # each is listening, on loopback only
-        assert p in by_port, f"port {p} of pdserve not found listening:\n{table}"
-        assert all(is_loopback(a) for a in by_port[p]), f"port {p}:\n{table}"
-    wide_per_core_worker = {}
-    for pid, address, p, command in found:
-        if is_loopback(address):
-            continue
-        assert p not in ours, f"{address}:{p} is pdserve's:\n{table}"
-        if any(service in command for service in RAY_SERVICES):
-            continue
-        assert any(worker in command for worker in RAY_CORE_WORKERS), \
-            f"{address}:{p} of an unknown process:\n{table}"
-        wide_per_core_worker.setdefault(pid, []).append(p)
-    # the serve driver and both worker actors each have Ray's core worker server, alone
-    assert len(wide_per_core_worker) >= 3, table
-    assert all(len(ports) == 1 for ports in wide_per_core_worker.values()), table
+    ready = READY.findall(log)
+    worker_ports = {int(port): role for role, port, _ in ready}
+    worker_pids = {int(pid): role for role, _, pid in ready}
+    router_ports = {port: "router HTTP", grpc_port: "router gRPC"}
+    found = [classify(listener, router_ports, worker_ports, worker_pids, ray_known)
+             for listener in listeners]
+    table = "\n".join(map(str, sorted(found, key=lambda f: (f.owner, f.purpose, f.port))))
+    print(table)  # NOTE: shown with -s
+    purposes = {(f.process, f.purpose) for f in found}
+    # the enumeration sees pdserve's listeners and Ray's, in the processes expected
+    assert {("pdserve", "router HTTP"), ("pdserve", "router gRPC"),
+            ("redis-server", "private Redis"), ("ray::WorkerActor", "prefill worker gRPC"),
+            ("ray::WorkerActor", "decode worker gRPC"), ("gcs_server", "GcsServer gRPC"),
+            ("raylet", "NodeManager gRPC"), ("raylet", "ObjectManager gRPC"),
+            ("pdserve", "driver gRPC")} <= purposes, table
+    assert len(worker_pids) == 2, log
+    assert any(f.purpose == "decode KV transfer (TCPStore, gloo)" for f in found), table
+    wide = "\n".join(str(f) for f in found if not is_loopback(f.ip))
+    assert not wide, f"listeners beyond loopback:\n{wide}\nall:\n{table}"
+    assert status == 0 and left == []
+    assert "pdserve stopped" in log_path.read_text()
+
+
+def test_ray_node_ip_is_loopback_unless_a_host_is_another_address():
+    assert node_ip_for("127.0.0.1", "127.0.0.1") == "127.0.0.1"
+    assert node_ip_for("localhost", "::1") == "127.0.0.1"
+    assert node_ip_for("127.0.0.2", "127.0.0.1") == "127.0.0.1"
+    assert node_ip_for("0.0.0.0", "127.0.0.1") is None  # Ray's routable default
+    assert node_ip_for("127.0.0.1", "::") is None
+    assert node_ip_for("10.0.0.7", "127.0.0.1") == "10.0.0.7"
+    assert node_ip_for("127.0.0.1", "10.0.0.8") == "10.0.0.8"
+
+
+def test_a_loopback_ray_is_refused_once_ray_was_imported_without_single_node_mode():
+    """The launcher cannot narrow a Ray imported before it: it refuses rather than start
+    one on the routable address."""
+    code = ("import ray\nfrom pdserve.cluster.launcher import RayLauncher\n"
+            "try:\n    RayLauncher(num_cpus=1)\nexcept RuntimeError as exc:\n    print(exc)\n"
+            "print('initialized', ray.is_initialized())")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert "cannot start Ray on 127.0.0.1 only" in out
+    assert "initialized False" in out
