@@ -44,7 +44,7 @@ from pdserve.cluster.redis_server import free_port
 from pdserve.engine.demo_model import make_demo_model
 
 START_TIMEOUT_S = 150
-READY = re.compile(r"(prefill|decode) worker \d+/\d+ ready \(gRPC \S+:(\d+), id \S+-(\d+)\)")
+READY = re.compile(r"(prefill|decode) worker \d+/\d+ ready \(gRPC \S+:(\d+), KV \S+, id \S+-(\d+)\)")
 RAY_GRPC_LOG = re.compile(r"^\[\S+ \S+ \w (\d+) \d+\].* (\w+) server started, "
                           r"listening on port (\d+)\.", re.MULTILINE)
 
