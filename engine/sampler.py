@@ -3,9 +3,13 @@
 Order of operations (vLLM's): logprobs from the raw logits; then repetition, frequency and
 presence penalties and the ``min_tokens`` ban on stop tokens; then greedy rows take the
 argmax; the rest are divided by their temperature, filtered (min-p, top-k, top-p) and drawn
-by the exponential race ``argmax(p / q), q ~ Exp(1)``, which samples from ``p`` exactly.
-A seeded row draws its ``q`` from a generator keyed by (seed, output token index), so the
-same request gives the same tokens on any worker, in any batch (DESIGN.md).
+by inverse transform sampling: one uniform ``u`` per row, and the first token whose
+cumulative probability reaches ``(1 - u) * total``, which samples from ``p`` exactly (up to
+fp32 rounding of the running sum) and never picks a token of probability 0. It needs one
+random number per row where the exponential race ``argmax(p / q), q ~ Exp(1)`` needs one per
+vocabulary entry (15 ms per step at 32 rows x 32000 tokens on a 2-core CPU, against under
+1 ms). A seeded row draws its ``u`` from a generator keyed by (seed, output token index), so
+the same request gives the same tokens on any worker, in any batch (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -70,18 +74,18 @@ class Sampler:
             floor = torch.tensor(min_p, device=probs.device)[:, None] * probs.amax(-1, keepdim=True)
             logits = logits.masked_fill(probs < floor, float("-inf"))
         logits = _filter_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        probs = torch.softmax(logits, dim=-1)
-        q = torch.empty_like(probs)
+        probs = torch.softmax(logits, dim=-1)  # [N, V]
+        u = torch.empty(len(params), dtype=torch.float64)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
-            noise = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
-            q[unseeded] = noise.to(q.device)
-        for i, req in enumerate(requests):
-            seed = req.sampling_params.seed
-            if seed is not None:
-                gen = torch.Generator().manual_seed(position_seed(seed, req.num_output_tokens))
-                q[i] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(q.device)
-        return (probs / q).argmax(dim=-1)
+            u[unseeded] = torch.rand(len(unseeded), generator=self.generator,
+                                     dtype=torch.float64)
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                gen = torch.Generator().manual_seed(position_seed(p.seed,
+                                                                  requests[i].num_output_tokens))
+                u[i] = torch.rand(1, generator=gen, dtype=torch.float64)
+        return _inverse_cdf_sample(probs, u.to(probs.device))
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
@@ -153,6 +157,18 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     ps = torch.tensor(top_p, device=logits.device)[:, None]
     sorted_logits = sorted_logits.masked_fill(mass_before >= ps, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs: [N, V]`` (fp32, rows need not be normalised) given
+    ``u: [N]`` uniform in [0, 1): the first index whose running sum reaches
+    ``(1 - u) * row total``. That target lies in (0, total], so the index found has
+    probability above 0. Returns ``[N]`` int64."""
+    cdf = probs.cumsum(dim=-1)  # [N, V]
+    target = ((1.0 - u) * cdf[:, -1].to(u.dtype)).to(cdf.dtype)  # (0, total]
+    # NOTE: fp32 rounding can put the target a hair above the last running sum.
+    target = torch.minimum(target, cdf[:, -1])
+    return torch.searchsorted(cdf, target[:, None]).squeeze(1)
 
 
 def _logprob(raw: torch.Tensor | None, row: int, token: int, num_top: int | None

@@ -207,6 +207,29 @@ def test_sampling_filters_keep_only_allowed_tokens():
     assert seen == allowed
 
 
+
+def test_draws_follow_the_tempered_distribution():
+    """Unseeded draws at temperature 0.5 match softmax(logits / 0.5) within sampling error
+    (40,000 draws, 5 sigma per token), and a masked (-inf) token is never drawn, even
+    first or last in the vocabulary."""
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampler import Sampler
+
+    logits = torch.tensor([float("-inf"), 0.0, 0.4, -0.3, 1.0, -2.0, float("-inf")])
+    expected = torch.softmax(logits / 0.5, dim=-1)
+    rows, rounds = 400, 100
+    params = SamplingParams(temperature=0.5)
+    requests = [Request(f"r{i}", [1], params, frozenset(), 300) for i in range(rows)]
+    sampler = Sampler(seed=0)
+    counts = torch.zeros(len(logits))
+    for _ in range(rounds):
+        tokens = [t for t, _ in sampler.sample(logits.repeat(rows, 1), requests)]
+        counts += torch.bincount(torch.tensor(tokens), minlength=len(logits))
+    n = rows * rounds
+    assert counts[0] == 0 and counts[-1] == 0
+    sigma = (n * expected * (1 - expected)).sqrt()
+    assert ((counts - n * expected).abs() <= 5 * sigma + 1).all(), (counts / n, expected)
+
 def test_cpu_kv_cache_sits_zeroed_on_huge_page_aligned_memory(llm):
     import gc
     import sys
