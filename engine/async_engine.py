@@ -223,8 +223,7 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._fail_all(exc)
                 continue
-            for output in outputs:
-                self._deliver(output.request_id, output)
+            self._deliver_step(outputs)
         self._run_commands()  # clean-ups queued before the stop
         self._fail_all(EngineDeadError("the engine is shutting down"))
 
@@ -267,6 +266,18 @@ class AsyncEngine:
             loop, stream = entry
             _call_soon(loop, stream.put_nowait, item)
 
+    def _deliver_step(self, outputs: Sequence[EngineOutput]) -> None:
+        """Hand a step's outputs to their streams with one wake-up per event loop, not
+        one per request (each ``call_soon_threadsafe`` writes the loop's self-pipe)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, EngineOutput]]] = {}
+        for output in outputs:
+            entry = self._streams.get(output.request_id)
+            if entry is not None:
+                loop, stream = entry
+                batches.setdefault(loop, []).append((stream, output))
+        for loop, batch in batches.items():
+            _call_soon(loop, _put_all, batch)
+
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self.engine.scheduler.requests):
             self.engine.abort_request(request_id)
@@ -297,6 +308,11 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:
         logger.debug("dropped a result for a closed event loop")
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for stream, item in batch:
+        stream.put_nowait(item)
 
 
 def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
