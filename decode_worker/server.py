@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -62,23 +63,40 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
         self.runtime = runtime
 
     async def Decode(self, request, context):
-        handle = kv_handle_from_proto(request.kv_handle) if request.HasField("kv_handle") \
-            else None
         try:
-            self.runtime.check_admitting()
-            params = sampling_params_from_proto(request.sampling_params)
-            stream = self.service.decode(
-                request.request_id, list(request.prompt_token_ids), params,
-                request.cache_salt if request.HasField("cache_salt") else None,
-                request.first_token_id if request.HasField("first_token_id") else None,
-                logprob_from_proto(request.first_logprob)
-                if request.HasField("first_logprob") else None,
-                handle, list(request.resume_token_ids))
-            async with contextlib.aclosing(stream):
-                async for item in stream:
-                    yield _to_response(item)
+            async for response in self._responses(request):
+                yield response
         except Exception as exc:  # noqa: BLE001 - mapped to a status
             await context.abort(_decode_error_code(exc), str(exc))
+
+    async def DecodeSession(self, request_iterator, context):
+        """Many requests on one stream (decode.proto): one message per engine step with
+        every update of the session's requests. Ending the stream cancels them all."""
+        session = _Session(self)
+        reader = asyncio.ensure_future(session.read(request_iterator))
+        try:
+            while (updates := await session.next_updates()) is not None:
+                yield decode_pb2.DecodeSessionResponse(updates=updates)
+        finally:
+            reader.cancel()
+            await session.cancel_all()
+
+    async def _responses(self, request) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        """One request's Decode responses; raises what ``DecodeService.decode`` raises."""
+        handle = kv_handle_from_proto(request.kv_handle) if request.HasField("kv_handle") \
+            else None
+        self.runtime.check_admitting()
+        params = sampling_params_from_proto(request.sampling_params)
+        stream = self.service.decode(
+            request.request_id, list(request.prompt_token_ids), params,
+            request.cache_salt if request.HasField("cache_salt") else None,
+            request.first_token_id if request.HasField("first_token_id") else None,
+            logprob_from_proto(request.first_logprob)
+            if request.HasField("first_logprob") else None,
+            handle, list(request.resume_token_ids))
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                yield _to_response(item)
 
     async def Abort(self, request, context):
         aborted = await self.service.abort(request.request_id)
@@ -87,6 +105,81 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
     async def Health(self, request, context):
         return self.runtime.health(self.service.receiver.counters().num_in_flight,
                                    self.service.receiver.address)
+
+
+class _Session:
+    """The requests of one ``DecodeSession`` stream: a task per request, whose updates
+    go to one queue that the stream drains into a message per wake-up (an engine step
+    hands all its outputs to the event loop at once, so one step's tokens leave as one
+    message)."""
+
+    def __init__(self, servicer: DecodeWorkerServicer) -> None:
+        self.servicer = servicer
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.updates: asyncio.Queue = asyncio.Queue()
+        self.reading = True
+
+    async def read(self, request_iterator) -> None:
+        """Start and cancel requests as the router asks, until it ends its side."""
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "decode":
+                    self._start(message.decode)
+                elif kind == "cancel_request_id":
+                    task = self.tasks.get(message.cancel_request_id)
+                    if task is not None:
+                        task.cancel()
+        finally:
+            self.reading = False
+            self.updates.put_nowait(None)  # wakes next_updates to see if the stream ends
+
+    def _start(self, request) -> None:
+        request_id = request.request_id
+        if request_id in self.tasks:
+            self._fail(request_id, grpc.StatusCode.INVALID_ARGUMENT,
+                       f"request {request_id} is already running in this session")
+            return
+        self.tasks[request_id] = asyncio.ensure_future(self._run(request))
+
+    async def _run(self, request) -> None:
+        request_id = request.request_id
+        try:
+            async for response in self.servicer._responses(request):
+                self.updates.put_nowait(decode_pb2.DecodeSessionUpdate(
+                    request_id=request_id, response=response))
+        except asyncio.CancelledError:  # the router cancelled it (or the stream ended)
+            self._fail(request_id, grpc.StatusCode.CANCELLED, "cancelled")
+        except Exception as exc:  # noqa: BLE001 - mapped to a status, as Decode does
+            self._fail(request_id, _decode_error_code(exc), str(exc))
+        finally:
+            self.tasks.pop(request_id, None)
+            self.updates.put_nowait(None)
+
+    def _fail(self, request_id: str, code: grpc.StatusCode, details: str) -> None:
+        self.updates.put_nowait(decode_pb2.DecodeSessionUpdate(
+            request_id=request_id, error_code=code.value[0], error_details=details))
+
+    async def next_updates(self) -> list | None:
+        """Every update queued now (waiting for the first), or None once the router has
+        ended its side and no request of the session is left."""
+        while True:
+            updates = [await self.updates.get()]
+            while not self.updates.empty():
+                updates.append(self.updates.get_nowait())
+            updates = [u for u in updates if u is not None]
+            if updates:
+                return updates
+            if not self.reading and not self.tasks:
+                return None
+
+    async def cancel_all(self) -> None:
+        """Cancel every request still running (each aborts and frees its blocks)."""
+        tasks = list(self.tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=10.0)
 
 
 def _decode_error_code(exc: BaseException) -> grpc.StatusCode:

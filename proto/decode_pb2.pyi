@@ -44,6 +44,32 @@ class DecodeResponse(_message.Message):
     num_transferred_bytes: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_transferred_blocks: _Optional[int] = ..., num_transferred_bytes: _Optional[int] = ...) -> None: ...
 
+class DecodeSessionRequest(_message.Message):
+    __slots__ = ("decode", "cancel_request_id")
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    decode: DecodeRequest
+    cancel_request_id: str
+    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel_request_id: _Optional[str] = ...) -> None: ...
+
+class DecodeSessionUpdate(_message.Message):
+    __slots__ = ("request_id", "response", "error_code", "error_details")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: DecodeResponse
+    error_code: int
+    error_details: str
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[DecodeResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error_details: _Optional[str] = ...) -> None: ...
+
+class DecodeSessionResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[DecodeSessionUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DecodeSessionUpdate, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -46,6 +46,11 @@ class DecodeWorkerStub(object):
                 request_serializer=pdserve_dot_proto_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeSession = channel.stream_stream(
+                '/pdserve.v1.DecodeWorker/DecodeSession',
+                request_serializer=pdserve_dot_proto_dot_decode__pb2.DecodeSessionRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_decode__pb2.DecodeSessionResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/Abort',
                 request_serializer=pdserve_dot_proto_dot_decode__pb2.AbortRequest.SerializeToString,
@@ -64,6 +69,17 @@ class DecodeWorkerServicer(object):
 
     def Decode(self, request, context):
         """Decode a request; streams one message per engine step that produced tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeSession(self, request_iterator, context):
+        """Many requests on one stream: the router's connection to this worker. The router
+        sends DecodeRequests and cancels; the worker answers with one message per engine step
+        carrying every new token of every request of the stream, so the cost per step does not
+        grow with a message per request. A request's updates come in order; its last one has
+        a finish_reason or an error. Ending the stream (either side) cancels its requests.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -89,6 +105,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_proto_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_decode__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeSession,
+                    request_deserializer=pdserve_dot_proto_dot_decode__pb2.DecodeSessionRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_decode__pb2.DecodeSessionResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -129,6 +150,33 @@ class DecodeWorker(object):
             '/pdserve.v1.DecodeWorker/Decode',
             pdserve_dot_proto_dot_decode__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_proto_dot_decode__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.DecodeWorker/DecodeSession',
+            pdserve_dot_proto_dot_decode__pb2.DecodeSessionRequest.SerializeToString,
+            pdserve_dot_proto_dot_decode__pb2.DecodeSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -137,16 +137,16 @@ class WorkerCalls:
     async def decode(self, request: GenerateRequest, worker: WorkerHandle,
                      progress: Progress, output: SequenceOutput, exclude: set[str]
                     ) -> AsyncIterator[GenerationChunk]:
-        """Stream the Decode on ``worker``; every token sent on is recorded in
-        ``progress.generated``, so a failure later resumes right after it."""
+        """Stream the request's decode on ``worker`` (on this router's decode session to
+        it); every token sent on is recorded in ``progress.generated``, so a failure later
+        resumes right after it."""
         message = self.decode_request(request, progress)
         if message.HasField("kv_handle") and progress.kv.consumer_id != worker.worker_id \
                 and not await self.grant_kv(progress.kv, worker, request.request_id):
             self.release_kv(request, progress)
             message = self.decode_request(request, progress)  # resumes without the KV
         with_handle = message.HasField("kv_handle")
-        call = worker.stub.Decode(message, timeout=self.config.request_timeout_s,
-                                  metadata=self.pool.credentials(worker, "Decode"))
+        call = self.pool.session(worker).start(message, self.config.request_timeout_s)
         worker_done = False
         try:
             async for reply in call:
@@ -173,7 +173,7 @@ class WorkerCalls:
                 raise AttemptFailed("decode", worker.worker_id, exc.details()) from exc
             raise self.failure("decode", worker, exc, exclude) from exc
         finally:
-            call.cancel()  # the worker aborts the request when its stream is cancelled
+            call.cancel()  # the worker aborts the request when it is cancelled
             if not worker_done:
                 self.spawn(worker.stub.Abort(
                     decode_pb2.AbortRequest(request_id=message.request_id),

@@ -14,6 +14,7 @@ import grpc
 from pdserve.cluster.registry import RegistryUnavailable, WorkerRecord, WorkerRegistry
 from pdserve.proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from pdserve.router.routing import WorkerLoad
+from pdserve.router.session import DecodeSession
 
 if TYPE_CHECKING:
     from pdserve.router.metrics import RouterMetrics
@@ -33,6 +34,7 @@ class WorkerHandle:
     healthy: bool = False  # until its first Health answers "ok"
     num_routed: int = 0  # requests routed here since that Health answer
     num_inflight: int = 0  # this router's Prefill calls (or Decode streams) on it now
+    session: DecodeSession | None = None  # a decode worker's stream of this router's requests
 
     @property
     def worker_id(self) -> str:
@@ -73,6 +75,13 @@ class WorkerPool:
         if auth is None:
             return None
         return auth.rpc_metadata(_SERVICES[worker.record.role] + rpc)
+
+    def session(self, worker: WorkerHandle) -> DecodeSession:
+        """The decode session of this router to the decode worker ``worker``."""
+        if worker.session is None:
+            worker.session = DecodeSession(
+                worker.stub, lambda: self.credentials(worker, "DecodeSession"), worker.worker_id)
+        return worker.session
 
     def mark_unhealthy(self, worker_id: str) -> None:
         """A call to ``worker_id`` failed: route elsewhere until its Health answers."""
@@ -165,10 +174,12 @@ class WorkerPool:
                 logger.exception("worker pool refresh failed")
 
     async def close(self) -> None:
-        """Close every channel."""
+        """End every decode session and close every channel."""
         for channel in self._retired:
             await channel.close()
         for role in self.workers.values():
             for worker in role.values():
+                if worker.session is not None:
+                    worker.session.close()
                 await worker.channel.close()
             role.clear()

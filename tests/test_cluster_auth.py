@@ -154,6 +154,9 @@ def test_worker_rpcs_without_the_cluster_credentials_are_refused_at_once(cluster
             "Decode": decode_pb2.DecodeRequest(request_id="attack",
                                                prompt_token_ids=list(range(1, 120)),
                                                sampling_params=wire_params),
+            "DecodeSession": decode_pb2.DecodeSessionRequest(decode=decode_pb2.DecodeRequest(
+                request_id="attack", prompt_token_ids=list(range(1, 120)),
+                sampling_params=wire_params)),
             "Abort": decode_pb2.AbortRequest(request_id="attack"),
             "Health": common_pb2.HealthRequest()},
     }
@@ -171,8 +174,14 @@ def test_worker_rpcs_without_the_cluster_credentials_are_refused_at_once(cluster
     async def attack(stub, rpc: str, message, metadata):
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            call = getattr(stub, rpc)(message, timeout=30, metadata=metadata)
-            if rpc == "Decode":
+            if rpc == "DecodeSession":
+                # NOTE: the worker refuses the stream before reading a request; writing one
+                # races that refusal, and grpc then reports its failed write (INTERNAL)
+                # in place of the worker's status
+                call = stub.DecodeSession(timeout=30, metadata=metadata)
+            else:
+                call = getattr(stub, rpc)(message, timeout=30, metadata=metadata)
+            if rpc in ("Decode", "DecodeSession"):
                 async for _ in call:
                     pass
             else:
@@ -192,7 +201,7 @@ def test_worker_rpcs_without_the_cluster_credentials_are_refused_at_once(cluster
         return outcomes, states
 
     outcomes, states = asyncio.run(main())
-    assert len(outcomes) == 8 * 5
+    assert len(outcomes) == 9 * 5
     for key, (code, elapsed) in outcomes.items():
         assert code == grpc.StatusCode.UNAUTHENTICATED, key
         assert elapsed < FAST_S, key
