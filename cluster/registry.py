@@ -63,7 +63,9 @@ class WorkerRecord:
 
     ``epoch`` grows with each start of a worker id (``new`` uses unix microseconds), so a
     record with a higher epoch belongs to a newer incarnation; ``started_at`` is unix
-    seconds. Addresses are ``host:port``.
+    seconds. Addresses are ``host:port``. ``compute`` says what the worker computes on
+    (``compute_placement``), so the router can tell whether a prefill worker and a decode
+    worker share hardware; "" when unknown.
     """
 
     worker_id: str
@@ -73,6 +75,7 @@ class WorkerRecord:
     epoch: int
     model: str
     started_at: float
+    compute: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

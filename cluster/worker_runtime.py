@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable
 
@@ -87,7 +89,8 @@ class WorkerRuntime:
         record = WorkerRecord(
             worker_id=self.worker_id, role=self.config.role, grpc_address=self.grpc_address,
             kv_address=kv_address, epoch=self.epoch,
-            model=self.engine.engine.served_model_name, started_at=time.time())
+            model=self.engine.engine.served_model_name, started_at=time.time(),
+            compute=compute_placement(self.engine.engine.model_runner.device))
         await asyncio.to_thread(self.registry.register, record)
 
     def check_admitting(self) -> None:
@@ -143,6 +146,20 @@ class WorkerRuntime:
             await asyncio.to_thread(self.engine.shutdown)
         if self.publisher is not None:
             await asyncio.to_thread(self.publisher.close, purge=True)
+
+
+def compute_placement(device) -> str:
+    """What this process computes on, for the registry record: ``cpu@<host>:<cpus>``
+    (the CPUs it may run on, e.g. ``0-1`` as ``0,1``) or ``cuda@<host>:<GPU UUID>``
+    (``<index>`` when the UUID is unknown). The router's ``shares_compute`` compares them."""
+    host = socket.gethostname()
+    if device.type == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(device)
+        uuid = getattr(props, "uuid", None)
+        return f"cuda@{host}:{f'GPU-{uuid}' if uuid else device.index or 0}"
+    return f"cpu@{host}:{','.join(str(c) for c in sorted(os.sched_getaffinity(0)))}"
 
 
 class WorkerDraining(RuntimeError):

@@ -24,8 +24,13 @@ DEFAULT_PREFILL_MAX_INFLIGHT = MAX_NUM_SEQUENCES
 DEFAULT_DECODE_MAX_INFLIGHT = 2 * MAX_NUM_SEQUENCES
 DEFAULT_DECODE_MAX_KV_USAGE = 0.98
 DEFAULT_PUBLIC_ENDPOINTS = ("/health", "/ready", "/metrics")  # served without an API key
+DISAGGREGATION_MODES = ("auto", "always")
+# Dynamo's conditional disaggregation uses a queue of 2; a prefill worker batches the
+# Prefill calls waiting for it, so a few waiting ones still finish together.
+DEFAULT_MAX_PREFILL_QUEUE_SIZE = 4
 LIFECYCLE_FIELDS = ("migration_limit", "max_waiting_requests", "prefill_max_inflight",
-                    "decode_max_inflight", "decode_max_kv_usage")
+                    "decode_max_inflight", "decode_max_kv_usage", "disaggregation",
+                    "max_prefill_queue_size")
 
 
 def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +51,18 @@ def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_DECODE_MAX_KV_USAGE,
                         help="decode workers whose KV cache usage (0-1) is at or past this "
                              "get no new request")
+    parser.add_argument("--disaggregation", choices=DISAGGREGATION_MODES, default="auto",
+                        help="auto: decide per request whether the prefill pool pays "
+                             "(prefill on the decode worker when little of the prompt is "
+                             "left after its prefix cache, when every prefill worker "
+                             "computes on the decode worker's own CPUs or GPU, or when the "
+                             "pool is busy); always: the pool prefills every prompt of at "
+                             "least --local-prefill-threshold tokens")
+    parser.add_argument("--max-prefill-queue-size", type=int,
+                        default=DEFAULT_MAX_PREFILL_QUEUE_SIZE,
+                        help="with --disaggregation auto, a prefill worker with this many "
+                             "prefills waiting counts as busy: prompts are prefilled on "
+                             "their decode worker instead")
 
 
 def lifecycle_kwargs(args: argparse.Namespace) -> dict:

@@ -36,7 +36,8 @@ class RouterMetrics:
     ``vllm:prompt_tokens``, ``vllm:generation_tokens``, ``vllm:request_success``
     (``finished_reason``), ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits``
     (counters, in tokens). pdserve's: ``pdserve:routing_decisions`` (``role``,
-    ``worker``), ``pdserve:prefix_index_lookups`` (``result``: hit, miss, unavailable),
+    ``worker``), ``pdserve:prefill_path`` (``path``: remote or local; ``reason``: why,
+    ``routing.PREFILL_PATH_REASONS``), ``pdserve:prefix_index_lookups`` (``result``: hit, miss, unavailable),
     ``pdserve:prefix_index_available`` (1 or 0), ``pdserve:request_retries``,
     ``pdserve:request_migrations``, ``pdserve:registry_available`` (1 or 0),
     ``pdserve:registry_outages``, ``pdserve:registry_rejected_records`` (records ignored
@@ -115,6 +116,10 @@ class RouterMetrics:
         self._request_success = Counter(
             "vllm:request_success", "Finished requests by finish reason.",
             labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self._prefill_paths = Counter(
+            "pdserve:prefill_path", "Where fresh prompts were prefilled: remote (the "
+            "prefill pool) or, for every other reason, on their decode worker.",
+            labelnames=["model_name", "path", "reason"], registry=self.registry)
         self._routing_decisions = Counter(
             "pdserve:routing_decisions", "Requests routed to each worker, by role.",
             labelnames=["model_name", "role", "worker"], registry=self.registry)
@@ -130,6 +135,12 @@ class RouterMetrics:
     def record_routing(self, role: str, worker_id: str) -> None:
         """Count one request sent to ``worker_id`` in ``role`` (``prefill`` or ``decode``)."""
         self._routing_decisions.labels(self.model_name, role, worker_id).inc()
+
+    def record_prefill_path(self, reason: str) -> None:
+        """Count one fresh prompt's prefill path (``routing.PREFILL_PATH_REASONS``):
+        ``remote`` goes to the prefill pool, every other reason is local."""
+        self._prefill_paths.labels(self.model_name, "remote" if reason == "remote" else
+                                   "local", reason).inc()
 
     def record_rejection(self, reason: str) -> None:
         """Count one request refused by admission control (``reason``: the cap)."""

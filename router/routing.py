@@ -125,3 +125,91 @@ def should_prefill_locally(prompt_len: int, local_prefill_threshold: int) -> boo
     ``--local-prefill-threshold`` and so skips the prefill pool (prefilled on the decode
     worker). A threshold of 0 never prefills locally."""
     return prompt_len < local_prefill_threshold
+
+
+# Conditional disaggregation: where a request's prompt is prefilled.
+
+PREFILL_PATH_REASONS = ("remote", "short_prompt", "cached_on_decode", "shared_compute",
+                        "prefill_busy", "no_prefill_worker")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPath:
+    """Where one request's prompt is prefilled: on ``prefill_worker_id`` (the prefill
+    pool), or on its decode worker when that is None. ``reason`` is one of
+    ``PREFILL_PATH_REASONS`` (the label of ``pdserve:prefill_path``)."""
+
+    prefill_worker_id: str | None
+    reason: str
+
+
+def shares_compute(a: str, b: str) -> bool:
+    """True when two workers' ``compute`` placements (``compute_placement``) name the
+    same hardware: the same GPU, or CPU sets that overlap on one host. Unknown ("")
+    placements share nothing."""
+    if not a or not b:
+        return False
+    kind_a, _, rest_a = a.partition("@")
+    kind_b, _, rest_b = b.partition("@")
+    host_a, _, units_a = rest_a.rpartition(":")
+    host_b, _, units_b = rest_b.rpartition(":")
+    if kind_a != kind_b:
+        return False
+    if kind_a == "cuda" and units_a.startswith("GPU-"):  # a UUID names one GPU anywhere
+        return units_a == units_b
+    if host_a != host_b:
+        return False
+    if kind_a == "cpu":
+        return bool(_cpu_set(units_a) & _cpu_set(units_b))
+    return units_a == units_b
+
+
+def _cpu_set(text: str) -> set[int]:
+    """``"0-3,8"`` -> {0, 1, 2, 3, 8}."""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def choose_prefill_path(num_prompt_tokens: int, decode_cached_tokens: int,
+                        local_prefill_threshold: int, decode_compute: str,
+                        prefill_computes: Mapping[str, str], choice: PrefillChoice | None,
+                        prefill_load: WorkerLoad | None, max_prefill_queue_size: int
+                        ) -> PrefillPath:
+    """Conditional disaggregation: prefill in the pool only where it pays (the rule of
+    Dynamo's conditional disaggregation and llm-d's split/local choice), else on the
+    decode worker, which then needs no KV transfer.
+
+    In order: no live prefill worker -> local (``no_prefill_worker``); fewer than
+    ``local_prefill_threshold`` tokens left to compute on the decode worker, after what
+    it caches (``decode_cached_tokens``) -> local (``short_prompt``, or
+    ``cached_on_decode`` when its cache made it short); every prefill worker computes on
+    the decode worker's own hardware (``shares_compute``: a remote prefill would take the
+    same cores or GPU from its decodes and add a transfer) -> local (``shared_compute``);
+    the chosen prefill worker has ``max_prefill_queue_size`` or more prefills waiting
+    (``prefill_load``) -> local (``prefill_busy``); else the pool (``remote``).
+
+    Args:
+        num_prompt_tokens: the prompt's length, tokens.
+        decode_cached_tokens: leading prompt tokens the decode worker caches.
+        local_prefill_threshold: tokens; 0 never prefills locally for shortness.
+        decode_compute: the decode worker's placement.
+        prefill_computes: live prefill worker id -> its placement.
+        choice: the best prefill worker among those not sharing compute (None if none).
+        prefill_load: that worker's load.
+        max_prefill_queue_size: waiting prefills that make the pool "busy".
+    """
+    if not prefill_computes:
+        return PrefillPath(None, "no_prefill_worker")
+    uncached = num_prompt_tokens - decode_cached_tokens
+    if uncached < local_prefill_threshold:
+        short = num_prompt_tokens < local_prefill_threshold
+        return PrefillPath(None, "short_prompt" if short else "cached_on_decode")
+    if choice is None or all(shares_compute(decode_compute, c)
+                             for c in prefill_computes.values()):
+        return PrefillPath(None, "shared_compute")
+    if prefill_load is not None and prefill_load.num_waiting >= max_prefill_queue_size:
+        return PrefillPath(None, "prefill_busy")
+    return PrefillPath(choice.worker_id, "remote")

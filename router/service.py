@@ -50,8 +50,11 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.output import GenerationChunk, SequenceOutput
 from pdserve.router.protocol import RequestError
 from pdserve.router.routing import (
+    PrefillPath,
     choose_decode_worker,
+    choose_prefill_path,
     choose_prefill_worker,
+    shares_compute,
     should_prefill_locally,
 )
 from pdserve.router.workers import WorkerHandle, WorkerPool
@@ -68,6 +71,14 @@ class RouterConfig:
     """Router settings. Times in seconds; ``max_model_len`` defaults to the checkpoint's
     ``max_position_embeddings``; prompts under ``local_prefill_threshold`` tokens are
     prefilled on the decode worker (0: never).
+
+    ``disaggregation``: ``"auto"`` decides per request where a prompt is prefilled
+    (``routing.choose_prefill_path``: on the decode worker when fewer than
+    ``local_prefill_threshold`` tokens are left after its prefix cache, when every
+    prefill worker computes on the decode worker's own hardware, or when the chosen one
+    has ``max_prefill_queue_size`` prefills waiting); ``"always"`` sends every prompt of
+    at least ``local_prefill_threshold`` tokens to the prefill pool while it has a
+    worker.
 
     Admission control (503 + ``Retry-After`` before any work; migrations bypass it, as
     they are requests already accepted): ``max_waiting_requests`` admitted requests
@@ -87,6 +98,8 @@ class RouterConfig:
     block_size: int = 16
     max_model_len: int | None = None
     local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_THRESHOLD
+    disaggregation: str = "auto"
+    max_prefill_queue_size: int = flags.DEFAULT_MAX_PREFILL_QUEUE_SIZE
     overlap_weight: float = 1.0
     registry_interval_s: float = 1.0
     health_interval_s: float = 0.5
@@ -107,6 +120,12 @@ class RouterConfig:
                      "decode_max_inflight"):
             if getattr(self, name) < (0 if name == "migration_limit" else 1):
                 raise ValueError(f"{name}={getattr(self, name)} is out of range")
+        if self.disaggregation not in flags.DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation={self.disaggregation!r} must be one of "
+                             f"{flags.DISAGGREGATION_MODES}")
+        if self.max_prefill_queue_size < 1:
+            raise ValueError(f"max_prefill_queue_size={self.max_prefill_queue_size} must "
+                             "be >= 1")
         if not 0.0 < self.decode_max_kv_usage <= 1.0:
             raise ValueError(f"decode_max_kv_usage={self.decode_max_kv_usage} must be in (0, 1]")
 
@@ -304,12 +323,9 @@ class Router:
         decode = self._choose_decode(exclude, admit=first)
         decode.num_inflight += 1
         try:
-            needs_prefill = (not progress.generated and progress.kv is None
-                             and not should_prefill_locally(
-                                 len(request.prompt_token_ids),
-                                 self.config.local_prefill_threshold))
-            prefill = await self._choose_prefill(request, exclude, admit=first) \
-                if needs_prefill else None
+            prefill = None
+            if not progress.generated and progress.kv is None:  # a fresh prefill
+                prefill = await self._choose_prefill(request, decode, exclude, admit=first)
             if prefill is not None:
                 chunk = await self.calls.prefill(request, prefill, decode, progress, output,
                                                  exclude)
@@ -337,29 +353,58 @@ class Router:
         self.metrics.record_routing("decode", worker_id)
         return worker
 
-    async def _choose_prefill(self, request: GenerateRequest, exclude: set[str],
-                              admit: bool) -> WorkerHandle | None:
+    async def _choose_prefill(self, request: GenerateRequest, decode: WorkerHandle,
+                              exclude: set[str], admit: bool) -> WorkerHandle | None:
         """The prefill worker for ``request``, or None to prefill on the decode worker
-        (no live prefill worker is left)."""
+        ``decode`` (conditional disaggregation, ``RouterConfig.disaggregation``); the
+        choice is counted in ``pdserve:prefill_path``.
+
+        Raises:
+            RequestError: 503 when ``disaggregation="always"`` and every prefill worker
+                is at its cap (in ``"auto"`` the prompt is prefilled locally instead).
+        """
+        num_tokens = len(request.prompt_token_ids)
+        always = self.config.disaggregation == "always"
         live = self.pool.live("prefill", exclude)
-        workers = self._open_workers("prefill", exclude) if admit else live
-        if not workers:
-            if live:
-                self.metrics.record_rejection("prefill_pool_full")
-                raise RequestError("every prefill worker is at capacity; retry later",
-                                   status=503)
+        if not live or should_prefill_locally(num_tokens, self.config.local_prefill_threshold):
+            self.metrics.record_prefill_path("short_prompt" if live else "no_prefill_worker")
             return None
+        candidates = {w.worker_id for w in live
+                      if always or not shares_compute(decode.record.compute, w.record.compute)}
+        open_workers = self._open_workers("prefill", exclude) if admit else live
+        workers = [w for w in open_workers if w.worker_id in candidates]
+        if always and not workers:
+            self.metrics.record_rejection("prefill_pool_full")
+            raise RequestError("every prefill worker is at capacity; retry later",
+                               status=503)
         hashes = hash_block_chain(request.prompt_token_ids, self.config.block_size,
                                   self._root_hash, request.cache_salt)
         overlaps = await self._lookup(hashes)
         choice = choose_prefill_worker(len(hashes), overlaps,
                                        [w.current_load() for w in workers],
                                        self.config.overlap_weight,
-                                       rotation=next(self._rotation["prefill"]))
-        worker = next(w for w in workers if w.worker_id == choice.worker_id)
+                                       rotation=next(self._rotation["prefill"])) \
+            if workers else None
+        worker = None if choice is None else \
+            next(w for w in workers if w.worker_id == choice.worker_id)
+        if always:
+            path = PrefillPath(choice.worker_id, "remote")
+        elif candidates and worker is None:  # every prefill worker it may use is at its cap
+            path = PrefillPath(None, "prefill_busy")
+        else:
+            decode_cached = min(overlaps.get(decode.worker_id, 0) * self.config.block_size,
+                                num_tokens)
+            path = choose_prefill_path(
+                num_tokens, decode_cached, self.config.local_prefill_threshold,
+                decode.record.compute, {w.worker_id: w.record.compute for w in live}, choice,
+                None if worker is None else worker.current_load(),
+                self.config.max_prefill_queue_size)
+        self.metrics.record_prefill_path(path.reason)
+        if path.prefill_worker_id is None:
+            return None
         worker.num_routed += 1
         worker.num_inflight += 1  # given back by _prefill, called right after
-        self.metrics.record_routing("prefill", choice.worker_id)
+        self.metrics.record_routing("prefill", worker.worker_id)
         return worker
 
     async def _lookup(self, hashes: list[bytes]) -> dict[str, int]:

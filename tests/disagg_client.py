@@ -115,17 +115,20 @@ async def generate(prefill, decode, request_id: str, prompt: list[int], params,
 
 
 def start_worker_process(role: str, args: list[str], ready_file, timeout_s: float = 120,
-                         secret_in_env: bool = True) -> tuple[subprocess.Popen, dict]:
+                         secret_in_env: bool = True, cpus: set[int] | None = None
+                         ) -> tuple[subprocess.Popen, dict]:
     """``python -m pdserve.<role>_worker *args`` as a plain process of the tests' cluster
     (``TEST_SECRET``); waits (``timeout_s`` at most) for its ready file and returns the
     process and its addresses. ``secret_in_env=False``: ``args`` must say where the
-    secret is."""
+    secret is. ``cpus``: the CPUs the process may run on (all when None)."""
     env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
     if secret_in_env:
         env[SECRET_ENV] = TEST_SECRET
     proc = subprocess.Popen([sys.executable, "-m", f"pdserve.{role}_worker", *args,
                              "--ready-file", str(ready_file)], stdout=subprocess.DEVNULL,
                             env=env)
+    if cpus is not None:  # before the interpreter starts a thread: they all inherit it
+        os.sched_setaffinity(proc.pid, cpus)
     deadline = time.monotonic() + timeout_s
     while not ready_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:

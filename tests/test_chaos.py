@@ -131,7 +131,7 @@ def cluster(tmp_path_factory):
         launcher.launch(WorkerConfig("decode", **common), 2, workers_on_node=4)
         router = Router(RouterConfig(model, redis.url, max_model_len=MAX_MODEL_LEN,
                                      request_timeout_s=120.0, prefill_timeout_s=60.0,
-                                     auth=TEST_AUTH))
+                                     disaggregation="always", auth=TEST_AUTH))
         port = free_port()
 
         async def start():
@@ -348,7 +348,8 @@ def test_past_the_caps_requests_get_503_at_once_and_below_none_is_lost(cluster):
     with ``Retry-After`` fast; every admitted one completes exactly."""
     caps = Router(RouterConfig(cluster.model, cluster.redis.url, max_model_len=MAX_MODEL_LEN,
                                max_waiting_requests=4, prefill_max_inflight=2,
-                               decode_max_inflight=6, auth=TEST_AUTH))
+                               decode_max_inflight=6, disaggregation="always",
+                               auth=TEST_AUTH))
     port = free_port()
     server, task = cluster.call(serve_http(caps, port))
     params = GREEDY[1]

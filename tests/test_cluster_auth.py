@@ -103,7 +103,8 @@ def prompts_and_expected(model):
 
 def router_for(cluster: Cluster, auth: ClusterAuth | None = TEST_AUTH, **kwargs) -> Router:
     return Router(RouterConfig(cluster.model, cluster.redis.url, max_model_len=MAX_MODEL_LEN,
-                               local_prefill_threshold=0, auth=auth, **kwargs))
+                               local_prefill_threshold=0, disaggregation="always",
+                               auth=auth, **kwargs))
 
 
 async def run_request(router: Router, request_id: str, prompt: list[int]) -> list[int]:

@@ -95,7 +95,8 @@ def served(tiny_checkpoints, tmp_path_factory):
         for role in ("prefill", "decode"):
             launcher.launch(WorkerConfig(role, engine, redis_url=redis.url,
                                          kv_transfer_timeout_s=10.0), 1, workers_on_node=2)
-        router = Router(RouterConfig(str(model), redis.url, max_model_len=MAX_MODEL_LEN))
+        router = Router(RouterConfig(str(model), redis.url, max_model_len=MAX_MODEL_LEN,
+                                     disaggregation="always"))
         grpc_server, grpc_port = call(start_grpc_server(router, "127.0.0.1", 0))
         server = uvicorn_server(build_app(router), free_port())
         serving = asyncio.run_coroutine_threadsafe(server.serve(), loop)

@@ -87,7 +87,8 @@ def cluster(tmp_path_factory):
         call(prefill.start())
         call(decode.start())
         router = Router(RouterConfig(str(model), redis.url, max_model_len=MAX_MODEL_LEN,
-                                     local_prefill_threshold=LOCAL_THRESHOLD))
+                                     local_prefill_threshold=LOCAL_THRESHOLD,
+                                     disaggregation="always"))
         port = free_port()
         server = uvicorn_server(build_app(router), port)
         serving = asyncio.run_coroutine_threadsafe(server.serve(), loop)
@@ -325,7 +326,7 @@ def test_unavailable_worker_is_retried_and_an_index_outage_routes_by_load(cluste
                                     "127.0.0.1:1", str(cluster.model)))
     router = Router(RouterConfig(str(cluster.model), cluster.redis_url,
                                  max_model_len=MAX_MODEL_LEN, registry_interval_s=60,
-                                 health_interval_s=60))
+                                 health_interval_s=60, disaggregation="always"))
     try:
         with TestClient(build_app(router)) as http:
             prefills = router.pool.workers["prefill"]

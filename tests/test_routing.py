@@ -8,9 +8,12 @@ from pdserve.router.routing import (
     LoadWeights,
     NoWorkersError,
     PrefillChoice,
+    PrefillPath,
     WorkerLoad,
     choose_decode_worker,
+    choose_prefill_path,
     choose_prefill_worker,
+    shares_compute,
     should_prefill_locally,
 )
 
@@ -75,3 +78,40 @@ def test_short_prompts_prefill_locally():
     assert should_prefill_locally(31, 32)
     assert not should_prefill_locally(32, 32)
     assert not should_prefill_locally(1, 0)
+
+
+def test_shares_compute_by_host_cpus_and_gpu():
+    assert shares_compute("cpu@n1:0,1", "cpu@n1:1,2")
+    assert not shares_compute("cpu@n1:0,1", "cpu@n1:2,3")  # pinned apart on one host
+    assert shares_compute("cpu@n1:0-3", "cpu@n1:3,8")
+    assert not shares_compute("cpu@n1:0,1", "cpu@n2:0,1")
+    assert not shares_compute("cpu@n1:0,1", "cuda@n1:0")
+    assert shares_compute("cuda@n1:GPU-aa", "cuda@n2:GPU-aa")  # a UUID is one GPU anywhere
+    assert not shares_compute("cuda@n1:GPU-aa", "cuda@n1:GPU-bb")
+    assert shares_compute("cuda@n1:0", "cuda@n1:0") and not shares_compute("cuda@n1:0",
+                                                                            "cuda@n1:1")
+    assert not shares_compute("", "cpu@n1:0") and not shares_compute("", "")
+
+
+def test_prefill_path_rules_in_order():
+    """No pool, short, cached on the decode worker, shared hardware, a busy pool, and the
+    pool: each rule with the smallest change of input that flips it."""
+    apart = {"P": "cpu@n2:0-7"}
+    choice = PrefillChoice("P", 0, 16, 16.0)
+
+    def path(tokens=256, cached=0, threshold=16, decode="cpu@n1:0-7", prefill=apart,
+             waiting=0):
+        return choose_prefill_path(tokens, cached, threshold, decode, prefill, choice,
+                                   WorkerLoad("P", num_waiting=waiting), 4)
+
+    assert path() == PrefillPath("P", "remote")
+    assert path(prefill={}) == PrefillPath(None, "no_prefill_worker")
+    assert path(tokens=15) == PrefillPath(None, "short_prompt")
+    assert path(tokens=16) == PrefillPath("P", "remote")
+    assert path(cached=241) == PrefillPath(None, "cached_on_decode")  # 15 left
+    assert path(cached=240) == PrefillPath("P", "remote")
+    assert path(threshold=0, tokens=1) == PrefillPath("P", "remote")
+    assert path(prefill={"P": "cpu@n1:4"}) == PrefillPath(None, "shared_compute")
+    assert path(prefill={"P": "cpu@n1:8"}) == PrefillPath("P", "remote")
+    assert path(waiting=4) == PrefillPath(None, "prefill_busy")
+    assert path(waiting=3) == PrefillPath("P", "remote")

@@ -66,7 +66,10 @@ def served(tmp_path_factory):
             [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--model", str(model),
              "--served-model-name", "demo", "--dtype", "float32", "--max-model-len", "512",
              "--port", str(port), "--grpc-port", str(grpc_port), "--redis-url", redis.url,
-             "--prefill-workers", "2", "--decode-workers", "1", "--kv-lease-s", "10"],
+             "--prefill-workers", "2", "--decode-workers", "1", "--kv-lease-s", "10",
+             # NOTE: every worker shares this machine's CPUs, where "auto" keeps prompts
+             # on the decode worker; these tests are about the prefill pool
+             "--disaggregation", "always"],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RAY_DEDUP_LOGS": "0"})
     deadline = time.monotonic() + START_TIMEOUT_S
     while "pdserve serving" not in log.read_text():
