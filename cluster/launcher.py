@@ -169,7 +169,8 @@ class RayLauncher:
         """Create ``count`` actors of ``config.role`` and return their handles at once; each
         starts its worker in its constructor (``wait_ready`` waits for that).
 
-        ``workers_on_node`` (all roles) sets the default CPU threads per worker.
+        ``workers_on_node``: the workers on this node that compute at the same time; their
+        number splits the cores into each one's default CPU threads.
         """
         engine = config.engine
         if engine.num_threads is None and not self.has_gpus:

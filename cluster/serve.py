@@ -288,13 +288,17 @@ class _ServeRun:
         common = {"engine": engine, "redis_url": redis_url, "host": args.worker_host,
                   "kv_host": args.worker_host, "lease_s": args.kv_lease_s, "auth": auth}
         counts = {"prefill": args.prefill_workers, "decode": args.decode_workers}
-        total = sum(counts.values())
+        computing = computing_workers(counts, args.disaggregation, launcher.has_gpus)
         say(f"starting {counts['prefill']} prefill and {counts['decode']} decode workers")
+        if counts["prefill"] and computing == counts["decode"]:
+            say("the prefill workers share this node's CPUs with the decode workers: with "
+                "--disaggregation auto, prompts are prefilled on the decode workers "
+                "(pdserve:prefill_path counts each choice)")
         actors = []
         for role, count in counts.items():
             if count:
                 actors += launcher.start(WorkerConfig(role, **common), count,
-                                         workers_on_node=total)
+                                         workers_on_node=computing)
         ready = dict.fromkeys(counts, 0)
 
         def report(info) -> None:
@@ -319,6 +323,17 @@ class _ServeRun:
             config.local_prefill_threshold = engine.max_model_len or 1 << 30
         router = Router(config)
         return router, build_app(router, api_auth=self.api_auth)
+
+
+def computing_workers(counts: dict[str, int], disaggregation: str, has_gpus: bool) -> int:
+    """How many of the workers that ``pdserve serve`` starts on its node compute at once,
+    to split the node's cores between them (``counts``: workers per role). They share the
+    node's CPUs, so with ``--disaggregation auto`` the router prefills on the decode
+    workers (a remote prefill would take the same cores): only those compute. With
+    ``always``, or on GPUs (one each), every worker does."""
+    if disaggregation == "always" or has_gpus:
+        return sum(counts.values())
+    return max(1, counts["decode"])
 
 
 def _ray_shutdown() -> None:

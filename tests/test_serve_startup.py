@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from pdserve.cluster.redis_server import RedisServer
-from pdserve.cluster.serve import Interrupts
+from pdserve.cluster.serve import Interrupts, computing_workers
 from pdserve.engine.demo_model import make_demo_model
 
 MARK = "PDSERVE_TEST_MARK"
@@ -149,3 +149,12 @@ def test_deferred_interrupt_waits_for_the_step_then_raises():
             steps.append("never")
     assert steps == ["started and registered"]
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_cores_are_split_between_the_workers_that_compute():
+    """On one CPU node, "auto" keeps prompts on the decode workers, so they alone split the
+    cores; "always" and GPUs count every worker."""
+    assert computing_workers({"prefill": 1, "decode": 1}, "auto", has_gpus=False) == 1
+    assert computing_workers({"prefill": 2, "decode": 3}, "auto", has_gpus=False) == 3
+    assert computing_workers({"prefill": 1, "decode": 1}, "always", has_gpus=False) == 2
+    assert computing_workers({"prefill": 1, "decode": 2}, "auto", has_gpus=True) == 3
