@@ -110,7 +110,9 @@ def test_services_have_the_contract_methods():
     decode = decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"]
     assert [m.name for m in prefill.methods] == ["Prefill", "SendKV", "GrantKV", "Release",
                                                  "Health"]
-    assert [m.name for m in decode.methods] == ["Decode", "Abort", "Health"]
+    assert [m.name for m in decode.methods] == ["Decode", "DecodeSession", "Abort", "Health"]
     assert decode.methods_by_name["Decode"].server_streaming
+    session = decode.methods_by_name["DecodeSession"]
+    assert session.client_streaming and session.server_streaming
     assert hasattr(prefill_pb2_grpc, "PrefillWorkerServicer")
     assert hasattr(decode_pb2_grpc, "DecodeWorkerStub")
