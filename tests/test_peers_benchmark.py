@@ -1,0 +1,70 @@
+"""``benchmarks/peers.py`` without its peers: the model it serves everywhere, and the
+ratios it reports from ``vllm bench serve`` results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def peers():
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("peers", BENCHMARKS / "peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_model_has_a_32000_id_tokenizer_that_matches_its_config(peers, tmp_path):
+    """transformers and pdserve load it; BOS and EOS agree between the tokenizer and the
+    configs, and pdserve generates from it."""
+    from transformers import AutoTokenizer
+
+    from pdserve.engine import LLM, SamplingParams
+
+    model = peers.write_model(tmp_path / "w1")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    config = json.loads((model / "config.json").read_text())
+    generation = json.loads((model / "generation_config.json").read_text())
+    assert len(tokenizer) == peers.VOCAB_SIZE == config["vocab_size"]
+    assert config["bos_token_id"] == generation["bos_token_id"] == tokenizer.bos_token_id
+    assert config["eos_token_id"] == generation["eos_token_id"] == tokenizer.eos_token_id
+    assert tokenizer("hello world").input_ids[0] == tokenizer.bos_token_id
+    llm = LLM(str(model), dtype="bfloat16", max_model_len=64, load_progress=False)
+    out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=3,
+                                                       ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert peers.write_model(model) == model  # kept, not rewritten
+
+
+def bench_result(throughput: float, ttft: float, tpot: float) -> dict:
+    """The fields of a ``vllm bench serve --save-result`` file that peers.py reads."""
+    return {"completed": 64, "num_prompts": 64, "duration": 8192 / throughput,
+            "total_input_tokens": 16384, "total_output_tokens": 8192,
+            "output_throughput": throughput, "mean_ttft_ms": ttft, "median_ttft_ms": ttft,
+            "p99_ttft_ms": 2 * ttft, "mean_tpot_ms": tpot, "median_tpot_ms": tpot,
+            "p99_tpot_ms": 1.2 * tpot, "mean_itl_ms": tpot, "p99_itl_ms": 3 * tpot}
+
+
+def test_ratios_are_the_targets_ratios(peers):
+    rounds = [{"pdserve": peers.summarize_bench(bench_result(880, 900, 33)),
+               "vllm": peers.summarize_bench(bench_result(800, 1000, 36))},
+              {"pdserve": peers.summarize_bench(bench_result(820, 950, 35)),
+               "vllm": peers.summarize_bench(bench_result(760, 1000, 35))}]
+    offline = {"pdserve": {"output_throughput": 1000.0}, "vllm": {"output_throughput": 800.0}}
+    ratios = peers.ratios({"served": rounds, "offline": offline})
+    assert rounds[0]["pdserve"]["failed"] == 0
+    assert ratios["served_pdserve_over_vllm"] == pytest.approx([1.1, 820 / 760])
+    assert ratios["served_best_over_best"] == pytest.approx(1.1)
+    assert ratios["ttft_pdserve_over_vllm"] == pytest.approx([0.9, 0.95])
+    assert ratios["tpot_pdserve_over_vllm"] == pytest.approx([33 / 36, 1.0])
+    assert ratios["served_over_offline_pdserve"] == pytest.approx(0.88)
+    assert ratios["offline_pdserve_over_vllm"] == pytest.approx(1.25)
+    assert peers.ratios({"offline": offline}) == {"offline_pdserve_over_vllm": 1.25}
