@@ -26,7 +26,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="per-step token budget (chunked prefill; default 2048 on CPU, "
+                        help="per-step token budget (chunked prefill; default 1024 on CPU, "
                         "8192 on GPU)")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                         action="store_false")

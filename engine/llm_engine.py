@@ -35,8 +35,11 @@ class EngineConfig:
     Sizes: ``max_model_len``, ``max_num_batched_tokens`` in tokens; ``block_size`` in
     tokens per block; ``kv_cache_memory_bytes`` in bytes. ``device="auto"`` takes CUDA
     when available. ``num_threads`` caps torch's CPU threads (None leaves torch's default).
-    ``max_num_batched_tokens=None`` resolves to 8192 on CUDA and 2048 on CPU, where
-    matmuls of 2048 rows stay in cache and run ~1.5x faster than 8192-row ones.
+    ``max_num_batched_tokens=None`` resolves to 8192 on CUDA and 1024 on CPU: on CPU a
+    step of 1024 tokens runs at the same tokens per second as one of 2048 (both ~1.5x
+    faster than 8192-row matmuls, which leave the cache), and a burst of prompts gets its
+    first tokens in smaller groups (W1's served shape on 2 cores: mean TTFT ~0.67 s
+    against ~0.85 s, same throughput).
     """
 
     model: str
@@ -155,7 +158,7 @@ class LLMEngine:
     def _token_budget(self) -> int:
         if self.config.max_num_batched_tokens is not None:
             return self.config.max_num_batched_tokens
-        return 8192 if self.device.type == "cuda" else 2048
+        return 8192 if self.device.type == "cuda" else 1024
 
     @property
     def max_model_len(self) -> int:
