@@ -25,12 +25,13 @@ DEFAULT_DECODE_MAX_INFLIGHT = 2 * MAX_NUM_SEQUENCES
 DEFAULT_DECODE_MAX_KV_USAGE = 0.98
 DEFAULT_PUBLIC_ENDPOINTS = ("/health", "/ready", "/metrics")  # served without an API key
 DISAGGREGATION_MODES = ("auto", "always")
+PREFILL_ROUTING_POLICIES = ("prefix-aware", "round-robin")
 # Dynamo's conditional disaggregation uses a queue of 2; a prefill worker batches the
 # Prefill calls waiting for it, so a few waiting ones still finish together.
 DEFAULT_MAX_PREFILL_QUEUE_SIZE = 4
 LIFECYCLE_FIELDS = ("migration_limit", "max_waiting_requests", "prefill_max_inflight",
                     "decode_max_inflight", "decode_max_kv_usage", "disaggregation",
-                    "max_prefill_queue_size")
+                    "max_prefill_queue_size", "prefill_routing")
 
 
 def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +64,11 @@ def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
                         help="with --disaggregation auto, a prefill worker with this many "
                              "prefills waiting counts as busy: prompts are prefilled on "
                              "their decode worker instead")
+    parser.add_argument("--prefill-routing", choices=PREFILL_ROUTING_POLICIES,
+                        default="prefix-aware",
+                        help="prefix-aware: the prefill worker with the lowest "
+                             "uncached blocks + load (the Redis prefix index); round-robin: "
+                             "the next one in turn (a baseline to compare with)")
 
 
 def lifecycle_kwargs(args: argparse.Namespace) -> dict:

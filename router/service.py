@@ -78,7 +78,8 @@ class RouterConfig:
     prefill worker computes on the decode worker's own hardware, or when the chosen one
     has ``max_prefill_queue_size`` prefills waiting); ``"always"`` sends every prompt of
     at least ``local_prefill_threshold`` tokens to the prefill pool while it has a
-    worker.
+    worker. ``prefill_routing``: ``"prefix-aware"`` (``routing.choose_prefill_worker``)
+    or ``"round-robin"`` (each prefill to the next worker in turn, a baseline).
 
     Admission control (503 + ``Retry-After`` before any work; migrations bypass it, as
     they are requests already accepted): ``max_waiting_requests`` admitted requests
@@ -100,6 +101,7 @@ class RouterConfig:
     local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_THRESHOLD
     disaggregation: str = "auto"
     max_prefill_queue_size: int = flags.DEFAULT_MAX_PREFILL_QUEUE_SIZE
+    prefill_routing: str = "prefix-aware"
     overlap_weight: float = 1.0
     registry_interval_s: float = 1.0
     health_interval_s: float = 0.5
@@ -123,6 +125,9 @@ class RouterConfig:
         if self.disaggregation not in flags.DISAGGREGATION_MODES:
             raise ValueError(f"disaggregation={self.disaggregation!r} must be one of "
                              f"{flags.DISAGGREGATION_MODES}")
+        if self.prefill_routing not in flags.PREFILL_ROUTING_POLICIES:
+            raise ValueError(f"prefill_routing={self.prefill_routing!r} must be one of "
+                             f"{flags.PREFILL_ROUTING_POLICIES}")
         if self.max_prefill_queue_size < 1:
             raise ValueError(f"max_prefill_queue_size={self.max_prefill_queue_size} must "
                              "be >= 1")
@@ -380,11 +385,16 @@ class Router:
         hashes = hash_block_chain(request.prompt_token_ids, self.config.block_size,
                                   self._root_hash, request.cache_salt)
         overlaps = await self._lookup(hashes)
-        choice = choose_prefill_worker(len(hashes), overlaps,
-                                       [w.current_load() for w in workers],
-                                       self.config.overlap_weight,
-                                       rotation=next(self._rotation["prefill"])) \
-            if workers else None
+        choice = None
+        if workers and self.config.prefill_routing == "round-robin":
+            loads = sorted((w.current_load() for w in workers), key=lambda w: w.worker_id)
+            turn = loads[next(self._rotation["prefill"]) % len(loads)]
+            choice = choose_prefill_worker(len(hashes), overlaps, [turn], 0.0)
+        elif workers:
+            choice = choose_prefill_worker(len(hashes), overlaps,
+                                           [w.current_load() for w in workers],
+                                           self.config.overlap_weight,
+                                           rotation=next(self._rotation["prefill"]))
         worker = None if choice is None else \
             next(w for w in workers if w.worker_id == choice.worker_id)
         if always:

@@ -115,3 +115,14 @@ def test_prefill_path_rules_in_order():
     assert path(prefill={"P": "cpu@n1:8"}) == PrefillPath("P", "remote")
     assert path(waiting=4) == PrefillPath(None, "prefill_busy")
     assert path(waiting=3) == PrefillPath("P", "remote")
+
+
+def test_router_config_refuses_unknown_policies_by_name():
+    from pdserve.router.service import RouterConfig
+
+    with pytest.raises(ValueError, match="prefill_routing='random'"):
+        RouterConfig("m", "redis://x", prefill_routing="random")
+    with pytest.raises(ValueError, match="disaggregation='sometimes'"):
+        RouterConfig("m", "redis://x", disaggregation="sometimes")
+    assert RouterConfig("m", "redis://x", prefill_routing="round-robin").prefill_routing == \
+        "round-robin"
