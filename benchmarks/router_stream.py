@@ -6,7 +6,7 @@ No engine runs: the tokens are the demo corpus encoded by the demo model's token
 (``ensure_demo_model``), and the sections time the router's own work on them.
 
 - ``detokenize``: ``IncrementalDetokenizer.add_tokens``, one token at a time.
-- ``format``: a stream chunk's JSON event (``Formatter.stream_chunk`` and ``_event``) for
+- ``format``: a stream chunk's JSON event (``Formatter.stream_chunk`` and ``sse_event``) for
   completions and chat, without and with logprobs (5 alternatives).
 - ``asgi``: the whole HTTP streaming path in this process: ``build_app``'s FastAPI app
   (its middlewares, ``_Merged``, ``_sse``, the SSE response) driven through ASGI by
@@ -39,9 +39,9 @@ from pdserve.engine.demo_model import ensure_demo_model, read_demo_corpus
 from pdserve.engine.request import Logprob
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.router.detokenizer import IncrementalDetokenizer
-from pdserve.router.http import ChatFormatter, CompletionFormatter, _event, build_app
+from pdserve.router.http import ChatFormatter, CompletionFormatter, build_app
 from pdserve.router.output import GenerationChunk, SequenceOutput
-from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, sse_event
 
 SECTIONS = ("detokenize", "format", "asgi", "uvicorn")
 
@@ -73,7 +73,7 @@ def bench_detokenize(tokenizer, token_ids: list[int]) -> dict[str, float]:
 def bench_format(tokenizer, token_ids: list[int]) -> dict[str, float]:
     router = SimpleNamespace(served_model_name="demo", tokenizer=tokenizer)
     texts = [tokenizer.decode([t]) for t in token_ids]
-    top = {t: -2.5 for t in range(5)}
+    top = True  # 5 alternatives: the corpus's next 5 tokens, as varied as a real model's
     cases = {
         "completion": (CompletionFormatter, CompletionRequest, {"prompt": "x"}, None),
         "completion+logprobs": (CompletionFormatter, CompletionRequest,
@@ -87,16 +87,16 @@ def bench_format(tokenizer, token_ids: list[int]) -> dict[str, float]:
     results = {}
     for name, (formatter_cls, request_cls, body, top_logprobs) in cases.items():
         request = request_cls.model_validate({**body, "stream": True})
-        chunks = [GenerationChunk(text, [t], [] if top_logprobs is None else
-                                  [Logprob(t, -1.0, 1, top_logprobs)])
-                  for t, text in zip(token_ids, texts)]
+        chunks = [GenerationChunk(text, [t], [] if top_logprobs is None else [Logprob(
+            t, -1.0, 1, {a: -2.5 - j for j, a in enumerate(token_ids[i + 1:i + 6])})])
+                  for i, (t, text) in enumerate(zip(token_ids, texts))]
 
         def work(formatter_cls=formatter_cls, request=request, chunks=chunks):
             args = (router, request, "cmpl-0", [[1, 2, 3]])
             formatter = formatter_cls(*args, None) if formatter_cls is CompletionFormatter \
                 else formatter_cls(*args)
             for chunk in chunks:
-                _event(formatter.stream_chunk(0, chunk))
+                sse_event(formatter.stream_chunk(0, chunk))
         results[f"format {name}"] = cpu_us_per_token(work, len(chunks))
     return results
 
