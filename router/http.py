@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
 from pdserve.router.auth import ApiKeyAuth, ApiKeyMiddleware
+from pdserve.router.detokenizer import fast_decoder
 from pdserve.router.http_guard import (
     MAX_BODY_BYTES,
     ErrorJSONResponse,
@@ -311,7 +312,7 @@ class Formatter:
         self.request = request
         self.response_id = response_id
         self.model = router.served_model_name
-        self.tokenizer = router.tokenizer
+        self._decode = fast_decoder(router.tokenizer, skip_special_tokens=False)
         self.prompts = prompts
         num_choices = len(prompts) * request.n
         self.texts = [""] * num_choices
@@ -336,7 +337,8 @@ class Formatter:
                             sum(self.cached_tokens))
 
     def decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """The text of one token for logprobs: ``tokenizer.decode([token_id])``."""
+        return self._decode([token_id])
 
     def stream_start(self) -> list[dict]:
         """Chunks sent before any token (chat: each choice's role)."""
