@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
 from pdserve.router.auth import ApiKeyAuth, ApiKeyMiddleware
+from pdserve.router.detokenizer import fast_decoder
 from pdserve.router.http_guard import (
     MAX_BODY_BYTES,
     ErrorJSONResponse,
@@ -38,23 +39,25 @@ from pdserve.router.limits import choice_seed
 from pdserve.router.logprobs import chat_logprobs, completion_logprobs
 from pdserve.router.protocol import (
     INTERNAL_ERROR,
+    SSE_DONE,
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse,
     ChatResponseMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    CompletionStreamResponse,
-    DeltaMessage,
     ModelCard,
     ModelList,
     RequestError,
     UsageInfo,
+    chat_stream_choice,
+    chat_stream_chunk,
+    completion_stream_choice,
+    completion_stream_chunk,
     error_response,
     random_id,
+    sse_event,
     to_sampling_params,
     validation_error_response,
 )
@@ -214,32 +217,32 @@ async def _serve(router: Router, request: CompletionRequest | ChatCompletionRequ
 
 
 async def _sse(formatter: Formatter, first: tuple[int, GenerationChunk],
-               merged: _Merged) -> AsyncIterator[str]:
+               merged: _Merged) -> AsyncIterator[bytes]:
     try:
         for chunk in formatter.stream_start():
-            yield _event(chunk)
-        yield _event(formatter.stream_chunk(*first))
+            yield sse_event(chunk)
+        yield sse_event(formatter.stream_chunk(*first))
         async for index, chunk in merged:
-            yield _event(formatter.stream_chunk(index, chunk))
+            yield sse_event(formatter.stream_chunk(index, chunk))
         usage = formatter.stream_usage()
         if usage is not None:
-            yield _event(usage)
+            yield sse_event(usage)
     except RequestError as exc:
         if exc.status >= 500 and exc.status != 503:
             logger.error("stream failed: %s", exc.message)
-            yield _event(error_response(exc.status, INTERNAL_ERROR))
+            yield _error_event(exc.status, INTERNAL_ERROR)
         else:
-            yield _event(error_response(exc.status, exc.message, exc.param))
+            yield _error_event(exc.status, exc.message, exc.param)
     except Exception:  # the headers are sent: report it in the stream
         logger.exception("stream failed")
-        yield _event(error_response(500, INTERNAL_ERROR))
+        yield _error_event(500, INTERNAL_ERROR)
     finally:
         merged.cancel()
-    yield "data: [DONE]\n\n"
+    yield SSE_DONE
 
 
-def _event(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
+def _error_event(status: int, message: str, param: str | None = None) -> bytes:
+    return sse_event(error_response(status, message, param).model_dump())
 
 
 _DONE = object()
@@ -288,7 +291,7 @@ class _EventStream(StreamingResponse):
     """An SSE response that calls ``on_close`` however it ends: Starlette cancels the
     body iterator when the client disconnects without closing it."""
 
-    def __init__(self, content: AsyncIterator[str], on_close) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close) -> None:
         super().__init__(content, media_type="text/event-stream")
         self._on_close = on_close
 
@@ -301,14 +304,15 @@ class _EventStream(StreamingResponse):
 
 class Formatter:
     """Collects one request's choices (``n`` per prompt, indexed ``prompt * n + i``) and
-    writes OpenAI responses and stream chunks; subclasses write the two APIs' shapes."""
+    writes OpenAI responses (models) and stream chunks (dicts in the stream models' shape,
+    ``router/protocol.py``); subclasses write the two APIs' shapes."""
 
     def __init__(self, router: Router, request, response_id: str,
                  prompts: list[list[int]]) -> None:
         self.request = request
         self.response_id = response_id
         self.model = router.served_model_name
-        self.tokenizer = router.tokenizer
+        self._decode = fast_decoder(router.tokenizer, skip_special_tokens=False)
         self.prompts = prompts
         num_choices = len(prompts) * request.n
         self.texts = [""] * num_choices
@@ -333,17 +337,18 @@ class Formatter:
                             sum(self.cached_tokens))
 
     def decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """The text of one token for logprobs: ``tokenizer.decode([token_id])``."""
+        return self._decode([token_id])
 
-    def stream_start(self) -> list[BaseModel]:
+    def stream_start(self) -> list[dict]:
         """Chunks sent before any token (chat: each choice's role)."""
         return []
 
-    def stream_usage(self) -> BaseModel | None:
+    def stream_usage(self) -> dict | None:
         """The last chunk, with only usage, when ``stream_options.include_usage``."""
         if not self.request.include_usage():
             return None
-        return self._stream_response([], usage=self.usage())
+        return self._stream_response([], usage=self.usage().model_dump())
 
 
 class CompletionFormatter(Formatter):
@@ -360,18 +365,18 @@ class CompletionFormatter(Formatter):
             return None
         return completion_logprobs(logprobs, self.decode_token, text_offset)
 
-    def stream_chunk(self, index: int, chunk: GenerationChunk) -> BaseModel:
+    def stream_chunk(self, index: int, chunk: GenerationChunk) -> dict:
+        """Record ``chunk`` of choice ``index``; its ``CompletionStreamResponse`` dict."""
         prefix = self.echo[index] if not self.num_tokens[index] else ""
         offset = len(self.echo[index]) + len(self.texts[index])
         self.add(index, chunk)
-        return self._stream_response([CompletionChoice(
-            index=index, text=prefix + chunk.text, finish_reason=chunk.finish_reason,
-            stop_reason=chunk.stop_reason,
-            logprobs=self._logprobs(index, chunk.logprobs, offset))])
+        logprobs = self._logprobs(index, chunk.logprobs, offset)
+        return self._stream_response([completion_stream_choice(
+            index, prefix + chunk.text, chunk.finish_reason, chunk.stop_reason,
+            None if logprobs is None else logprobs.model_dump())])
 
-    def _stream_response(self, choices, usage=None) -> BaseModel:
-        return CompletionStreamResponse(id=self.response_id, model=self.model,
-                                        choices=choices, usage=usage)
+    def _stream_response(self, choices: list[dict], usage: dict | None = None) -> dict:
+        return completion_stream_chunk(self.response_id, self.model, choices, usage)
 
     def response(self) -> CompletionResponse:
         choices = [CompletionChoice(
@@ -391,21 +396,21 @@ class ChatFormatter(Formatter):
             return None
         return chat_logprobs(logprobs, self.decode_token, self.request.top_logprobs or 0)
 
-    def stream_start(self) -> list[BaseModel]:
-        return [self._stream_response([ChatCompletionStreamChoice(
-            index=i, delta=DeltaMessage(role="assistant", content=""))])
-            for i in range(len(self.texts))]
+    def stream_start(self) -> list[dict]:
+        return [self._stream_response([chat_stream_choice(i, "", role="assistant")])
+                for i in range(len(self.texts))]
 
-    def stream_chunk(self, index: int, chunk: GenerationChunk) -> BaseModel:
+    def stream_chunk(self, index: int, chunk: GenerationChunk) -> dict:
+        """Record ``chunk`` of choice ``index``; its ``ChatCompletionStreamResponse`` dict."""
         self.add(index, chunk)
-        return self._stream_response([ChatCompletionStreamChoice(
-            index=index, delta=DeltaMessage(content=chunk.text),
-            finish_reason=chunk.finish_reason, stop_reason=chunk.stop_reason,
-            logprobs=self._logprobs(chunk.logprobs))])
+        logprobs = self._logprobs(chunk.logprobs)
+        return self._stream_response([chat_stream_choice(
+            index, chunk.text, finish_reason=chunk.finish_reason,
+            stop_reason=chunk.stop_reason,
+            logprobs=None if logprobs is None else logprobs.model_dump())])
 
-    def _stream_response(self, choices, usage=None) -> BaseModel:
-        return ChatCompletionStreamResponse(id=self.response_id, model=self.model,
-                                            choices=choices, usage=usage)
+    def _stream_response(self, choices: list[dict], usage: dict | None = None) -> dict:
+        return chat_stream_chunk(self.response_id, self.model, choices, usage)
 
     def response(self) -> ChatCompletionResponse:
         choices = [ChatCompletionChoice(

@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -373,6 +374,55 @@ class ChatCompletionStreamResponse(_Response):
     id: str = Field(default_factory=lambda: random_id("chatcmpl"))
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatCompletionStreamChoice]
+
+
+# NOTE: a stream sends a chunk per token, and building and dumping a model for each cost
+# ~3 us of router CPU, taken from a CPU decode engine beside it. The stream sends dicts in
+# the stream models' shape instead (their fields, in their order, written by orjson);
+# tests/test_router_protocol.py checks each builder against its model.
+
+
+def completion_stream_chunk(response_id: str, model: str, choices: list[dict],
+                            usage: dict | None = None) -> dict:
+    """A ``CompletionStreamResponse`` as a dict, ``created`` now; ``choices`` from
+    ``completion_stream_choice``, ``usage`` a ``UsageInfo.model_dump()``."""
+    return {"id": response_id, "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage}
+
+
+def completion_stream_choice(index: int, text: str, finish_reason: str | None = None,
+                             stop_reason: int | str | None = None,
+                             logprobs: dict | None = None) -> dict:
+    """A stream chunk's ``CompletionChoice`` as a dict (``logprobs`` a
+    ``CompletionLogProbs.model_dump()``)."""
+    return {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason,
+            "text": text, "logprobs": logprobs}
+
+
+def chat_stream_chunk(response_id: str, model: str, choices: list[dict],
+                      usage: dict | None = None) -> dict:
+    """A ``ChatCompletionStreamResponse`` as a dict, ``created`` now; ``choices`` from
+    ``chat_stream_choice``."""
+    return {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage}
+
+
+def chat_stream_choice(index: int, content: str | None, role: str | None = None,
+                       finish_reason: str | None = None, stop_reason: int | str | None = None,
+                       logprobs: dict | None = None) -> dict:
+    """A ``ChatCompletionStreamChoice`` as a dict: its ``delta`` holds ``role`` and
+    ``content`` (``logprobs`` a ``ChatChoiceLogProbs.model_dump()``)."""
+    return {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason,
+            "delta": {"role": role, "content": content}, "logprobs": logprobs}
+
+
+def sse_event(body: dict) -> bytes:
+    """``body`` as one server-sent event, ``data: {json}\\n\\n`` in UTF-8 (compact JSON, as
+    ``model_dump_json`` writes it; a float that is not finite as ``null``)."""
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's last event of a stream
 
 
 class ModelCard(BaseModel):

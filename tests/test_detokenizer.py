@@ -6,11 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from pdserve.engine.demo_model import BOS_TOKEN, EOS_TOKEN, train_demo_tokenizer
-from pdserve.router.detokenizer import IncrementalDetokenizer, StopChecker
+from pdserve.router.detokenizer import IncrementalDetokenizer, StopChecker, fast_decoder
 
 CORPUS = ["The KV cache holds keys and values for every token of the prompt.",
           "Paged attention reads the cache through a block table, one block at a time.",
@@ -44,6 +44,27 @@ def llama_style() -> PreTrainedTokenizerFast:
                                      decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>", clean_up_tokenization_spaces=False)
+
+
+@pytest.fixture(scope="module")
+def word_level() -> PreTrainedTokenizerFast:
+    """Whole words joined by spaces, with ``clean_up_tokenization_spaces``: ``decode``
+    turns "world ," into "world," (transformers applies the clean-up to non-BPE models)."""
+    words = ["[UNK]", "</s>", "hello", "world", ",", ".", "!", "'s", "n't", "it", "do"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>",
+                                   clean_up_tokenization_spaces=True)
+
+
+class DecodeOnly:
+    """A tokenizer offering nothing but ``decode``: the detokenizer's general path."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, token_ids, skip_special_tokens=False) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -117,6 +138,41 @@ def test_llama_style_leading_space_comes_from_context(llama_style):
     deltas = stream(IncrementalDetokenizer(llama_style, prompt), output)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == expected
+
+
+@pytest.mark.parametrize("name", ["byte_bpe", "llama_style", "word_level"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_backend_decode_gives_the_deltas_of_tokenizer_decode(request, name,
+                                                             skip_special_tokens):
+    tokenizer = request.getfixturevalue(name)
+    text = "hello world , it 's ! do n't . " if name == "word_level" else TEXT
+    ids = encode(tokenizer, text) + [tokenizer.eos_token_id] + encode(tokenizer, text)
+    prompt = encode(tokenizer, text)[:7]
+
+    def deltas(tok) -> list[str]:
+        return stream(IncrementalDetokenizer(tok, prompt,
+                                             skip_special_tokens=skip_special_tokens), ids)
+    assert deltas(tokenizer) == deltas(DecodeOnly(tokenizer))
+    decode = fast_decoder(tokenizer, skip_special_tokens)
+    for size in (1, 2, 5):
+        for start in range(len(ids) - size + 1):
+            window = ids[start:start + size]
+            assert decode(window) == tokenizer.decode(
+                window, skip_special_tokens=skip_special_tokens)
+
+
+def test_backend_decode_skips_the_python_wrapper(byte_bpe, word_level, monkeypatch):
+    calls = []
+    for tokenizer in (byte_bpe, word_level):
+        decode = tokenizer.decode
+        monkeypatch.setattr(tokenizer, "decode", lambda *a, decode=decode, **k:
+                            calls.append(a) or decode(*a, **k))
+    assert fast_decoder(byte_bpe, True)(encode(byte_bpe, TEXT)) == TEXT
+    assert fast_decoder(word_level, True)(encode(word_level, "hello world")) == "hello world"
+    assert calls == []
+    # Where the clean-up changes the text, transformers' own decode decides.
+    assert fast_decoder(word_level, True)(encode(word_level, "world !")) == "world!"
+    assert len(calls) == 1
 
 
 def run_stops(checker: StopChecker, deltas: list[str]) -> str:

@@ -4,20 +4,23 @@ parameters, and responses that the official `openai` client's types accept."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import openai.types as oai
 import openai.types.chat as oai_chat
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from transformers import PreTrainedTokenizerFast
 
 from pdserve.cluster.wire import sampling_params_from_proto, sampling_params_to_proto
 from pdserve.engine.demo_model import train_demo_tokenizer
 from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.http import ChatFormatter, CompletionFormatter
 from pdserve.router.http_guard import MAX_JSON_DEPTH, parse_json
 from pdserve.router.limits import INT32_MAX, MAX_NUM_SEQUENCES, SEED_LIMIT, choice_seed
 from pdserve.router.logprobs import chat_logprobs, completion_logprobs
+from pdserve.router.output import GenerationChunk
 from pdserve.router.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -35,6 +38,7 @@ from pdserve.router.protocol import (
     RequestError,
     UsageInfo,
     error_response,
+    sse_event,
     to_sampling_params,
     validation_error_response,
 )
@@ -362,3 +366,129 @@ def test_logprobs_in_both_formats(tokenizer):
               "message": {"role": "assistant", "content": "The cache"}}
     assert oai_chat.chat_completion.Choice.model_validate(choice).logprobs.content[1].token == \
         " cache"
+
+
+# ---- stream chunks: dicts written by orjson, checked against the models -----------------
+
+
+def assert_event_is_model(event: bytes, model: BaseModel) -> None:
+    """``event`` is ``data: <model.model_dump_json()>\\n\\n``, as parsed JSON, with the
+    model's field order (``created`` taken from the event: both say "now")."""
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert b"\n" not in event[:-2]
+    fast = json.loads(event[6:-2])
+    if "created" in fast:
+        model = model.model_copy(update={"created": fast["created"]})
+    reference = json.loads(model.model_dump_json())
+    assert fast == reference
+    assert list(fast) == list(reference)
+    for fast_choice, choice in zip(fast.get("choices", []), reference.get("choices", [])):
+        assert list(fast_choice) == list(choice)
+
+
+def make_formatter(tokenizer, cls, body: dict, num_prompts: int = 1,
+                   echo: list[str] | None = None):
+    router = SimpleNamespace(served_model_name="demo", tokenizer=tokenizer)
+    request_cls = CompletionRequest if cls is CompletionFormatter else ChatCompletionRequest
+    request = request_cls.model_validate({**body, "stream": True})
+    args = (router, request, "cmpl-42", [[1, 2, 3]] * num_prompts)
+    return request, cls(*args, echo) if cls is CompletionFormatter else cls(*args)
+
+
+TEXTS = ["Hello", ' "quoted" \\ back\tslash\n', " 世界🙂", "", " end"]
+FINISH = [(None, None), (None, None), (None, None), ("stop", "###"), ("stop", 7)]
+
+
+def steps(tokenizer, with_logprobs: bool) -> list[GenerationChunk]:
+    """Chunks of one choice: plain, escapes, non-ASCII, empty, finish with a stop string
+    and with a stop token id; logprobs with -inf and alternatives."""
+    ids = tokenizer.encode("The cache holds", add_special_tokens=False)
+    chunks = []
+    for i, (text, (finish, stop_reason)) in enumerate(zip(TEXTS, FINISH)):
+        token = ids[i % len(ids)]
+        logprobs = [Logprob(token, -float("inf") if i == 2 else -0.25 * i, 1,
+                            {t: -0.1 - j for j, t in enumerate(ids)})] if with_logprobs else []
+        chunks.append(GenerationChunk(text, [token], logprobs, 3, finish, stop_reason))
+    return chunks
+
+
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_completion_stream_chunks_are_the_models_json(tokenizer, with_logprobs):
+    body = {"prompt": ["a", "b"], "n": 2, "stream_options": {"include_usage": True}}
+    if with_logprobs:
+        body["logprobs"] = 2
+    _, formatter = make_formatter(tokenizer, CompletionFormatter, body, num_prompts=2)
+    assert formatter.stream_start() == []
+
+    def decode(token_id: int) -> str:  # the reference: transformers' decode
+        return tokenizer.decode([token_id])
+
+    for index in (3, 0):
+        offset = 0
+        for chunk in steps(tokenizer, with_logprobs):
+            logprobs = completion_logprobs(chunk.logprobs, decode, offset) \
+                if with_logprobs else None
+            expected = CompletionStreamResponse(id="cmpl-42", model="demo", choices=[
+                CompletionChoice(index=index, text=chunk.text, logprobs=logprobs,
+                                 finish_reason=chunk.finish_reason,
+                                 stop_reason=chunk.stop_reason)])
+            assert_event_is_model(sse_event(formatter.stream_chunk(index, chunk)), expected)
+            offset += len(chunk.text)
+    usage = CompletionStreamResponse(id="cmpl-42", model="demo", choices=[],
+                                     usage=UsageInfo.of(6, 10, 6))
+    assert_event_is_model(sse_event(formatter.stream_usage()), usage)
+
+
+def test_completion_echo_prefixes_the_first_chunk(tokenizer):
+    _, formatter = make_formatter(tokenizer, CompletionFormatter, {"prompt": "Say"},
+                                  echo=["Say"])
+    first, second = steps(tokenizer, False)[:2]
+    assert_event_is_model(sse_event(formatter.stream_chunk(0, first)), CompletionStreamResponse(
+        id="cmpl-42", model="demo", choices=[CompletionChoice(index=0, text="SayHello")]))
+    assert_event_is_model(sse_event(formatter.stream_chunk(0, second)), CompletionStreamResponse(
+        id="cmpl-42", model="demo", choices=[CompletionChoice(index=0, text=second.text)]))
+    assert formatter.stream_usage() is None  # no include_usage
+
+
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_chat_stream_chunks_are_the_models_json(tokenizer, with_logprobs):
+    body = {"messages": USER, "n": 2, "stream_options": {"include_usage": True}}
+    if with_logprobs:
+        body.update(logprobs=True, top_logprobs=2)
+    _, formatter = make_formatter(tokenizer, ChatFormatter, body)
+    starts = formatter.stream_start()
+    assert len(starts) == 2
+    for i, start in enumerate(starts):
+        assert_event_is_model(sse_event(start), ChatCompletionStreamResponse(
+            id="cmpl-42", model="demo", choices=[ChatCompletionStreamChoice(
+                index=i, delta=DeltaMessage(role="assistant", content=""))]))
+
+    def decode(token_id: int) -> str:  # the reference: transformers' decode
+        return tokenizer.decode([token_id])
+
+    for chunk in steps(tokenizer, with_logprobs):
+        logprobs = chat_logprobs(chunk.logprobs, decode, 2) if with_logprobs else None
+        expected = ChatCompletionStreamResponse(id="cmpl-42", model="demo", choices=[
+            ChatCompletionStreamChoice(index=1, delta=DeltaMessage(content=chunk.text),
+                                       logprobs=logprobs, finish_reason=chunk.finish_reason,
+                                       stop_reason=chunk.stop_reason)])
+        assert_event_is_model(sse_event(formatter.stream_chunk(1, chunk)), expected)
+    usage = ChatCompletionStreamResponse(id="cmpl-42", model="demo", choices=[],
+                                         usage=UsageInfo.of(3, 5, 3))
+    assert_event_is_model(sse_event(formatter.stream_usage()), usage)
+
+
+def test_stream_chunks_parse_as_openai_chunk_types(tokenizer):
+    _, formatter = make_formatter(tokenizer, ChatFormatter, {"messages": USER})
+    chunk = json.loads(sse_event(formatter.stream_chunk(0, steps(tokenizer, False)[4]))[6:])
+    parsed = oai_chat.ChatCompletionChunk.model_validate(chunk)
+    assert parsed.choices[0].delta.content == " end"
+    assert parsed.choices[0].finish_reason == "stop"
+    _, formatter = make_formatter(tokenizer, CompletionFormatter, {"prompt": "x"})
+    chunk = json.loads(sse_event(formatter.stream_chunk(0, steps(tokenizer, True)[4]))[6:])
+    assert oai.Completion.model_validate(chunk).choices[0].text == " end"
+
+
+def test_error_event_is_the_error_models_json():
+    model = error_response(503, "no workers", "model")
+    assert_event_is_model(sse_event(model.model_dump()), model)
