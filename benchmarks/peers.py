@@ -89,10 +89,10 @@ VLLM_WRAPPER = textwrap.dedent('''\
 OFFLINE_PDSERVE = textwrap.dedent('''\
     import json, random, sys, time
     from pdserve.engine import LLM, SamplingParams
-    model, repeats = sys.argv[1], int(sys.argv[2])
+    model, repeats, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     rng = random.Random(0)
     prompts = [[rng.randrange({r}) for _ in range({n_in})] for _ in range({n})]
-    llm = LLM(model, dtype="bfloat16", max_model_len=1024, load_progress=False)
+    llm = LLM(model, dtype=dtype, max_model_len=1024, load_progress=False)
     params = SamplingParams(temperature=0.0, max_tokens={n_out}, ignore_eos=True)
     llm.generate([[t + 1 for t in p] for p in prompts[:2]],
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -109,10 +109,10 @@ OFFLINE_VLLM = textwrap.dedent('''\
     import json, random, sys, time
     if __name__ == "__main__":
         from vllm import LLM, SamplingParams, TokensPrompt
-        model, repeats = sys.argv[1], int(sys.argv[2])
+        model, repeats, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
         rng = random.Random(0)
         prompts = [[rng.randrange({r}) for _ in range({n_in})] for _ in range({n})]
-        llm = LLM(model, dtype="bfloat16", max_model_len=1024)
+        llm = LLM(model, dtype=dtype, max_model_len=1024)
         params = SamplingParams(temperature=0.0, max_tokens={n_out}, ignore_eos=True)
         llm.generate([TokensPrompt(prompt_token_ids=[t + 1 for t in p]) for p in prompts[:2]],
                      SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
@@ -228,12 +228,12 @@ def offline(engine: str, args: argparse.Namespace, model: Path, work: Path) -> d
     """Best of ``--offline-repeats`` W1 runs of ``engine`` in a fresh process."""
     if engine == "pdserve":
         script, python, env = OFFLINE_PDSERVE, sys.executable, None
-        argv = [python, "-c", script, str(model), str(args.offline_repeats)]
+        argv = [python, "-c", script, str(model), str(args.offline_repeats), args.dtype]
     else:
         path = work / "offline_vllm.py"
         path.write_text(OFFLINE_VLLM)
         argv = [args.vllm_python, str(work / "vllm_cli.py"), "--script", str(path),
-                str(model), str(args.offline_repeats)]
+                str(model), str(args.offline_repeats), args.dtype]
         env = vllm_env(cpu_list())
     log = work / f"offline-{engine}.log"
     with open(log, "w") as out:
@@ -251,15 +251,26 @@ def offline(engine: str, args: argparse.Namespace, model: Path, work: Path) -> d
 # ---------------------------------------------------------------- served
 
 
+def auto_dtype() -> str:
+    """What pdserve's ``--dtype auto`` computes W1's bf16 checkpoint in on this machine's
+    CPU (``cpu_compute_dtype``: float32 where the CPU has no bf16 arithmetic)."""
+    import torch
+
+    from pdserve.engine.config import cpu_compute_dtype
+
+    return str(cpu_compute_dtype(torch.bfloat16)).removeprefix("torch.")
+
+
 def start_pdserve(args, model: Path, port: int, log: Path) -> Server:
+    dtype = [] if args.dtype == auto_dtype() else ["--dtype", args.dtype]
     argv = ["pdserve", "serve", "--model", str(model), "--port", str(port),
-            "--grpc-port", str(args.grpc_port), *args.pdserve_args.split()]
+            "--grpc-port", str(args.grpc_port), *dtype, *args.pdserve_args.split()]
     return Server("pdserve serve", argv, log)
 
 
 def start_vllm(args, model: Path, port: int, log: Path, work: Path) -> Server:
     argv = [args.vllm_python, str(work / "vllm_cli.py"), "serve", str(model),
-            "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048"]
+            "--port", str(port), "--dtype", args.dtype, "--max-model-len", "2048"]
     return Server("vllm serve", argv, log, env=vllm_env(cpu_list()), cwd=work)
 
 
@@ -401,8 +412,14 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8100, help="first server port")
     parser.add_argument("--grpc-port", type=int, default=50150, help="pdserve's gRPC port")
     parser.add_argument("--seed", type=int, default=1000)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                        help="what both engines compute in (default: what `pdserve serve "
+                        "--dtype auto` computes W1's bf16 checkpoint in on this machine)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
+    if args.dtype is None:
+        args.dtype = auto_dtype()
+    print(f"dtype: {args.dtype}", flush=True)
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="pdserve-peers-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -412,7 +429,7 @@ def main() -> None:
     if not args.llama_cpp_dir:
         print("llama.cpp: left out (no --llama-cpp-dir)")
     result: dict = {"machine": {"platform": platform.platform(), "processor":
-                                platform.processor(), "cpus": cpu_list()},
+                                platform.processor(), "cpus": cpu_list()}, "dtype": args.dtype,
                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "work_dir": str(work)}
     try:

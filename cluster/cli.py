@@ -21,7 +21,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(default: the demo model, written on first use)")
     parser.add_argument("--served-model-name", help="model name clients use (default: --model)")
     parser.add_argument("--dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
+                        choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+                        help="weights and KV cache dtype; auto: the checkpoint's, except "
+                        "float32 on an x86 CPU without AVX-512 (no bf16/fp16 arithmetic)")
     parser.add_argument("--max-model-len", type=int, help="tokens per sequence (prompt + output)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=256)

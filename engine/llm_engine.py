@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,7 +18,7 @@ import torch
 
 from pdserve.engine.block_hash import root_block_hash
 from pdserve.engine.block_pool import KVEvent
-from pdserve.engine.config import ModelConfig
+from pdserve.engine.config import ModelConfig, cpu_compute_dtype
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.model_runner import ModelRunner, kv_cache_block_bytes
 from pdserve.engine.request import Logprob, Request, RequestStatus
@@ -24,6 +26,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.tokenizer import eos_token_ids as checkpoint_eos_token_ids
 from pdserve.engine.tokenizer import has_tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 _CPU_KV_CACHE_BYTES = 4 << 30  # vLLM's VLLM_CPU_KVCACHE_SPACE default: 4 GiB
 
@@ -103,6 +107,10 @@ class BlockOwnership:
     num_unowned_blocks: int
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -134,10 +142,19 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
         self.model_config = ModelConfig.from_pretrained(
             config.model, dtype=config.dtype, max_model_len=config.max_model_len)
+        if config.dtype == "auto" and self.device.type == "cpu":
+            dtype = cpu_compute_dtype(self.model_config.dtype)
+            if dtype != self.model_config.dtype:
+                logger.info("--dtype auto: computing in %s, not the checkpoint's %s: this "
+                            "CPU has no native %s arithmetic (--dtype %s keeps it)",
+                            _dtype_name(dtype), _dtype_name(self.model_config.dtype),
+                            _dtype_name(self.model_config.dtype),
+                            _dtype_name(self.model_config.dtype))
+                self.model_config = dataclasses.replace(self.model_config, dtype=dtype)
         self.served_model_name = config.served_model_name or config.model
-        self.device = resolve_device(config.device)
         self.tokenizer = load_tokenizer(config.model) if has_tokenizer(config.model) else None
         if eos_token_ids is None:
             eos_token_ids = checkpoint_eos_token_ids(config.model, self.tokenizer)

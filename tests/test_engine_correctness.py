@@ -83,3 +83,48 @@ def test_half_precision_runs_close_to_fp32(dtype, tiny_checkpoints):
         first_a = a.outputs[0].logprobs[0][a.outputs[0].token_ids[0]].logprob
         first_b = b.outputs[0].logprobs[0][b.outputs[0].token_ids[0]].logprob
         assert first_b == pytest.approx(first_a, abs=0.05)
+
+
+@pytest.mark.parametrize(("machine", "avx512", "checkpoint", "expected"), [
+    ("x86_64", False, torch.bfloat16, torch.float32),
+    ("x86_64", False, torch.float16, torch.float32),
+    ("x86_64", False, torch.float32, torch.float32),
+    ("x86_64", True, torch.bfloat16, torch.bfloat16),
+    ("aarch64", False, torch.bfloat16, torch.bfloat16),
+])
+def test_cpu_compute_dtype_follows_the_cpu(machine, avx512, checkpoint, expected, monkeypatch):
+    """``--dtype auto`` on a CPU: half precision only where the CPU computes in it."""
+    from pdserve.engine import config
+
+    monkeypatch.setattr(config.platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert config.cpu_compute_dtype(checkpoint) is expected
+
+
+def test_auto_dtype_of_a_bf16_checkpoint_on_this_cpu(tmp_path):
+    """A bf16 checkpoint under ``dtype="auto"`` computes in ``cpu_compute_dtype``'s dtype
+    with packed linears (float32 on an AVX2 machine: the tokens of an fp32 engine);
+    ``dtype="bfloat16"`` keeps bf16."""
+    from conftest import write_tiny_checkpoint
+
+    from pdserve.engine.config import ModelConfig, cpu_compute_dtype
+    from pdserve.engine.models.layers import PackedLinear
+
+    path = str(write_tiny_checkpoint(tmp_path / "bf16", "llama", dtype=torch.bfloat16))
+    assert ModelConfig.from_pretrained(path).dtype is torch.bfloat16
+    prompts = random_prompts([5, 37])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    auto = LLM(path, dtype="auto", max_model_len=128, load_progress=False)
+    expected = cpu_compute_dtype(torch.bfloat16)
+    assert auto.engine.model_config.dtype is expected
+    assert auto.engine.model_runner.kv_cache.dtype is expected
+    linears = [m for m in auto.engine.model_runner.model.modules()
+               if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    assert linears and all(isinstance(m, PackedLinear) for m in linears)
+    same = LLM(path, dtype=str(expected).removeprefix("torch."), max_model_len=128,
+               load_progress=False)
+    assert [o.outputs[0].token_ids for o in auto.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in same.generate(prompts, params)]
+    kept = LLM(path, dtype="bfloat16", max_model_len=128, load_progress=False)
+    assert kept.engine.model_config.dtype is torch.bfloat16

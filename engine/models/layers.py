@@ -83,11 +83,15 @@ class RotaryEmbedding(nn.Module):
 
 class PackedLinear(nn.Module):
     """A bias-free or biased linear layer whose weight oneDNN has reordered once into its
-    blocked layout (what Inductor's CPU freezing does), so small-batch bf16 matmuls skip
-    the per-call weight reorder: about 1.2x faster at 32 rows on AVX512-BF16 CPUs.
+    blocked layout (what Inductor's CPU freezing does, and vLLM's CPU backend with
+    ``onednn_mm``), so each call skips the per-call weight reorder.
 
-    ``x: [T, in_features]`` bf16 -> ``[T, out_features]`` bf16, same values as
-    ``F.linear``.
+    Measured: bf16, about 1.2x faster than ``F.linear`` at 32 rows on AVX512-BF16 CPUs;
+    fp32 on a 2-core AVX2 EPYC, 1.5x at 32 rows for the 768-wide layers of a 125M Llama
+    and 2.3x for its 32000-row LM head, level with it at 1024 rows.
+
+    ``x: [T, in_features]`` -> ``[T, out_features]``, in the weight's dtype (bf16 or
+    fp32), the values of ``F.linear`` up to summation order.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -102,28 +106,36 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def pack_linears_for_cpu(model: nn.Module) -> int:
-    """Replace every bf16 ``nn.Linear`` of a CPU model with a ``PackedLinear``.
+_PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
-    Does nothing (returns 0) where oneDNN's bf16 linear is unavailable or gives a result
+
+def pack_linears_for_cpu(model: nn.Module) -> int:
+    """Replace every bf16 or fp32 ``nn.Linear`` of a CPU model with a ``PackedLinear``.
+
+    A dtype is left alone where oneDNN's linear for it is unavailable or gives a result
     different from ``F.linear``; returns the number of layers replaced.
     """
-    if not _packed_linear_works():
-        return 0
+    works = {dtype: _packed_linear_works(dtype) for dtype in _PACKED_DTYPES}
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 \
+            if isinstance(child, nn.Linear) and works.get(child.weight.dtype, False) \
                     and child.weight.device.type == "cpu":
                 setattr(parent, name, PackedLinear(child))
                 replaced += 1
     return replaced
 
 
-def _packed_linear_works() -> bool:
+def _packed_linear_works(dtype: torch.dtype) -> bool:
     try:
         if not torch.backends.mkldnn.is_available():
             return False
+        x = torch.randn(3, 32).to(dtype)
+        linear = nn.Linear(32, 16).to(dtype)
+        atol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        return torch.allclose(PackedLinear(linear)(x).float(), linear(x).float(), atol=atol)
+    except (RuntimeError, AttributeError):
+        return False
         x = torch.randn(3, 32).bfloat16()
         linear = nn.Linear(32, 16).bfloat16()
         return torch.allclose(PackedLinear(linear)(x).float(), linear(x).float(), atol=1e-2)
