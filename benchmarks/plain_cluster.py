@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 from typing import Self
 
-from pdserve.cluster.redis_server import RedisServer, free_port
+from pdserve.entrypoints.redis_server import RedisServer, free_port
 
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0

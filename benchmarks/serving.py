@@ -1,7 +1,7 @@
 """Serving benchmark: drives a running pdserve cluster through its OpenAI HTTP API.
 
 Shaped like vLLM's ``benchmarks/benchmark_serving.py``, with the same metric names and
-definitions (DESIGN.md, Terms):
+definitions (docs/architecture.md, Terms):
 
 - TTFT: seconds from sending a request to the first streamed chunk with tokens.
 - TPOT: ``(e2e - TTFT) / (output_tokens - 1)``, the time per output token after the first;

@@ -1,4 +1,4 @@
-"""Cluster authentication (DESIGN.md, Lifecycle and failure): every internal RPC and
+"""Cluster authentication (docs/architecture.md, Lifecycle and failure): every internal RPC and
 every registry record carries proof of the cluster secret, and, when certificates are
 given, the workers' gRPC servers and channels use mutual TLS.
 

@@ -1,4 +1,4 @@
-"""The Redis prefix index: which workers hold which prefix-cache blocks (DESIGN.md,
+"""The Redis prefix index: which workers hold which prefix-cache blocks (docs/architecture.md,
 Cluster state).
 
 Layout: one Redis set per block hash, ``pdserve:block:<32 hex digits>`` -> worker ids.

@@ -1,4 +1,4 @@
-"""The Redis worker registry: who serves, where, and whether it is alive (DESIGN.md,
+"""The Redis worker registry: who serves, where, and whether it is alive (docs/architecture.md,
 Cluster state).
 
 Layout, per worker id:

@@ -12,7 +12,7 @@ from pdserve.proto import common_pb2
 
 @dataclass(slots=True)
 class KVHandle:
-    """Where a prefilled prompt's KV lives: DESIGN.md's KV handle, self-contained (a
+    """Where a prefilled prompt's KV lives: docs/architecture.md's KV handle, self-contained (a
     decode worker pulls with it and nothing else: no registry lookup). Times in seconds;
     addresses ``host:port``."""
 

@@ -1,6 +1,6 @@
 """Settings of one prefill or decode worker process, and its command line.
 
-Engine flags are vLLM's (``cluster/cli.py``); worker flags add where it listens, the Redis
+Engine flags are vLLM's (``engine/args.py``); worker flags add where it listens, the Redis
 registry, the KV lease and transfer timeouts, and the CPU threads it may use.
 """
 
@@ -100,7 +100,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 
 def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig:
     """A ``WorkerConfig`` from parsed engine and worker flags."""
-    from pdserve.cluster.cli import engine_kwargs
+    from pdserve.engine.args import engine_kwargs
 
     auth = cluster_auth_from_args(args)
     redis_url = args.redis_url and redis_url_with_password(args.redis_url,

@@ -1,5 +1,5 @@
 import sys
 
-from pdserve.cluster.worker_main import main
+from pdserve.entrypoints.worker_main import main
 
 sys.exit(main("decode"))

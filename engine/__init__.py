@@ -1,4 +1,4 @@
-"""pdserve.engine: one process's model runtime (DESIGN.md, Layout).
+"""pdserve.engine: one process's model runtime (docs/architecture.md, Layout).
 
 The offline API mirrors vLLM's: ``LLM``, ``SamplingParams``, ``RequestOutput``.
 """

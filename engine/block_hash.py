@@ -1,4 +1,4 @@
-"""Chained, process-stable block hashes for prefix caching (DESIGN.md, The KV cache).
+"""Chained, process-stable block hashes for prefix caching (docs/architecture.md, The KV cache).
 
 ``h_i = H(h_{i-1} || token_ids of block i as int64 little-endian || extra)`` with ``H``
 SHA-256 truncated to 16 bytes, ``h_{-1}`` derived from the model name and block size, and

@@ -1,6 +1,6 @@
 """The demo model: a small random-weight Llama checkpoint with a real byte-level BPE tokenizer.
 
-``pdserve serve`` and ``pdserve generate`` use it when no ``--model`` is given (DESIGN.md,
+``pdserve serve`` and ``pdserve generate`` use it when no ``--model`` is given (docs/architecture.md,
 Launch), and tests use it wherever a real tokenizer matters. The folder has the layout of a
 Hugging Face hub checkpoint, so transformers loads it as it loads any Llama 3 model::
 

@@ -97,7 +97,7 @@ class EngineOutput:
 
 @dataclass(frozen=True, slots=True)
 class BlockOwnership:
-    """A worker's KV ownership audit (DESIGN.md, Lifecycle and failure): requests whose KV
+    """A worker's KV ownership audit (docs/architecture.md, Lifecycle and failure): requests whose KV
     is being pulled, leases and the blocks they pin, and blocks owned by nothing (a leak;
     always 0)."""
 
@@ -358,7 +358,7 @@ class LLMEngine:
         return self.kv_cache_manager.pool.reset_prefix_cache()
 
     def num_unowned_blocks(self) -> int:
-        """The audit of DESIGN.md's ownership rule: blocks in use (ref count > 0) that no
+        """The audit of docs/architecture.md's ownership rule: blocks in use (ref count > 0) that no
         owner holds, i.e. not referenced by a request (running, waiting, waiting for KV)
         nor by a lease. 0 unless a block leaked. O(blocks owned); call it on the engine
         thread, between steps."""

@@ -9,7 +9,7 @@ fp32 rounding of the running sum) and never picks a token of probability 0. It n
 random number per row where the exponential race ``argmax(p / q), q ~ Exp(1)`` needs one per
 vocabulary entry (15 ms per step at 32 rows x 32000 tokens on a 2-core CPU, against under
 1 ms). A seeded row draws its ``u`` from a generator keyed by (seed, output token index), so
-the same request gives the same tokens on any worker, in any batch (DESIGN.md).
+the same request gives the same tokens on any worker, in any batch (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ class SamplingParams:
     penalised, temperature-scaled logits. Penalties follow vLLM: ``repetition_penalty``
     (CTRL, https://arxiv.org/abs/1909.05858) over prompt and output tokens,
     ``presence_penalty`` and ``frequency_penalty`` (OpenAI API) over output tokens.
-    A ``seed`` makes sampling reproducible per token position (DESIGN.md).
+    A ``seed`` makes sampling reproducible per token position (docs/architecture.md).
     ``logprobs`` asks for the sampled token's log-probability plus the top ``logprobs``
     alternatives, computed from the raw model logits.
 

@@ -1,6 +1,6 @@
 """Tokenizer loading, prompt encoding, the chat template and end-of-sequence ids.
 
-One place for these so the router (which tokenizes every request once, DESIGN.md, A
+One place for these so the router (which tokenizes every request once, docs/architecture.md, A
 request's path) and the offline ``LLM`` encode the same text to the same token ids. The
 tokenizer itself is transformers' (``AutoTokenizer``), read from the checkpoint folder only,
 never from the hub.

@@ -1,4 +1,4 @@
-"""Moving KV blocks between a prefill worker and a decode worker (DESIGN.md, KV transfer).
+"""Moving KV blocks between a prefill worker and a decode worker (docs/architecture.md, KV transfer).
 
 Each (prefill, decode) pair gets a 2-rank channel, made without a global
 ``init_process_group`` from a ``TCPStore`` that the decode worker hosts at its KV

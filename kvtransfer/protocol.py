@@ -1,7 +1,7 @@
 """The KV-transfer wire protocol: poll states, errors, the header tensor, store keys.
 
 A transfer moves the KV of some of a prompt's blocks from a prefill worker (rank 0) to a
-decode worker (rank 1) over their pair channel (DESIGN.md, KV transfer). What crosses the
+decode worker (rank 1) over their pair channel (docs/architecture.md, KV transfer). What crosses the
 wire, per transfer:
 
 1. store (the decode worker's ``TCPStore``): the decode side writes a ``Ticket`` under

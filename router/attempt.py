@@ -1,4 +1,4 @@
-"""One attempt of a request on the workers (DESIGN.md, Lifecycle and failure): the
+"""One attempt of a request on the workers (docs/architecture.md, Lifecycle and failure): the
 Prefill call, the Decode stream, what a failed RPC means for the request, and the
 clean-up RPCs that give back what an attempt held.
 

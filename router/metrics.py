@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics (DESIGN.md, Metrics).
+"""The router's Prometheus metrics (docs/architecture.md, Metrics).
 
 Where vLLM has a metric the name, type, ``model_name`` label and histogram buckets are
 vLLM's (``vllm/v1/metrics/loggers.py``), so dashboards built for vLLM work; pdserve's own

@@ -1,4 +1,4 @@
-"""The routing policy (DESIGN.md, A request's path, step 1) as pure functions.
+"""The routing policy (docs/architecture.md, A request's path, step 1) as pure functions.
 
 Prefill worker: the lowest ``cost = overlap_weight * uncached_blocks + load_blocks``, where
 ``uncached_blocks`` is the prompt's blocks the worker lacks (its prefix-index overlap

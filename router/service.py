@@ -1,4 +1,4 @@
-"""The router's request lifecycle (DESIGN.md, A request's path; Lifecycle and failure):
+"""The router's request lifecycle (docs/architecture.md, A request's path; Lifecycle and failure):
 admission, routing, Prefill then streaming Decode, detokenization, stop strings, aborts,
 retries and migration.
 

@@ -29,14 +29,14 @@ import pytest
 from disagg_client import TEST_AUTH, TEST_SECRET
 
 from pdserve.cluster.auth import SECRET_ENV
-from pdserve.cluster.cli import build_parser
-from pdserve.cluster.redis_server import RedisServer, free_port
-from pdserve.cluster.serve import Interrupts, _ServeRun, bind_listener, run_router
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
 from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.demo_model import make_demo_model
+from pdserve.entrypoints.cli import build_parser
+from pdserve.entrypoints.redis_server import RedisServer, free_port
+from pdserve.entrypoints.serve import Interrupts, _ServeRun, bind_listener, run_router
 from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.router.auth import ApiKeyAuth, load_api_keys

@@ -1,4 +1,4 @@
-"""Chaos: the request lifecycle under failure (issue 12, DESIGN.md "Lifecycle and failure").
+"""Chaos: the request lifecycle under failure (issue 12, docs/architecture.md "Lifecycle and failure").
 
 One cluster for the module, all real: a Redis server, 2 prefill and 2 decode workers as
 Ray actors (separate processes, KV over gloo), and the router's HTTP and gRPC APIs on
@@ -39,13 +39,13 @@ from conftest import stop_cluster
 from disagg_client import TEST_AUTH
 from disagg_client import channel as worker_channel
 
-from pdserve.cluster.launcher import RayLauncher
-from pdserve.cluster.redis_server import RedisServer, free_port
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import LLM, EngineConfig, SamplingParams
 from pdserve.engine.demo_model import make_demo_model
 from pdserve.engine.tokenizer import encode_prompt, load_tokenizer
+from pdserve.entrypoints.launcher import RayLauncher
+from pdserve.entrypoints.redis_server import RedisServer, free_port
 from pdserve.proto import (
     common_pb2,
     decode_pb2_grpc,

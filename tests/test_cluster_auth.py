@@ -33,12 +33,12 @@ from disagg_client import (
 )
 
 from pdserve.cluster.auth import ClusterAuth, ClusterTLS
-from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.registry import WORKERS_KEY, WorkerRecord, heartbeat_key, record_key
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.demo_model import make_demo_model
 from pdserve.engine.tokenizer import encode_prompt, load_tokenizer
+from pdserve.entrypoints.redis_server import RedisServer
 from pdserve.proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from pdserve.router.service import GenerateRequest, Router, RouterConfig
 

@@ -15,9 +15,9 @@ import pytest
 from conftest import random_prompts
 from disagg_client import TEST_AUTH, start_worker_process
 
-from pdserve.cluster.redis_server import RedisServer
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.demo_model import make_demo_model
+from pdserve.entrypoints.redis_server import RedisServer
 from pdserve.router.service import GenerateRequest, Router, RouterConfig
 
 MAX_MODEL_LEN = 256

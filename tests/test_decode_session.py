@@ -12,11 +12,11 @@ import pytest
 from conftest import random_prompts
 from disagg_client import TEST_AUTH, decode_stub, health
 
-from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
 from pdserve.engine import EngineConfig, SamplingParams
+from pdserve.entrypoints.redis_server import RedisServer
 from pdserve.proto import decode_pb2
 from pdserve.router.session import DecodeSession
 

@@ -22,11 +22,11 @@ from disagg_client import (
     start_worker_process,
 )
 
-from pdserve.cluster.launcher import RayLauncher
-from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import LLM, EngineConfig, SamplingParams
+from pdserve.entrypoints.launcher import RayLauncher
+from pdserve.entrypoints.redis_server import RedisServer
 from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.proto import decode_pb2, prefill_pb2
 

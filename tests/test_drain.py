@@ -12,11 +12,11 @@ import subprocess
 import pytest
 from disagg_client import TEST_AUTH, channel, start_worker_process
 
-from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.registry import WorkerRegistry
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.demo_model import make_demo_model
 from pdserve.engine.tokenizer import encode_prompt, load_tokenizer
+from pdserve.entrypoints.redis_server import RedisServer
 from pdserve.proto import common_pb2, decode_pb2_grpc
 from pdserve.router.service import GenerateRequest, Router, RouterConfig
 

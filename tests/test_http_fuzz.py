@@ -20,11 +20,11 @@ import httpx
 import pytest
 from conftest import stop_cluster
 
-from pdserve.cluster.launcher import RayLauncher
-from pdserve.cluster.redis_server import RedisServer, free_port
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig
 from pdserve.engine.demo_model import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, train_demo_tokenizer
+from pdserve.entrypoints.launcher import RayLauncher
+from pdserve.entrypoints.redis_server import RedisServer, free_port
 from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http import build_app

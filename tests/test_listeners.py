@@ -7,7 +7,7 @@ both ends' gloo (made by the first remote prefill, so the test sends one). Ray's
 the raylet (node manager, object manager), every core worker (the driver's, the actors',
 idle workers'), the dashboard agent, runtime-env agent, and the metrics exporters of the
 dashboard head and the autoscaler monitor. Ray binds all of these to loopback once its node
-IP is 127.0.0.1 (cluster/launcher.py), so no Ray listener needs an exception here.
+IP is 127.0.0.1 (entrypoints/launcher.py), so no Ray listener needs an exception here.
 
 Each socket is classified by owner: pdserve's by port (the router's flags, the workers'
 ``ready`` lines) or process (Redis), Ray's gRPC servers by the port each one logs at
@@ -39,9 +39,9 @@ from test_serve_startup import (
     wait_none_marked,
 )
 
-from pdserve.cluster.launcher import node_ip_for
-from pdserve.cluster.redis_server import free_port
 from pdserve.engine.demo_model import make_demo_model
+from pdserve.entrypoints.launcher import node_ip_for
+from pdserve.entrypoints.redis_server import free_port
 
 START_TIMEOUT_S = 150
 READY = re.compile(r"(prefill|decode) worker \d+/\d+ ready \(gRPC \S+:(\d+), KV \S+, id \S+-(\d+)\)")
@@ -224,7 +224,7 @@ def test_ray_node_ip_is_loopback_unless_a_host_is_another_address():
 def test_a_loopback_ray_is_refused_once_ray_was_imported_without_single_node_mode():
     """The launcher cannot narrow a Ray imported before it: it refuses rather than start
     one on the routable address."""
-    code = ("import ray\nfrom pdserve.cluster.launcher import RayLauncher\n"
+    code = ("import ray\nfrom pdserve.entrypoints.launcher import RayLauncher\n"
             "try:\n    RayLauncher(num_cpus=1)\nexcept RuntimeError as exc:\n    print(exc)\n"
             "print('initialized', ray.is_initialized())")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}

@@ -16,9 +16,9 @@ from pdserve.cluster.prefix_index import (
     PrefixIndexUnavailable,
     block_key,
 )
-from pdserve.cluster.redis_server import RedisServer
 from pdserve.engine.block_hash import hash_block_chain, root_block_hash
 from pdserve.engine.block_pool import KVEvent, KVEventKind
+from pdserve.entrypoints.redis_server import RedisServer
 
 TIMEOUT_S = 0.3
 

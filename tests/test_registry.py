@@ -1,4 +1,4 @@
-"""The worker registry against a real private redis-server (cluster/redis_server.py):
+"""The worker registry against a real private redis-server (entrypoints/redis_server.py):
 workers register and are live, a stopped heartbeat lapses, Redis down and restarted."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import time
 import pytest
 import redis
 
-from pdserve.cluster.redis_server import RedisServer
 from pdserve.cluster.registry import (
     WORKERS_KEY,
     RegistryUnavailable,
@@ -16,6 +15,7 @@ from pdserve.cluster.registry import (
     WorkerRegistry,
     heartbeat_key,
 )
+from pdserve.entrypoints.redis_server import RedisServer
 
 TTL_S, INTERVAL_S, TIMEOUT_S = 1.0, 0.2, 0.3
 

@@ -15,13 +15,13 @@ import openai
 import pytest
 
 from pdserve.cluster.prefix_index import PrefixIndex
-from pdserve.cluster.redis_server import RedisServer, free_port
 from pdserve.cluster.registry import WorkerRecord, WorkerRegistry
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
 from pdserve.engine import LLM, EngineConfig, SamplingParams
 from pdserve.engine.demo_model import make_demo_model
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
+from pdserve.entrypoints.redis_server import RedisServer, free_port
 from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.router.http import build_app
 from pdserve.router.routing import WorkerLoad

@@ -16,10 +16,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.cluster.redis_server import RedisServer, free_port
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.demo_model import make_demo_model
+from pdserve.entrypoints.redis_server import RedisServer, free_port
 from pdserve.proto import router_pb2, router_pb2_grpc
 
 openai = pytest.importorskip("openai")
@@ -63,7 +63,7 @@ def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--model", str(model),
+            [sys.executable, "-m", "pdserve.entrypoints.cli", "serve", "--model", str(model),
              "--served-model-name", "demo", "--dtype", "float32", "--max-model-len", "512",
              "--port", str(port), "--grpc-port", str(grpc_port), "--redis-url", redis.url,
              "--prefill-workers", "2", "--decode-workers", "1", "--kv-lease-s", "10",

@@ -19,9 +19,9 @@ import uuid
 import psutil
 import pytest
 
-from pdserve.cluster.redis_server import RedisServer
-from pdserve.cluster.serve import Interrupts, computing_workers
 from pdserve.engine.demo_model import make_demo_model
+from pdserve.entrypoints.redis_server import RedisServer
+from pdserve.entrypoints.serve import Interrupts, computing_workers
 
 MARK = "PDSERVE_TEST_MARK"
 
@@ -36,7 +36,7 @@ def start_serve(model, log_path, mark: str, *flags: str) -> subprocess.Popen:
     ``log_path``."""
     with open(log_path, "w") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--model", str(model),
+            [sys.executable, "-m", "pdserve.entrypoints.cli", "serve", "--model", str(model),
              "--dtype", "float32", "--max-model-len", "512", *flags],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, MARK: mark})

@@ -22,11 +22,11 @@ from disagg_client import (
 )
 
 from pdserve.cluster.auth import write_secret_file
-from pdserve.cluster.redis_server import RedisServer, free_port
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
 from pdserve.engine import LLM, EngineConfig, SamplingParams
+from pdserve.entrypoints.redis_server import RedisServer, free_port
 from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.proto import decode_pb2, prefill_pb2
 

@@ -14,45 +14,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that builds an engine (vLLM's names)."""
-    parser.add_argument("--model", help="local Hugging Face checkpoint folder "
-                        "(default: the demo model, written on first use)")
-    parser.add_argument("--served-model-name", help="model name clients use (default: --model)")
-    parser.add_argument("--dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
-                        help="weights and KV cache dtype; auto: the checkpoint's, except "
-                        "float32 on an x86 CPU without AVX-512 (no bf16/fp16 arithmetic)")
-    parser.add_argument("--max-model-len", type=int, help="tokens per sequence (prompt + output)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="per-step token budget (chunked prefill; default 1024 on CPU, "
-                        "8192 on GPU)")
-    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                        action="store_false")
-    parser.add_argument("--num-gpu-blocks-override", type=int)
-    parser.add_argument("--kv-cache-memory-bytes", type=int)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--num-threads", type=int, help="torch CPU threads for this engine")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """``EngineConfig`` keyword arguments from parsed engine flags (model resolved)."""
-    from pdserve.engine.demo_model import ensure_demo_model
-
-    return dict(
-        served_model_name=args.served_model_name, dtype=args.dtype,
-        max_model_len=args.max_model_len, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, device=args.device,
-        num_threads=args.num_threads, model=args.model or str(ensure_demo_model()))
+from pdserve.engine.args import add_engine_args, engine_kwargs
 
 
 def cmd_make_demo_model(args: argparse.Namespace) -> int:
@@ -109,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
 
-    from pdserve.cluster.serve import add_serve_args, cmd_serve
+    from pdserve.entrypoints.serve import add_serve_args, cmd_serve
 
     serve = sub.add_parser("serve", help="run the cluster: workers under Ray, Redis, router")
     add_engine_args(serve)
@@ -121,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; a usage or start-up error (a bad flag value, a missing file, a
     taken port) prints ``pdserve: error: ...`` and returns 2."""
-    from pdserve.cluster.serve import StartupError
+    from pdserve.entrypoints.serve import StartupError
 
     args = build_parser().parse_args(argv)
     try:

@@ -14,8 +14,8 @@ import logging
 import signal
 import sys
 
-from pdserve.cluster.cli import add_engine_args
 from pdserve.cluster.worker_config import add_worker_args, worker_config_from_args
+from pdserve.engine.args import add_engine_args
 
 
 def make_worker(config):

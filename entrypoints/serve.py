@@ -1,4 +1,4 @@
-"""``pdserve serve``: the whole cluster from one command (DESIGN.md, Launch).
+"""``pdserve serve``: the whole cluster from one command (docs/architecture.md, Launch).
 
 Start-up runs in phases, each printing one line (``pdserve: ...``) once done:
 
@@ -6,9 +6,9 @@ Start-up runs in phases, each printing one line (``pdserve: ...``) once done:
    uvicorn takes the socket; ``--grpc-port`` is held the same way until the gRPC server
    binds it (it cannot take a socket). A port that is taken ends the command at once,
    status 2, before anything is started;
-2. Redis: ``--redis-url``, or a private ``redis-server`` (cluster/redis_server.py);
+2. Redis: ``--redis-url``, or a private ``redis-server`` (entrypoints/redis_server.py);
 3. Ray: joins ``--ray-address`` or starts a local one, bound to 127.0.0.1 unless
-   ``--host`` or ``--worker-host`` names another address (cluster/launcher.py);
+   ``--host`` or ``--worker-host`` names another address (entrypoints/launcher.py);
 4. the C++ CPU kernels, when the workers run on the CPU and no build is cached: built once
    here, so the workers load the build instead of each compiling it;
 5. the ``--prefill-workers`` and ``--decode-workers`` Ray actors, all at once, each
@@ -233,7 +233,7 @@ class _ServeRun:
         self.announced = True
 
     def _engine_config(self):
-        from pdserve.cluster.cli import engine_kwargs
+        from pdserve.engine.args import engine_kwargs
         from pdserve.engine.llm_engine import EngineConfig
 
         engine = EngineConfig(**engine_kwargs(self.args), load_progress=False)
@@ -244,7 +244,7 @@ class _ServeRun:
     def _start_redis(self, stack: contextlib.ExitStack) -> str:
         """The Redis URL, with its password: ``--redis-url`` (and ``--redis-password-file``
         or ``$PDSERVE_REDIS_PASSWORD``), else a private server with a new random one."""
-        from pdserve.cluster.redis_server import RedisServer
+        from pdserve.entrypoints.redis_server import RedisServer
 
         if self.args.redis_url:
             url = redis_url_with_password(self.args.redis_url,
@@ -257,7 +257,7 @@ class _ServeRun:
         return redis.url
 
     def _start_ray(self, stack: contextlib.ExitStack):
-        from pdserve.cluster.launcher import RayLauncher, node_ip_for
+        from pdserve.entrypoints.launcher import RayLauncher, node_ip_for
 
         args = self.args
         node_ip = node_ip_for(args.worker_host, args.host)

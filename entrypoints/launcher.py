@@ -1,4 +1,4 @@
-"""Start prefill and decode workers as Ray actors (DESIGN.md, Launch).
+"""Start prefill and decode workers as Ray actors (docs/architecture.md, Launch).
 
 Each worker is one actor running its gRPC server on an event loop thread. Actors restart
 when they die (``max_restarts=-1``); a restarted actor is a new incarnation with a new
@@ -49,7 +49,7 @@ class WorkerActor:
     """The body of a worker actor (wrapped by ``ray.remote`` in ``RayLauncher``)."""
 
     def __init__(self, config: WorkerConfig) -> None:
-        from pdserve.cluster.worker_main import make_worker
+        from pdserve.entrypoints.worker_main import make_worker
 
         # A new incarnation (first start or a Ray restart) gets its own worker id.
         config = dataclasses.replace(config, worker_id=f"{config.worker_id}-{os.getpid()}")

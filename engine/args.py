@@ -1,0 +1,51 @@
+"""The engine's command-line flags, with vLLM's names (as vLLM's ``engine/arg_utils.py``):
+``add_engine_args`` declares them on a parser and ``engine_kwargs`` turns parsed flags into
+``EngineConfig`` keyword arguments. Every command that builds an engine uses both: ``pdserve
+generate``, ``pdserve serve`` and the plain-process workers."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine (vLLM's names)."""
+    parser.add_argument("--model", help="local Hugging Face checkpoint folder "
+                        "(default: the demo model, written on first use)")
+    parser.add_argument("--served-model-name", help="model name clients use (default: --model)")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+                        help="weights and KV cache dtype; auto: the checkpoint's, except "
+                        "float32 on an x86 CPU without AVX-512 (no bf16/fp16 arithmetic)")
+    parser.add_argument("--max-model-len", type=int, help="tokens per sequence (prompt + output)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="per-step token budget (chunked prefill; default 1024 on CPU, "
+                        "8192 on GPU)")
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false")
+    parser.add_argument("--num-gpu-blocks-override", type=int)
+    parser.add_argument("--kv-cache-memory-bytes", type=int)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--num-threads", type=int, help="torch CPU threads for this engine")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """``EngineConfig`` keyword arguments from parsed engine flags (model resolved)."""
+    from pdserve.engine.demo_model import ensure_demo_model
+
+    return dict(
+        served_model_name=args.served_model_name, dtype=args.dtype,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, device=args.device,
+        num_threads=args.num_threads, model=args.model or str(ensure_demo_model()))
+
+
+__all__ = ["add_engine_args", "engine_kwargs"]
