@@ -65,7 +65,8 @@ class WorkerRecord:
     record with a higher epoch belongs to a newer incarnation; ``started_at`` is unix
     seconds. Addresses are ``host:port``. ``compute`` says what the worker computes on
     (``compute_placement``), so the router can tell whether a prefill worker and a decode
-    worker share hardware; "" when unknown.
+    worker share hardware; "" when unknown. ``metrics_address`` is where its Prometheus
+    ``/metrics`` answers ("" when it serves none).
     """
 
     worker_id: str
@@ -76,6 +77,7 @@ class WorkerRecord:
     model: str
     started_at: float
     compute: str = ""
+    metrics_address: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -45,7 +45,9 @@ class WorkerConfig:
     its registry record are authenticated with; None runs without authentication (only
     for a worker built in-process; every command line sets one). ``redis_url`` may hold
     the Redis password. ``kv_connect_timeout_s`` bounds reaching a peer's KV store and
-    setting up a pair channel.
+    setting up a pair channel. ``metrics_port``: the port of the worker's Prometheus
+    ``/metrics`` (bound on ``host``, advertised in the registry; 0 takes a free one, None
+    serves none).
     """
 
     role: str
@@ -62,6 +64,7 @@ class WorkerConfig:
     heartbeat_ttl_s: float = 3.0
     drain_grace_s: float = 30.0
     kv_connect_timeout_s: float = 5.0
+    metrics_port: int | None = 0
     auth: ClusterAuth | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +88,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--advertise-host", default=None,
                         help="address other machines reach this worker's gRPC at, when "
                         "--host is a wildcard like 0.0.0.0 (default: --host)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="port of this worker's Prometheus /metrics on --host (0: a free "
+                        "one, advertised in the registry for the router's service discovery)")
     parser.add_argument("--redis-url", help="Redis of the worker registry and prefix index")
     parser.add_argument("--worker-id", default="", help="registry id (default: generated)")
     parser.add_argument("--kv-lease-s", type=float, default=30.0,
@@ -111,4 +117,5 @@ def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig
         advertise_host=args.advertise_host, redis_url=redis_url,
         worker_id=args.worker_id, lease_s=args.kv_lease_s,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s, drain_grace_s=args.drain_grace_s,
-        kv_connect_timeout_s=args.kv_connect_timeout_s, auth=auth)
+        kv_connect_timeout_s=args.kv_connect_timeout_s, metrics_port=args.metrics_port,
+        auth=auth)

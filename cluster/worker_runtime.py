@@ -18,6 +18,7 @@ import grpc
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kvtransfer.protocol import KVTransferCounters
 from pdserve.proto import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class WorkerRuntime:
         self.grpc_address = ""
         self.epoch = time.time_ns()
         self.draining = False
+        self.metrics_server = None
 
     def build_engine(self) -> AsyncEngine:
         if self.config.redis_url:
@@ -75,6 +77,23 @@ class WorkerRuntime:
         self.grpc_address = f"{self.config.advertise_host or self.config.host}:{port}"
         return self.grpc_address
 
+    def start_metrics(self, kv_counters: Callable[[], KVTransferCounters]) -> str:
+        """Serve this worker's Prometheus metrics (``cluster/worker_metrics.py``) on
+        ``config.host:config.metrics_port``; returns the advertised address, "" when
+        ``metrics_port`` is None. Call after ``build_engine``.
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        if self.config.metrics_port is None:
+            return ""
+        from pdserve.cluster.worker_metrics import MetricsServer, WorkerCollector
+
+        self.metrics_server = MetricsServer(WorkerCollector(self, kv_counters),
+                                            self.config.host, self.config.metrics_port,
+                                            self.config.advertise_host)
+        return self.metrics_server.address
+
     async def register(self, kv_address: str) -> None:
         """Announce this worker in the Redis registry (heartbeat with a short TTL). The
         first write runs off the event loop; if Redis is down, the heartbeat thread
@@ -90,7 +109,8 @@ class WorkerRuntime:
             worker_id=self.worker_id, role=self.config.role, grpc_address=self.grpc_address,
             kv_address=kv_address, epoch=self.epoch,
             model=self.engine.engine.served_model_name, started_at=time.time(),
-            compute=compute_placement(self.engine.engine.model_runner.device))
+            compute=compute_placement(self.engine.engine.model_runner.device),
+            metrics_address=self.metrics_server.address if self.metrics_server else "")
         await asyncio.to_thread(self.registry.register, record)
 
     def check_admitting(self) -> None:
@@ -146,6 +166,9 @@ class WorkerRuntime:
             await asyncio.to_thread(self.engine.shutdown)
         if self.publisher is not None:
             await asyncio.to_thread(self.publisher.close, purge=True)
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.close)
+            self.metrics_server = None
 
 
 def compute_placement(device) -> str:

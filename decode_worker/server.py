@@ -229,6 +229,7 @@ class DecodeWorker(Worker):
         self.service = DecodeService(engine, self.receiver, self.worker_id, self._request_kv,
                                      self.config.kv_transfer_timeout_s)
         servicer = DecodeWorkerServicer(self.service, self.runtime)
+        self.runtime.start_metrics(self.receiver.counters)
         await self.runtime.start_server(
             lambda server: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server))
         await self.runtime.register(self.kv_address)

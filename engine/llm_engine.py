@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -107,6 +108,31 @@ class BlockOwnership:
     num_unowned_blocks: int
 
 
+class TokenHistogram:
+    """Tokens scheduled per engine step, in vLLM's ``vllm:iteration_tokens_total`` buckets
+    (upper bounds, tokens). ``observe`` runs on the engine thread; ``snapshot`` from any
+    thread gives cumulative counts consistent with their total (taken from one copy)."""
+
+    BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+    def __init__(self) -> None:
+        self._counts = [0] * (len(self.BUCKETS) + 1)  # the last: above every bound
+        self._sum = 0
+
+    def observe(self, num_tokens: int) -> None:
+        self._counts[bisect.bisect_left(self.BUCKETS, num_tokens)] += 1
+        self._sum += num_tokens
+
+    def snapshot(self) -> tuple[list[tuple[float, int]], int]:
+        """``([(upper bound, cumulative count), ..., (inf, total)], sum of tokens)``."""
+        counts, total = list(self._counts), self._sum
+        cumulative, running = [], 0
+        for bound, count in zip((*self.BUCKETS, float("inf")), counts):
+            running += count
+            cumulative.append((float(bound), running))
+        return cumulative, total
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -171,6 +197,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, self._token_budget(),
                             self.model_config.max_model_len),
             self.kv_cache_manager)
+        self.iteration_tokens = TokenHistogram()
 
     def _token_budget(self) -> int:
         if self.config.max_num_batched_tokens is not None:
@@ -338,6 +365,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.requests:
             return []
+        self.iteration_tokens.observe(out.total_num_scheduled_tokens)
         sampled = self.model_runner.execute(out, self.kv_cache_manager)
         outputs = []
         for request in self.scheduler.update_from_output(out, sampled):

@@ -61,6 +61,10 @@ class Scheduler:
         # Decode side: requests whose prompt KV is being pulled into their blocks.
         self.waiting_for_kv: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        # vLLM's prefix-cache counters: prompt tokens looked up, and found cached, once
+        # per request (its first scheduling, or its KV allocation on a decode worker).
+        self.prefix_cache_queries_total = 0
+        self.prefix_cache_hits_total = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -111,6 +115,8 @@ class Scheduler:
                                       cache=False):
             return False
         request.num_cached_tokens = num_hit
+        self.prefix_cache_queries_total += request.num_prompt_tokens
+        self.prefix_cache_hits_total += num_hit
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         self.waiting_for_kv[request.request_id] = request
@@ -193,6 +199,8 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_preemptions == 0 and not imported:
                 request.num_cached_tokens = num_hit_tokens
+                self.prefix_cache_queries_total += request.num_tokens
+                self.prefix_cache_hits_total += num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -32,8 +32,10 @@ def make_worker(config):
 async def serve(config, ready_file: str | None = None) -> None:
     worker = make_worker(config)
     await worker.start()
+    metrics = worker.runtime.metrics_server
     info = {"worker_id": worker.worker_id, "role": config.role,
-            "grpc_address": worker.grpc_address, "kv_address": worker.kv_address}
+            "grpc_address": worker.grpc_address, "kv_address": worker.kv_address,
+            "metrics_address": metrics.address if metrics is not None else ""}
     print(json.dumps(info), flush=True)
     if ready_file:
         with open(ready_file, "w") as f:

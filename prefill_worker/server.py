@@ -95,10 +95,13 @@ class PrefillWorker(Worker):
         self.service = PrefillService(engine, sender, self.worker_id, self.config.kv_host,
                                       self.config.lease_s, self.config.kv_transfer_timeout_s)
         servicer = PrefillWorkerServicer(self.service, self.runtime)
+        self.runtime.start_metrics(sender.counters)
         self.service.grpc_address = await self.runtime.start_server(
             lambda server: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server))
         await self.runtime.register(self.kv_address)
-        logger.info("prefill worker %s serving gRPC on %s", self.worker_id, self.grpc_address)
+        logger.info("prefill worker %s serving gRPC on %s, metrics on %s", self.worker_id,
+                    self.grpc_address, self.runtime.metrics_server.address
+                    if self.runtime.metrics_server else "none")
 
     async def stop(self, grace_s: float = 2.0) -> None:
         """Stop serving: RPCs in flight get ``grace_s`` seconds, then are cancelled."""

@@ -126,6 +126,10 @@ class RouterMetrics:
         self._prefix_index_lookups = Counter(
             "pdserve:prefix_index_lookups", "Prefix index lookups by result.",
             labelnames=["model_name", "result"], registry=self.registry)
+        self._pool_size = Gauge(
+            "pdserve:pool_size", "Workers in each pool: those the router routes to "
+            "(healthy), and all it knows (live in the registry or still answering Health).",
+            labelnames=["model_name", "role", "state"], registry=self.registry)
 
     def _one(self, kind, name: str, documentation: str, **kwargs):
         """A metric of ``kind`` with only the ``model_name`` label, that label bound."""
@@ -164,6 +168,11 @@ class RouterMetrics:
                   "kv_transfers_in_flight": reply.num_kv_transfers_in_flight}
         for name, value in values.items():
             self._worker_gauges[name].labels(self.model_name, role, reply.worker_id).set(value)
+
+    def record_pool_size(self, role: str, num_healthy: int, num_known: int) -> None:
+        """The size of the ``role`` pool: healthy workers, and all it knows."""
+        self._pool_size.labels(self.model_name, role, "healthy").set(num_healthy)
+        self._pool_size.labels(self.model_name, role, "known").set(num_known)
 
     def forget_worker(self, role: str, worker_id: str) -> None:
         """Drop a worker that left the registry from the per-worker gauges."""

@@ -1,0 +1,158 @@
+"""A worker's own Prometheus metrics, served over HTTP on ``--metrics-port``.
+
+Every sample carries ``model_name``, ``worker`` (the worker id) and ``role`` (``prefill``
+or ``decode``) labels. Names follow vLLM where vLLM has the metric:
+
+- ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (gauges, requests);
+- ``vllm:kv_cache_usage_perc`` (gauge, 0..1: blocks in use over all blocks);
+- ``vllm:num_preemptions_total`` (counter, preemptions by recompute);
+- ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total`` (counters,
+  tokens: prompt tokens looked up in this worker's prefix cache, and found there);
+- ``vllm:iteration_tokens_total`` (histogram, tokens scheduled per engine step).
+
+pdserve's own use the ``pdserve:`` prefix:
+
+- ``pdserve:kv_transfers_total{result}`` (counter: ``ok`` and ``failed`` transfers),
+  ``pdserve:kv_transfer_bytes_total`` (counter, payload bytes of the successful ones),
+  ``pdserve:kv_transfer_seconds_total`` (counter, wall seconds of the successful ones),
+  ``pdserve:kv_transfers_in_flight`` (gauge): a prefill worker counts what it sent, a
+  decode worker what it pulled;
+- ``pdserve:kv_leases``, ``pdserve:kv_leased_blocks`` (gauges: prefilled requests whose
+  blocks wait for their decode worker, and those blocks),
+  ``pdserve:requests_waiting_for_kv`` (gauge), ``pdserve:unowned_blocks`` (gauge: the
+  ownership audit, 0 unless a block leaked);
+- ``pdserve:worker_draining`` (gauge, 1 while the worker drains);
+- ``pdserve:engine_config_info`` (gauge, 1, the engine's settings as labels: dtype,
+  block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len; each pool
+  can have its own).
+
+Every value is read when Prometheus scrapes, from figures the engine thread keeps (ints
+read without stopping it, and the ownership audit it takes between steps), so serving
+pays nothing per token for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from pdserve.kvtransfer.protocol import KVTransferCounters
+
+if TYPE_CHECKING:
+    from pdserve.cluster.worker_runtime import WorkerRuntime
+
+LABELS = ["model_name", "worker", "role"]
+
+
+class WorkerCollector(Collector):
+    """Reads ``runtime``'s engine and ``kv_counters()`` at each scrape."""
+
+    def __init__(self, runtime: WorkerRuntime,
+                 kv_counters: Callable[[], KVTransferCounters]) -> None:
+        self.runtime = runtime
+        self.kv_counters = kv_counters
+
+    def collect(self) -> Iterator[Metric]:
+        runtime = self.runtime
+        if runtime.engine is None:
+            return
+        engine = runtime.engine.engine
+        scheduler = engine.scheduler
+        labels = [engine.served_model_name, runtime.worker_id, runtime.config.role]
+
+        def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, documentation, labels=LABELS)
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, documentation, labels=LABELS)
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.",
+                    len(scheduler.running))
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                    len(scheduler.waiting))
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage: blocks in use / all (0..1).",
+                    engine.kv_cache_manager.usage)
+        yield counter("vllm:num_preemptions", "Preemptions (by recompute).",
+                      scheduler.num_preemptions_total)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                      "cache.", scheduler.prefix_cache_queries_total)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      scheduler.prefix_cache_hits_total)
+        buckets, total = engine.iteration_tokens.snapshot()
+        family = HistogramMetricFamily("vllm:iteration_tokens_total",
+                                       "Tokens scheduled per engine step.", labels=LABELS)
+        family.add_metric(labels, [(_bound(b), c) for b, c in buckets], total)
+        yield family
+
+        kv = self.kv_counters()
+        transfers = CounterMetricFamily("pdserve:kv_transfers", "KV transfers by result.",
+                                        labels=[*LABELS, "result"])
+        transfers.add_metric([*labels, "ok"], kv.num_transfers)
+        transfers.add_metric([*labels, "failed"], kv.num_failed)
+        yield transfers
+        yield counter("pdserve:kv_transfer_bytes", "KV payload bytes moved by successful "
+                      "transfers.", kv.num_bytes)
+        yield counter("pdserve:kv_transfer_seconds", "Wall seconds of successful KV "
+                      "transfers.", kv.seconds)
+        yield gauge("pdserve:kv_transfers_in_flight", "KV transfers whose payload is moving.",
+                    kv.num_in_flight)
+        ownership = runtime.engine.ownership
+        yield gauge("pdserve:kv_leases", "Prefilled requests whose blocks wait for their "
+                    "decode worker.", ownership.num_leases)
+        yield gauge("pdserve:kv_leased_blocks", "Blocks held by KV leases.",
+                    ownership.num_leased_blocks)
+        yield gauge("pdserve:requests_waiting_for_kv", "Requests whose KV is being pulled.",
+                    ownership.num_requests_waiting_for_kv)
+        yield gauge("pdserve:unowned_blocks", "Blocks in use that no owner holds (the "
+                    "ownership audit; 0 unless a block leaked).", ownership.num_unowned_blocks)
+        yield gauge("pdserve:worker_draining", "1 while the worker drains.",
+                    int(runtime.draining))
+        config = {"dtype": str(engine.model_config.dtype).removeprefix("torch."),
+                  "block_size": engine.config.block_size, "num_blocks": engine.num_blocks,
+                  "max_num_seqs": scheduler.config.max_num_seqs,
+                  "max_num_batched_tokens": scheduler.config.max_num_batched_tokens,
+                  "max_model_len": engine.model_config.max_model_len}
+        info = GaugeMetricFamily("pdserve:engine_config_info", "The engine's settings, as "
+                                 "labels (value 1), as vLLM's cache_config_info.",
+                                 labels=[*LABELS, *config])
+        info.add_metric([*labels, *(str(v) for v in config.values())], 1)
+        yield info
+
+
+def _bound(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else str(int(bound))
+
+
+class MetricsServer:
+    """``WorkerCollector`` on its own registry, served by prometheus_client's HTTP server
+    (a daemon thread) at ``host:port`` (``port`` 0: a free one). ``address`` is
+    ``advertise_host:port``, the scrape target the registry record carries.
+
+    Raises:
+        OSError: ``host:port`` cannot be bound.
+    """
+
+    def __init__(self, collector: WorkerCollector, host: str, port: int,
+                 advertise_host: str | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.address = f"{advertise_host or host}:{self._server.server_port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5.0)
