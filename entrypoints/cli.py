@@ -3,6 +3,7 @@
     pdserve make-demo-model DIR          write the small demo checkpoint
     pdserve generate [--model DIR] --prompt TEXT [--prompt TEXT ...]
     pdserve serve [--model DIR] [--prefill-workers N] [--decode-workers M] [--port 8000]
+    pdserve scale [--prefill N] [--decode M] [--url http://127.0.0.1:8000]
 
 Engine flags follow vLLM's names (``--model``, ``--dtype``, ``--max-model-len``, ...).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -49,6 +51,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+SCALE_TIMEOUT_S = 900.0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    """``pdserve scale``: ``POST /admin/scale`` to a running ``pdserve serve``; prints the
+    pool sizes it answers with (JSON). Exit 1 on an error answer or no answer."""
+    import httpx
+
+    body = {k: v for k, v in (("prefill_workers", args.prefill),
+                              ("decode_workers", args.decode)) if v is not None}
+    key = args.api_key or os.environ.get("PDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    url = args.url.rstrip("/")
+    try:
+        if body:
+            reply = httpx.post(f"{url}/admin/scale", json=body, headers=headers,
+                               timeout=args.timeout_s)
+        else:
+            reply = httpx.get(f"{url}/admin/pools", headers=headers, timeout=30.0)
+    except httpx.HTTPError as exc:
+        print(f"pdserve scale: no answer from {url}: {exc}", file=sys.stderr)
+        return 1
+    if reply.status_code != 200:
+        try:
+            message = reply.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = reply.text
+        print(f"pdserve scale: {reply.status_code}: {message}", file=sys.stderr)
+        return 1
+    print(json.dumps(reply.json()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    scale = sub.add_parser("scale", help="resize the pools of a running `pdserve serve` "
+                           "(no sizes: print them)")
+    scale.add_argument("--prefill", type=int, help="prefill workers wanted")
+    scale.add_argument("--decode", type=int, help="decode workers wanted (>= 1)")
+    scale.add_argument("--url", default="http://127.0.0.1:8000", help="the router's HTTP URL")
+    scale.add_argument("--api-key", help="one of the router's --api-key (default: "
+                       "$PDSERVE_API_KEY, then $OPENAI_API_KEY)")
+    scale.add_argument("--timeout-s", type=float, default=SCALE_TIMEOUT_S,
+                       help="seconds to wait for new workers to serve and removed ones to "
+                       "drain")
+    scale.set_defaults(func=cmd_scale)
     return parser
 
 

@@ -36,13 +36,15 @@ WAIT_SLICE_S = 0.5  # the longest one blocking Ray call of wait_ready keeps a si
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
-    """A running worker: its id, role, addresses and process id."""
+    """A running worker: its id, role, addresses (``metrics_address`` "" when it serves
+    no metrics) and process id."""
 
     worker_id: str
     role: str
     grpc_address: str
     kv_address: str
     pid: int
+    metrics_address: str = ""
 
 
 class WorkerActor:
@@ -65,11 +67,23 @@ class WorkerActor:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def info(self) -> WorkerInfo:
+        metrics = self.worker.runtime.metrics_server
         return WorkerInfo(self.worker.worker_id, self.worker.config.role,
-                          self.worker.grpc_address, self.worker.kv_address, os.getpid())
+                          self.worker.grpc_address, self.worker.kv_address, os.getpid(),
+                          metrics.address if metrics is not None else "")
 
     def stop(self) -> None:
         self._run(self.worker.stop(), 30.0)
+
+    def drain(self, grace_s: float) -> bool:
+        """Drain (``Worker.drain``: out of the registry, no new requests, ``grace_s``
+        seconds for those running and the KV leases), then stop; True if all ended."""
+        return self._run(self._drain_and_stop(grace_s), grace_s + 30.0)
+
+    async def _drain_and_stop(self, grace_s: float) -> bool:
+        drained = await self.worker.drain(grace_s)
+        await self.worker.stop(grace_s=0.0)  # NOTE: the grace is spent; the rest migrates
+        return drained
 
 
 _WILDCARDS = ("0.0.0.0", "::", "")
@@ -157,6 +171,7 @@ class RayLauncher:
                      configure_logging=False, **init_kwargs)
         self.actors: list = []
         self._names: dict = {}  # actor handle -> its first worker id ("prefill-0")
+        self._num_started = 0  # names stay unique when workers leave
         self._actor_cls = ray.remote(WorkerActor)
         self.has_gpus = ray.cluster_resources().get("GPU", 0) > 0
 
@@ -179,7 +194,8 @@ class RayLauncher:
                    "num_gpus": 1 if self.has_gpus else 0}
         actors = []
         for _ in range(count):
-            name = f"{config.role}-{len(self.actors)}"
+            name = f"{config.role}-{self._num_started}"
+            self._num_started += 1
             actor = self._actor_cls.options(**options).remote(
                 dataclasses.replace(config, engine=engine, worker_id=name))
             self.actors.append(actor)
@@ -221,6 +237,13 @@ class RayLauncher:
 
     def infos(self, timeout_s: float = 60.0) -> list[WorkerInfo]:
         return self.ray.get([a.info.remote() for a in self.actors], timeout=timeout_s)
+
+    def remove(self, actor) -> None:
+        """Kill ``actor`` for good and forget it (a worker leaving its pool)."""
+        if actor in self.actors:
+            self.actors.remove(actor)
+        self._names.pop(actor, None)
+        self._kill_quietly(actor)
 
     def kill(self, index: int, no_restart: bool = False) -> None:
         """Kill actor ``index`` (Ray restarts it unless ``no_restart``): for failure tests."""

@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -78,6 +80,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-host", default="127.0.0.1",
                         help="address workers bind for gRPC and KV transfer")
     parser.add_argument("--kv-lease-s", type=float, default=30.0)
+    parser.add_argument("--drain-grace-s", type=float, default=30.0,
+                        help="seconds a worker that `pdserve scale` removes gives its "
+                        "requests and KV leases to end (the rest migrate)")
+    parser.add_argument("--prefill-engine-args", default="", metavar="FLAGS",
+                        help="engine flags for the prefill pool only, over the shared ones, "
+                        "e.g. '--max-num-batched-tokens 4096'")
+    parser.add_argument("--decode-engine-args", default="", metavar="FLAGS",
+                        help="engine flags for the decode pool only, e.g. '--max-num-seqs 512'")
     parser.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="prompts shorter than this many tokens skip the prefill pool")
     from pdserve.cluster.auth import add_cluster_auth_args
@@ -204,6 +214,11 @@ class _ServeRun:
         self.api_auth = api_auth_from_args(args)
         self.auth = cluster_auth_from_args(args, generate=True)
         self.announced = False  # "pdserve serving" printed
+        from pdserve.engine.llm_engine import EngineConfig
+
+        for role in ("prefill", "decode"):  # NOTE: a bad flag stops us before anything starts
+            pool_engine_config(EngineConfig("<model>"), getattr(args, f"{role}_engine_args"),
+                               role)
 
     def run(self, stack: contextlib.ExitStack) -> None:
         args = self.args
@@ -220,8 +235,8 @@ class _ServeRun:
         launcher = self._start_ray(stack)
         if self._workers_on_cpu(engine, launcher):
             build_cpu_kernels(self.interrupts)
-        self._start_workers(launcher, engine, redis_url, auth)
-        router, app = self._make_router(engine, redis_url, auth)
+        scaler = self._start_workers(launcher, engine, redis_url, auth)
+        router, app = self._make_router(engine, redis_url, auth, scaler)
         try:
             asyncio.run(run_router(router, app, args.host, http_sock, grpc_sock,
                                    f"(Redis {redact_url(redis_url)})", self._on_serving))
@@ -281,12 +296,18 @@ class _ServeRun:
     def _workers_on_cpu(self, engine, launcher) -> bool:
         return engine.device == "cpu" or (engine.device == "auto" and not launcher.has_gpus)
 
-    def _start_workers(self, launcher, engine, redis_url: str, auth) -> None:
+    def _start_workers(self, launcher, engine, redis_url: str, auth):
+        """Start both pools; returns the ``PoolScaler`` that owns them from now on."""
         from pdserve.cluster.worker_config import WorkerConfig
+        from pdserve.entrypoints.scaling import PoolScaler
 
         args = self.args
-        common = {"engine": engine, "redis_url": redis_url, "host": args.worker_host,
-                  "kv_host": args.worker_host, "lease_s": args.kv_lease_s, "auth": auth}
+        common = {"redis_url": redis_url, "host": args.worker_host,
+                  "kv_host": args.worker_host, "lease_s": args.kv_lease_s,
+                  "drain_grace_s": args.drain_grace_s, "auth": auth}
+        configs = {role: WorkerConfig(role, engine=pool_engine_config(
+                       engine, getattr(args, f"{role}_engine_args"), role), **common)
+                   for role in ("prefill", "decode")}
         counts = {"prefill": args.prefill_workers, "decode": args.decode_workers}
         computing = computing_workers(counts, args.disaggregation, launcher.has_gpus)
         say(f"starting {counts['prefill']} prefill and {counts['decode']} decode workers")
@@ -297,18 +318,22 @@ class _ServeRun:
         actors = []
         for role, count in counts.items():
             if count:
-                actors += launcher.start(WorkerConfig(role, **common), count,
-                                         workers_on_node=computing)
+                actors += launcher.start(configs[role], count, workers_on_node=computing)
         ready = dict.fromkeys(counts, 0)
 
         def report(info) -> None:
             ready[info.role] += 1
             say(f"{info.role} worker {ready[info.role]}/{counts[info.role]} ready "
-                f"(gRPC {info.grpc_address}, KV {info.kv_address}, id {info.worker_id})")
+                f"(gRPC {info.grpc_address}, KV {info.kv_address}, metrics "
+                f"{info.metrics_address or 'none'}, id {info.worker_id})")
 
-        launcher.wait_ready(actors, on_ready=report)
+        infos = launcher.wait_ready(actors, on_ready=report)
+        scaler = PoolScaler(launcher, configs, computing, args.drain_grace_s)
+        for actor, info in zip(actors, infos):
+            scaler.adopt(info.role, actor, info.worker_id)
+        return scaler
 
-    def _make_router(self, engine, redis_url: str, auth):
+    def _make_router(self, engine, redis_url: str, auth, scaler=None):
         from pdserve.router.flags import lifecycle_kwargs
         from pdserve.router.http import build_app
         from pdserve.router.service import Router, RouterConfig
@@ -322,7 +347,46 @@ class _ServeRun:
         if self.args.prefill_workers == 0:
             config.local_prefill_threshold = engine.max_model_len or 1 << 30
         router = Router(config)
-        return router, build_app(router, api_auth=self.api_auth)
+        if scaler is not None:
+            scaler.on_change = router.pool.workers_changed
+        return router, build_app(router, api_auth=self.api_auth, scaler=scaler)
+
+
+# Flags that must be the same in both pools: the model, the names clients and the
+# prefix index use, and the block size KV moves in.
+SHARED_ENGINE_FLAGS = ("model", "served_model_name", "block_size")
+
+
+def pool_engine_config(engine, flags: str, role: str):
+    """``engine`` with the engine flags in ``flags`` (``--prefill-engine-args`` or
+    ``--decode-engine-args``, as on the command line) applied over it.
+
+    Raises:
+        ValueError: a flag that is not an engine flag, one of ``SHARED_ENGINE_FLAGS``, or
+            a bad value; the message names the flag and ``--<role>-engine-args``.
+    """
+    from pdserve.engine.args import add_engine_args
+
+    if not flags.strip():
+        return engine
+    parser = argparse.ArgumentParser(prog=f"--{role}-engine-args", add_help=False,
+                                     exit_on_error=False)
+    add_engine_args(parser)
+    defaults = vars(parser.parse_args([]))
+    try:
+        given, unknown = parser.parse_known_args(shlex.split(flags))
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise ValueError(f"--{role}-engine-args: {exc}") from None
+    if unknown:
+        raise ValueError(f"--{role}-engine-args: {' '.join(unknown)} is not an engine flag")
+    changed = {k: v for k, v in vars(given).items() if v != defaults[k]}
+    shared = sorted(set(changed) & set(SHARED_ENGINE_FLAGS))
+    if shared:
+        raise ValueError(f"--{role}-engine-args: --{shared[0].replace('_', '-')} must be the "
+                         "same in both pools; set it once, outside")
+    if "enable_prefix_caching" in changed:
+        changed["enable_prefix_caching"] = given.enable_prefix_caching
+    return dataclasses.replace(engine, **changed)
 
 
 def computing_workers(counts: dict[str, int], disaggregation: str, has_gpus: bool) -> int:

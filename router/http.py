@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API of the router (FastAPI): ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ``/health`` (liveness, with the router's state), ``/ready`` (readiness),
-``/metrics``.
+``/metrics``, ``/metrics/targets`` (the workers' metrics, for Prometheus's HTTP service
+discovery).
 
 Every error is an OpenAI error body (``router/protocol.py``): 401 without an accepted API
 key where keys are set (``router/auth.py``), 400 naming the offending
@@ -23,7 +24,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
@@ -66,9 +67,23 @@ from pdserve.router.service import GenerateRequest, GenerationChunk, Router
 logger = logging.getLogger(__name__)
 
 
+class ScaleRequest(BaseModel):
+    """``POST /admin/scale``: the pool sizes wanted (workers); a pool left out keeps its
+    size."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill_workers: StrictInt | None = None
+    decode_workers: StrictInt | None = None
+
+
 def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
-              api_auth: ApiKeyAuth | None = None) -> FastAPI:
+              api_auth: ApiKeyAuth | None = None, scaler=None) -> FastAPI:
     """The FastAPI app serving ``router``; its lifespan starts and stops the router.
+
+    ``scaler`` (``entrypoints/scaling.py``'s ``PoolScaler``, from ``pdserve serve``)
+    resizes the pools behind ``POST /admin/scale``; without one, ``/admin/*`` answers 501
+    (a router run alone does not own its workers).
 
     ``max_body_bytes`` bounds a request body (413 beyond it, from ``Content-Length`` or
     while reading). With ``api_auth``, every path but its public ones needs one of its
@@ -139,7 +154,44 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
     async def metrics() -> Response:
         return Response(router.metrics.exposition(), media_type=router.metrics.CONTENT_TYPE)
 
+    def need_scaler():
+        if scaler is None:
+            raise RequestError("pool scaling needs the workers' owner: `pdserve serve` "
+                               "(Ray); this router was started without one", status=501)
+        return scaler
+
+    @app.get("/admin/pools")
+    async def pools() -> Response:
+        """The pool sizes ``pdserve serve`` keeps (workers per pool)."""
+        sizes = need_scaler().sizes()
+        return JSONResponse({f"{role}_workers": n for role, n in sizes.items()})
+
+    @app.post("/admin/scale")
+    async def scale(raw: Request) -> Response:
+        """Resize the pools; answers once new workers serve and removed ones have drained
+        (minutes, when a model loads). Not public by default."""
+        request = ScaleRequest.model_validate(await json_body(raw, max_body_bytes))
+        owner = need_scaler()
+        wanted = {"prefill": request.prefill_workers, "decode": request.decode_workers}
+        try:
+            sizes = await owner.scale(wanted)
+        except ValueError as exc:
+            raise RequestError(str(exc), _scale_param(str(exc))) from exc
+        return JSONResponse({f"{role}_workers": n for role, n in sizes.items()})
+
+    @app.get("/metrics/targets")
+    async def metrics_targets() -> Response:
+        """Prometheus HTTP service discovery (``http_sd_configs``) of every worker's
+        ``/metrics``, from the registry. Not public by default: it names internal
+        addresses (Prometheus sends the API key as ``authorization``)."""
+        return JSONResponse(router.pool.metrics_targets(router.served_model_name))
+
     return app
+
+
+def _scale_param(message: str) -> str | None:
+    """The field a ``ScaleError`` names (its message starts with it), if any."""
+    return next((p for p in ("prefill_workers", "decode_workers") if p in message), None)
 
 
 def _add_error_handlers(app: FastAPI, router: Router) -> None:

@@ -67,6 +67,7 @@ class WorkerPool:
         self.workers: dict[str, dict[str, WorkerHandle]] = {"prefill": {}, "decode": {}}
         self.registry_down = False
         self._retired: list[grpc.aio.Channel] = []
+        self._refresh_lock = asyncio.Lock()
 
     def credentials(self, worker: WorkerHandle, rpc: str):
         """gRPC metadata proving the cluster secret for a call of ``rpc`` ("Prefill")
@@ -100,7 +101,12 @@ class WorkerPool:
         return [i for role in self.workers.values() for i in role]
 
     async def refresh(self) -> None:
-        """Read the live workers from the registry; open channels to new ones."""
+        """Read the live workers from the registry; open channels to new ones. One
+        refresh at a time (the pool's loop and ``workers_changed`` both call it)."""
+        async with self._refresh_lock:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         try:
             records = await asyncio.to_thread(self.registry.list_live)
         except RegistryUnavailable as exc:
@@ -142,6 +148,33 @@ class WorkerPool:
         """Ask every worker for its load (``health_timeout_s`` each, concurrently)."""
         handles = [w for role in self.workers.values() for w in role.values()]
         await asyncio.gather(*(self._poll(w) for w in handles))
+        if self.metrics is not None:
+            for role, known in self.workers.items():
+                self.metrics.record_pool_size(role, sum(w.healthy for w in known.values()),
+                                              len(known))
+
+    async def workers_changed(self, added: list[str], removed: list[str]) -> None:
+        """Workers were added to or are leaving a pool (``pdserve scale``): route nothing
+        new to those leaving, and read the registry and the new workers' Health now, so
+        they take traffic at once, not at the next refresh."""
+        for worker_id in removed:
+            self.mark_unhealthy(worker_id)
+        if added:
+            await self.refresh()
+            await self.poll_health()
+
+    def metrics_targets(self, model_name: str) -> list[dict]:
+        """Every known worker that serves metrics, as Prometheus HTTP service discovery
+        target groups (``http_sd_configs``): one group per worker, with its id, role and
+        model as ``__meta_pdserve_*`` labels (for relabelling; the samples carry
+        ``worker``, ``role`` and ``model_name`` labels of their own)."""
+        return [{"targets": [w.record.metrics_address],
+                 "labels": {"__meta_pdserve_worker": w.worker_id,
+                            "__meta_pdserve_role": role,
+                            "__meta_pdserve_model_name": model_name}}
+                for role, known in sorted(self.workers.items())
+                for w in sorted(known.values(), key=lambda w: w.worker_id)
+                if w.record.metrics_address]
 
     async def _poll(self, worker: WorkerHandle) -> None:
         try:
