@@ -27,6 +27,9 @@ E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+REJECTION_REASONS = ("max_waiting_requests", "prefill_pool_full", "decode_pool_full")
+
+
 class RouterMetrics:
     """One router's metrics for one served model, on a registry of its own.
 
@@ -103,6 +106,8 @@ class RouterMetrics:
             "pdserve:requests_rejected", "Requests refused with 503 by admission control, "
             "by the cap that refused them.", labelnames=["model_name", "reason"],
             registry=self.registry)
+        for reason in REJECTION_REASONS:  # NOTE: 0 from the start, so dashboards see them
+            self._rejections.labels(self.model_name, reason)
         self._worker_gauges = {
             name: Gauge(f"pdserve:worker_{name}", documentation,
                         labelnames=["model_name", "role", "worker"], registry=self.registry)
@@ -146,7 +151,7 @@ class RouterMetrics:
         self._prefill_paths.labels(self.model_name, "remote" if reason == "remote" else
                                    "local", reason).inc()
 
-    def record_rejection(self, reason: str) -> None:
+    def record_rejection(self, reason: str) -> None:  # one of REJECTION_REASONS
         """Count one request refused by admission control (``reason``: the cap)."""
         self._rejections.labels(self.model_name, reason).inc()
 
