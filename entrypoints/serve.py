@@ -88,6 +88,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "e.g. '--max-num-batched-tokens 4096'")
     parser.add_argument("--decode-engine-args", default="", metavar="FLAGS",
                         help="engine flags for the decode pool only, e.g. '--max-num-seqs 512'")
+    planner = parser.add_argument_group("SLO planner (--autoscale)")
+    planner.add_argument("--autoscale", action="store_true",
+                         help="size the pools from TTFT, TPOT, queues and KV usage "
+                         "(entrypoints/planner.py)")
+    planner.add_argument("--ttft-target-s", type=float, default=2.0, help="p90 TTFT target")
+    planner.add_argument("--tpot-target-s", type=float, default=0.2, help="p90 TPOT target")
+    planner.add_argument("--min-prefill-workers", type=int, default=0)
+    planner.add_argument("--max-prefill-workers", type=int, default=4)
+    planner.add_argument("--min-decode-workers", type=int, default=1)
+    planner.add_argument("--max-decode-workers", type=int, default=4)
+    planner.add_argument("--planner-interval-s", type=float, default=10.0,
+                         help="seconds between two decisions")
+    planner.add_argument("--planner-cooldown-s", type=float, default=30.0,
+                         help="seconds after a resize before the next")
     parser.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="prompts shorter than this many tokens skip the prefill pool")
     from pdserve.cluster.auth import add_cluster_auth_args
@@ -219,6 +233,7 @@ class _ServeRun:
         for role in ("prefill", "decode"):  # NOTE: a bad flag stops us before anything starts
             pool_engine_config(EngineConfig("<model>"), getattr(args, f"{role}_engine_args"),
                                role)
+        self.planner_config = planner_config_from_args(args) if args.autoscale else None
 
     def run(self, stack: contextlib.ExitStack) -> None:
         args = self.args
@@ -347,9 +362,37 @@ class _ServeRun:
         if self.args.prefill_workers == 0:
             config.local_prefill_threshold = engine.max_model_len or 1 << 30
         router = Router(config)
+        background = []
         if scaler is not None:
             scaler.on_change = router.pool.workers_changed
-        return router, build_app(router, api_auth=self.api_auth, scaler=scaler)
+            if self.args.autoscale:
+                from pdserve.entrypoints.planner import SLOPlanner
+
+                planner = SLOPlanner(self.planner_config, router, scaler)
+                background.append(planner.run)
+        return router, build_app(router, api_auth=self.api_auth, scaler=scaler,
+                                 background=background)
+
+
+def planner_config_from_args(args: argparse.Namespace):
+    """The ``PlannerConfig`` of ``--autoscale``'s flags.
+
+    Raises:
+        ValueError: bounds or targets that cannot work, or start-up sizes outside them.
+    """
+    from pdserve.entrypoints.planner import PlannerConfig
+
+    config = PlannerConfig(
+        ttft_target_s=args.ttft_target_s, tpot_target_s=args.tpot_target_s,
+        min_workers={"prefill": args.min_prefill_workers, "decode": args.min_decode_workers},
+        max_workers={"prefill": args.max_prefill_workers, "decode": args.max_decode_workers},
+        interval_s=args.planner_interval_s, cooldown_s=args.planner_cooldown_s)
+    for role in ("prefill", "decode"):
+        size = getattr(args, f"{role}_workers")
+        if not config.min_workers[role] <= size <= config.max_workers[role]:
+            raise ValueError(f"--{role}-workers={size} must be within --min-{role}-workers "
+                             f"and --max-{role}-workers with --autoscale")
+    return config
 
 
 # Flags that must be the same in both pools: the model, the names clients and the

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -78,12 +78,15 @@ class ScaleRequest(BaseModel):
 
 
 def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
-              api_auth: ApiKeyAuth | None = None, scaler=None) -> FastAPI:
+              api_auth: ApiKeyAuth | None = None, scaler=None,
+              background: Sequence[Callable[[], Awaitable[None]]] = ()) -> FastAPI:
     """The FastAPI app serving ``router``; its lifespan starts and stops the router.
 
     ``scaler`` (``entrypoints/scaling.py``'s ``PoolScaler``, from ``pdserve serve``)
     resizes the pools behind ``POST /admin/scale``; without one, ``/admin/*`` answers 501
-    (a router run alone does not own its workers).
+    (a router run alone does not own its workers). ``background``: coroutine functions
+    run as tasks while the router serves (started after it, cancelled before it stops),
+    such as the SLO planner's loop.
 
     ``max_body_bytes`` bounds a request body (413 beyond it, from ``Content-Length`` or
     while reading). With ``api_auth``, every path but its public ones needs one of its
@@ -94,9 +97,14 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.start()
+        tasks = [asyncio.create_task(fn()) for fn in background]
         try:
             yield
         finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=30.0)
             await router.stop()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)

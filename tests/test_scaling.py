@@ -32,10 +32,9 @@ def cli(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """``pdserve serve`` with 1 prefill + 1 decode worker, every long prompt through the
-    prefill pool (``--disaggregation always``), and a larger step budget for prefill."""
+def start_serve(tmp_path_factory, extra_args: list[str]):
+    """Run ``pdserve serve`` (1 prefill + 1 decode worker, every long prompt through the
+    prefill pool) with ``extra_args`` until the generator is closed; yields (URL, log)."""
     model = make_demo_model(tmp_path_factory.mktemp("demo") / "model")
     redis = RedisServer()
     port = free_port()
@@ -46,8 +45,7 @@ def cluster(tmp_path_factory):
              "--served-model-name", "demo", "--dtype", "float32", "--max-model-len", "512",
              "--port", str(port), "--grpc-port", "0", "--redis-url", redis.url,
              "--prefill-workers", "1", "--decode-workers", "1", "--disaggregation", "always",
-             "--drain-grace-s", "20", "--prefill-engine-args", "--max-num-batched-tokens 2048",
-             "--decode-engine-args", "--max-num-seqs 64"],
+             "--drain-grace-s", "20", *extra_args],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RAY_DEDUP_LOGS": "0"})
     deadline = time.monotonic() + START_TIMEOUT_S
     while "pdserve serving" not in log.read_text():
@@ -65,6 +63,14 @@ def cluster(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         redis.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """With a larger step budget for prefill and fewer sequences for decode."""
+    yield from start_serve(tmp_path_factory, [
+        "--prefill-engine-args", "--max-num-batched-tokens 2048",
+        "--decode-engine-args", "--max-num-seqs 64"])
 
 
 class Load:
