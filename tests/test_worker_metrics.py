@@ -10,13 +10,14 @@ import urllib.request
 
 import pytest
 from conftest import random_prompts
-from disagg_client import TEST_AUTH, decode_stub, generate, prefill_stub
+from disagg_client import TEST_AUTH, decode_stub, generate, health, prefill_stub
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster.registry import WorkerRegistry
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
 from pdserve.engine import EngineConfig, SamplingParams
+from pdserve.engine.demo_model import make_demo_model
 from pdserve.entrypoints.redis_server import RedisServer
 from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.router.service import Router, RouterConfig
@@ -41,10 +42,11 @@ def value(samples: dict, name: str, **labels) -> float:
 
 
 @pytest.fixture(scope="module")
-def scraped(tiny_checkpoints):
+def scraped(tmp_path_factory):
     """Run a disaggregated request twice (the second hits the prefill worker's prefix
     cache), then scrape both workers and ask a router for its discovery targets."""
-    model = str(tiny_checkpoints["llama"])
+    model = str(make_demo_model(tmp_path_factory.mktemp("demo") / "model"))  # the router
+    # needs its tokenizer
     engine = EngineConfig(model, dtype="float32", max_model_len=MAX_MODEL_LEN,
                           load_progress=False, num_gpu_blocks_override=64)
     prompt = random_prompts([70], seed=5)[0]
@@ -61,7 +63,9 @@ def scraped(tiny_checkpoints):
             p, d = prefill_stub(prefill.grpc_address), decode_stub(decode.grpc_address)
             for i in range(2):
                 result = await generate(p, d, f"metrics-{i}", prompt, GREEDY)
-                assert len(result.token_ids) == GREEDY.max_tokens
+                assert len(result.tokens) == GREEDY.max_tokens
+            await asyncio.sleep(1.0)  # NOTE: the engine threads' audits refresh every 0.5 s
+            leases = (await health(p)).num_kv_leases
             addresses = {w.config.role: w.runtime.metrics_server.address
                          for w in (prefill, decode)}
             samples = {role: await asyncio.to_thread(scrape, address)
@@ -76,7 +80,7 @@ def scraped(tiny_checkpoints):
             finally:
                 await router.stop()
             ids = {w.config.role: w.worker_id for w in (prefill, decode)}
-            return addresses, samples, records, targets, pool, ids, prompt
+            return addresses, samples, records, targets, pool, ids, prompt, leases
         finally:
             await prefill.stop()
             await decode.stop()
@@ -86,7 +90,7 @@ def scraped(tiny_checkpoints):
 
 
 def test_each_worker_exports_vllm_metrics_with_worker_and_role(scraped):
-    _, samples, _, _, _, ids, prompt = scraped
+    _, samples, _, _, _, ids, prompt, _ = scraped
     for role in ("prefill", "decode"):
         s, labels = samples[role], {"worker": ids[role], "role": role}
         assert value(s, "vllm:num_requests_running", **labels) == 0
@@ -109,7 +113,7 @@ def test_each_worker_exports_vllm_metrics_with_worker_and_role(scraped):
 
 
 def test_kv_transfer_metrics_agree_on_both_sides(scraped):
-    _, samples, _, _, _, _, _ = scraped
+    _, samples, _, _, _, _, _, leases = scraped
     sent = value(samples["prefill"], "pdserve:kv_transfer_bytes_total")
     pulled = value(samples["decode"], "pdserve:kv_transfer_bytes_total")
     assert sent == pulled > 0
@@ -118,11 +122,12 @@ def test_kv_transfer_metrics_agree_on_both_sides(scraped):
         assert value(samples[role], "pdserve:kv_transfers_in_flight") == 0
         assert value(samples[role], "pdserve:kv_transfer_seconds_total") > 0
     assert value(samples["decode"], "pdserve:kv_transfers_total", result="ok") >= 1
-    assert value(samples["prefill"], "pdserve:kv_leases") == 0
+    # every lease ended (pulled or released), as the prefill worker's Health says too
+    assert value(samples["prefill"], "pdserve:kv_leases") == leases == 0
 
 
 def test_router_lists_every_worker_for_prometheus_discovery(scraped):
-    addresses, _, records, targets, pool, ids, _ = scraped
+    addresses, _, records, targets, pool, ids, _, _ = scraped
     assert {r: records[r].metrics_address for r in records} == addresses
     assert sorted(targets, key=lambda g: g["labels"]["__meta_pdserve_role"]) == [
         {"targets": [addresses[role]],
