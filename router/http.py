@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of the router (FastAPI): ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ``/health`` (liveness, with the router's state), ``/ready`` (readiness),
 ``/metrics``, ``/metrics/targets`` (the workers' metrics, for Prometheus's HTTP service
-discovery).
+discovery); vLLM's ``/v1/models/{id}``, ``/tokenize``, ``/detokenize`` and ``/version``;
+``/admin/scale`` and ``/admin/pools`` (``pdserve scale``).
 
 Every error is an OpenAI error body (``router/protocol.py``): 401 without an accepted API
 key where keys are set (``router/auth.py``), 400 naming the offending
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve import __version__ as pdserve_version
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
 from pdserve.router.auth import ApiKeyAuth, ApiKeyMiddleware
 from pdserve.router.detokenizer import fast_decoder
@@ -48,9 +50,12 @@ from pdserve.router.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
     RequestError,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
     chat_stream_choice,
     chat_stream_chunk,
@@ -144,6 +149,45 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=router.served_model_name, root=router.config.model,
                                          max_model_len=router.max_model_len)])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        _check_model(router, model_id)
+        return ModelCard(id=router.served_model_name, root=router.config.model,
+                         max_model_len=router.max_model_len)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> TokenizeResponse:
+        """vLLM's: a prompt's token ids as the completions API would make them (or, with
+        ``add_special_tokens=false``, without the BOS), or a chat's through its template."""
+        request = TokenizeRequest.model_validate(await json_body(raw, max_body_bytes))
+        _check_model(router, request.model)
+        if request.messages is not None:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            try:
+                tokens = apply_chat_template(
+                    router.tokenizer, messages,
+                    add_generation_prompt=request.add_generation_prompt)
+            except ValueError as exc:
+                raise RequestError(str(exc), "messages") from exc
+        elif request.add_special_tokens:
+            tokens = encode_prompt(router.tokenizer, request.prompt)
+        else:
+            tokens = list(router.tokenizer.encode(request.prompt, add_special_tokens=False))
+        return TokenizeResponse(count=len(tokens), max_model_len=router.max_model_len,
+                                tokens=tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        """vLLM's: the text of token ids (special tokens kept)."""
+        request = DetokenizeRequest.model_validate(await json_body(raw, max_body_bytes),
+                                                   context=context)
+        _check_model(router, request.model)
+        return JSONResponse({"prompt": router.tokenizer.decode(request.tokens)})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": pdserve_version})
 
     @app.get("/health")
     async def health() -> Response:

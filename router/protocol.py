@@ -89,10 +89,44 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by completion and chat requests (OpenAI's, then vLLM's extras)."""
+# OpenAI and vLLM request fields pdserve does not implement yet, and why a request with
+# one is refused rather than served as if it were absent.
+UNSUPPORTED_FIELDS = {
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet",
+    "parallel_tool_calls": "tool calling is not supported yet",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "response_format": "structured output (response_format) is not supported yet",
+    "structured_outputs": "structured output is not supported yet",
+    "guided_json": "structured output (guided decoding) is not supported yet",
+    "guided_regex": "structured output (guided decoding) is not supported yet",
+    "guided_choice": "structured output (guided decoding) is not supported yet",
+    "guided_grammar": "structured output (guided decoding) is not supported yet",
+    "logit_bias": "logit_bias is not supported yet",
+    "suffix": "suffix (insertion) is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported",
+}
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completion and chat requests (OpenAI's, then vLLM's extras).
+
+    A field that is none of these is refused with a 400 naming it (``RequestError``),
+    never accepted and ignored: its effect would silently be missing from the answer.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in data:
+                if name not in cls.model_fields:
+                    why = UNSUPPORTED_FIELDS.get(name, "pdserve does not implement it")
+                    raise RequestError(f"Unsupported field '{name}': {why}", name)
+        return data
 
     model: Text | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
@@ -149,6 +183,15 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Int32 | None = Field(16, ge=1)  # OpenAI's and vLLM's default; null = rest
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    best_of: StrictInt | None = Field(None, ge=1)  # only as many as n: no extra candidates
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported (no extra candidates "
+                             "are generated and ranked)")
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -199,11 +242,23 @@ class ChatMessage(BaseModel):
     """One chat turn. List content (``[{"type": "text", "text": ...}]``) is joined with
     newlines into a string, vLLM's "string" content format; other part types are refused."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Text
     name: Text | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in data:
+                if name not in cls.model_fields:
+                    why = "tool calling is not supported yet" if name in (
+                        "tool_calls", "tool_call_id", "function_call") else \
+                        "a message has role, content and name"
+                    raise ValueError(f"field '{name}' is not supported ({why})")
+        return data
 
     @field_validator("content", mode="before")
     @classmethod
@@ -434,6 +489,49 @@ class ModelCard(BaseModel):
     owned_by: str = "pdserve"
     root: str | None = None
     max_model_len: int | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a completion ``prompt``, or chat ``messages`` through the
+    chat template (one of the two)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("give exactly one of 'prompt' and 'messages'", "prompt")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    """``count`` tokens, ``tokens`` their ids; ``max_model_len`` as vLLM answers."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids in the vocabulary."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)
+
+    @field_validator("tokens")
+    @classmethod
+    def _in_vocabulary(cls, value: list[int], info: ValidationInfo) -> list[int]:
+        for t in value:
+            check_token_id(t, _vocab_size(info))
+        return value
 
 
 class ModelList(BaseModel):

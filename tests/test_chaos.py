@@ -387,7 +387,8 @@ def test_past_the_caps_requests_get_503_at_once_and_below_none_is_lost(cluster):
     assert all(r.json()["choices"][0]["text"] == expected for r in served)
     assert [r.status_code for r, _ in below] == [200] * 4
     metrics = httpx.get(cluster.url + "/metrics").text  # the shared router refused nothing
-    assert "pdserve:requests_rejected_total{" not in metrics
+    rejected = re.findall(r"pdserve:requests_rejected_total\{[^}]*\} (\S+)", metrics)
+    assert len(rejected) == 3 and all(float(n) == 0 for n in rejected)  # every cap at 0
 
 
 def run_streams_and_kill(cluster: Cluster, role: str, num_streams: int, max_tokens: int

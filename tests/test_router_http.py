@@ -257,6 +257,21 @@ BAD_INPUTS = [  # (path, body, status, words the message must hold)
                               "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "presence_penalty": 9}, 400, "presence_penalty"),
+    # accepted-and-ignored is a defect: a field pdserve does not implement is refused
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "auto"}, 400, "tool calling"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]}, 400,
+     "tool_calls"),
     ("/v1/nowhere", {}, 404, "no such route"),
 ]
 
@@ -278,6 +293,45 @@ def test_bad_inputs_get_openai_errors_and_serving_goes_on(cluster):
     reply = cluster.client().completions.create(model=str(cluster.model), prompt=PROMPT,
                                                 max_tokens=3)
     assert reply.usage.completion_tokens <= 3
+
+
+def test_vllm_utility_endpoints(cluster):
+    """``/tokenize`` gives the ids a completion is served with (and the chat template's
+    for messages), ``/detokenize`` turns them back, ``/v1/models/{id}`` and ``/version``."""
+    from pdserve import __version__
+    from pdserve.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cluster.model)
+    with httpx.Client(base_url=cluster.url, timeout=30) as http:
+        assert http.get("/version").json() == {"version": __version__}
+        card = http.get(f"/v1/models/{cluster.model}").json()
+        assert card["id"] == str(cluster.model) and card["object"] == "model"
+        missing = http.get("/v1/models/nope")
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+        ids = encode_prompt(tokenizer, PROMPT)
+        reply = http.post("/tokenize", json={"prompt": PROMPT}).json()
+        assert reply == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
+        bare = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False})
+        assert bare.json()["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
+        chat = http.post("/tokenize", json={"messages": CHAT}).json()
+        assert chat["tokens"] == apply_chat_template(tokenizer, CHAT,
+                                                     add_generation_prompt=True)
+        back = http.post("/detokenize", json={"tokens": bare.json()["tokens"]}).json()
+        assert back == {"prompt": PROMPT}
+        completion = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert completion.json()["usage"]["prompt_tokens"] == len(ids)
+
+        for path, body, param in [
+                ("/tokenize", {}, "prompt"),
+                ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
+                ("/tokenize", {"prompt": "x", "model": "nope"}, "model"),
+                ("/tokenize", {"prompt": "x", "truncate": 3}, "truncate"),
+                ("/detokenize", {"tokens": [1, 10**6]}, "tokens[1]"),
+                ("/detokenize", {"tokens": "12"}, "tokens")]:
+            bad = http.post(path, json=body)
+            assert bad.status_code in (400, 404), (path, body, bad.text)
+            assert bad.json()["error"]["param"] == param, (path, body, bad.text)
 
 
 def test_models_and_health(cluster):
