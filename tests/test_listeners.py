@@ -44,7 +44,8 @@ from pdserve.entrypoints.launcher import node_ip_for
 from pdserve.entrypoints.redis_server import free_port
 
 START_TIMEOUT_S = 150
-READY = re.compile(r"(prefill|decode) worker \d+/\d+ ready \(gRPC \S+:(\d+), KV \S+, id \S+-(\d+)\)")
+READY = re.compile(r"(prefill|decode) worker \d+/\d+ ready \(gRPC \S+:(\d+), KV \S+, "
+                   r"metrics \S+:(\d+), id \S+-(\d+)\)")
 RAY_GRPC_LOG = re.compile(r"^\[\S+ \S+ \w (\d+) \d+\].* (\w+) server started, "
                           r"listening on port (\d+)\.", re.MULTILINE)
 
@@ -145,7 +146,7 @@ def classify(listener: Listener, router_ports: dict[int, str], worker_ports: dic
     elif listener.process == "redis-server":
         owner, purpose = "pdserve", "private Redis"
     elif port in worker_ports and pid in worker_pids:
-        owner, purpose = "pdserve", f"{worker_ports[port]} worker gRPC"
+        owner, purpose = "pdserve", worker_ports[port]
     elif (pid, port) in ray or (None, port) in ray:
         owner, purpose = "ray", ray.get((pid, port)) or ray[None, port]
     elif pid in worker_pids:
@@ -189,8 +190,9 @@ def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monke
         kill_marked(mark)
 
     ready = READY.findall(log)
-    worker_ports = {int(port): role for role, port, _ in ready}
-    worker_pids = {int(pid): role for role, _, pid in ready}
+    worker_ports = {int(port): f"{role} worker gRPC" for role, port, _, _ in ready}
+    worker_ports.update({int(port): f"{role} worker metrics" for role, _, port, _ in ready})
+    worker_pids = {int(pid): role for role, _, _, pid in ready}
     router_ports = {port: "router HTTP", grpc_port: "router gRPC"}
     found = [classify(listener, router_ports, worker_ports, worker_pids, ray_known)
              for listener in listeners]
@@ -201,6 +203,8 @@ def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monke
     assert {("pdserve", "router HTTP"), ("pdserve", "router gRPC"),
             ("redis-server", "private Redis"), ("ray::WorkerActor", "prefill worker gRPC"),
             ("ray::WorkerActor", "decode worker gRPC"), ("gcs_server", "GcsServer gRPC"),
+            ("ray::WorkerActor", "prefill worker metrics"),
+            ("ray::WorkerActor", "decode worker metrics"),
             ("raylet", "NodeManager gRPC"), ("raylet", "ObjectManager gRPC"),
             ("pdserve", "driver gRPC")} <= purposes, table
     assert len(worker_pids) == 2, log
