@@ -32,7 +32,8 @@ _PLAIN = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "min_tokens
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(stop_token_ids=params.stop_token_ids)
+    msg = common_pb2.SamplingParams(stop_token_ids=params.stop_token_ids,
+                                    logit_bias=params.logit_bias or {})
     for name in _PLAIN:
         setattr(msg, name, getattr(params, name))
     for name in _OPTIONAL:
@@ -56,11 +57,16 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
     if bad:
         raise ValueError(f"stop_token_ids: token id {bad[0]} is out of the vocabulary "
                          f"(size {vocab_size})")
+    bad = [t for t in msg.logit_bias if vocab_size is not None and not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias: token id {bad[0]} is out of the vocabulary "
+                         f"(size {vocab_size})")
     kwargs = {name: getattr(msg, name) for name in _PLAIN}
     kwargs.update({name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)})
     if "max_tokens" not in kwargs:
         kwargs["max_tokens"] = None  # absent: up to max_model_len
-    return SamplingParams(stop_token_ids=list(msg.stop_token_ids), **kwargs)
+    return SamplingParams(stop_token_ids=list(msg.stop_token_ids),
+                          logit_bias=dict(msg.logit_bias) or None, **kwargs)
 
 
 def logprob_to_proto(lp: Logprob) -> common_pb2.TokenLogprob:

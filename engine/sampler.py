@@ -1,7 +1,7 @@
 """Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws.
 
-Order of operations (vLLM's): logprobs from the raw logits; then repetition, frequency and
-presence penalties and the ``min_tokens`` ban on stop tokens; then greedy rows take the
+Order of operations (vLLM's): logprobs from the raw logits; then ``logit_bias``; then
+repetition, frequency and presence penalties and the ``min_tokens`` ban on stop tokens; then greedy rows take the
 argmax; the rest are divided by their temperature, filtered (min-p, top-k, top-p) and drawn
 by inverse transform sampling: one uniform ``u`` per row, and the first token whose
 cumulative probability reaches ``(1 - u) * total``, which samples from ``p`` exactly (up to
@@ -52,6 +52,7 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        self._apply_logit_bias(logits, requests)
         self._apply_penalties(logits, requests)
         self._ban_stop_tokens(logits, requests)
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
@@ -86,6 +87,18 @@ class Sampler:
                                                                   requests[i].num_output_tokens))
                 u[i] = torch.rand(1, generator=gen, dtype=torch.float64)
         return _inverse_cdf_sample(probs, u.to(probs.device))
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        """Add each request's ``logit_bias`` to its row (ids past the vocabulary, which the
+        router refuses, are skipped here)."""
+        vocab = logits.shape[1]
+        for i, req in enumerate(requests):
+            bias = req.sampling_params.logit_bias
+            if bias:
+                ids = [t for t in bias if t < vocab]
+                logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype,
+                                               device=logits.device)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: [-100, 100]
 
 
 @dataclass(slots=True)
@@ -17,7 +19,10 @@ class SamplingParams:
     ``presence_penalty`` and ``frequency_penalty`` (OpenAI API) over output tokens.
     A ``seed`` makes sampling reproducible per token position (docs/architecture.md).
     ``logprobs`` asks for the sampled token's log-probability plus the top ``logprobs``
-    alternatives, computed from the raw model logits.
+    alternatives, computed from the raw model logits. ``logit_bias`` (OpenAI's) adds
+    ``bias`` to token ``id``'s logit before penalties, greedy choice and sampling (at most
+    ``MAX_LOGIT_BIAS_ENTRIES`` ids, each bias in [-100, 100]; -100 in practice bans a
+    token, +100 forces it); logprobs stay those of the raw logits.
 
     Raises:
         ValueError: from ``__post_init__``, naming the field and the allowed range.
@@ -37,9 +42,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if not self.logit_bias:
+            self.logit_bias = None
         if self.top_k == -1:
             self.top_k = 0
         _check(self.n >= 1, "n", self.n, "must be >= 1")
@@ -64,6 +72,15 @@ class SamplingParams:
                "must be in [0, 2**63)")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                "must be non-negative token ids")
+        if self.logit_bias is not None:
+            _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
+                   f"<{len(self.logit_bias)} entries>",
+                   f"must have at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+            for token_id, bias in self.logit_bias.items():
+                _check(isinstance(token_id, int) and token_id >= 0, "logit_bias", token_id,
+                       "keys must be non-negative token ids")
+                _check(-LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT, "logit_bias", bias,
+                       "values must be in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

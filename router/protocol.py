@@ -39,7 +39,7 @@ from pydantic import (
     model_validator,
 )
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from pdserve.router.limits import (
     INT32_MAX,
     MAX_N,
@@ -103,7 +103,6 @@ UNSUPPORTED_FIELDS = {
     "guided_regex": "structured output (guided decoding) is not supported yet",
     "guided_choice": "structured output (guided decoding) is not supported yet",
     "guided_grammar": "structured output (guided decoding) is not supported yet",
-    "logit_bias": "logit_bias is not supported yet",
     "suffix": "suffix (insertion) is not supported",
     "prompt_logprobs": "prompt_logprobs is not supported",
 }
@@ -148,6 +147,21 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Text | None = None
+    # OpenAI's: token id (a string of digits, as JSON keys are) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return None
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (digits), got {key!r}"[:120])
+            check_token_id(int(key), _vocab_size(info))
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"bias {bias} of token {key} must be in [-100, 100]")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -649,6 +663,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
             frequency_penalty=request.frequency_penalty, seed=request.seed,
             max_tokens=max_tokens, min_tokens=request.min_tokens,
             stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos,
-            logprobs=logprobs)
+            logprobs=logprobs, logit_bias={int(k): v for k, v in
+                                           (request.logit_bias or {}).items()} or None)
     except ValueError as exc:  # SamplingParams names the field first: "min_tokens=9 is ..."
         raise RequestError(str(exc), str(exc).split("=", 1)[0]) from exc

@@ -128,3 +128,32 @@ def test_auto_dtype_of_a_bf16_checkpoint_on_this_cpu(tmp_path):
         [o.outputs[0].token_ids for o in same.generate(prompts, params)]
     kept = LLM(path, dtype="bfloat16", max_model_len=128, load_progress=False)
     assert kept.engine.model_config.dtype is torch.bfloat16
+
+
+def test_logit_bias_forces_and_bans_tokens_and_keeps_raw_logprobs(tiny_checkpoints):
+    """+100 makes a token the greedy choice at every step; -100 bans the greedy token;
+    the reported logprobs stay those of the raw logits (OpenAI's and vLLM's semantics)."""
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", max_model_len=128,
+              load_progress=False)
+    prompt = random_prompts([9], seed=3)[0]
+    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6,
+                                                  ignore_eos=True, logprobs=1))[0].outputs[0]
+    forced = llm.generate([prompt], SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={7: 100.0}))[0].outputs[0]
+    assert forced.token_ids == [7] * 6
+    sampled = llm.generate([prompt], SamplingParams(
+        temperature=1.0, seed=1, max_tokens=6, ignore_eos=True, logit_bias={7: 100.0}))
+    assert sampled[0].outputs[0].token_ids == [7] * 6
+    first = plain.token_ids[0]
+    banned = llm.generate([prompt], SamplingParams(
+        temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=1,
+        logit_bias={first: -100.0}))[0].outputs[0]
+    assert banned.token_ids[0] != first
+    # the raw top-1 is still reported, with its raw log-probability
+    assert banned.logprobs[0][first].logprob == pytest.approx(plain.logprobs[0][first].logprob)
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {3: 100.5}, {3: float("nan")}])
+def test_logit_bias_out_of_range_is_refused(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

@@ -258,7 +258,9 @@ BAD_INPUTS = [  # (path, body, status, words the message must hold)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "presence_penalty": 9}, 400, "presence_penalty"),
     # accepted-and-ignored is a defect: a field pdserve does not implement is refused
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "vocabulary"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
@@ -332,6 +334,20 @@ def test_vllm_utility_endpoints(cluster):
             bad = http.post(path, json=body)
             assert bad.status_code in (400, 404), (path, body, bad.text)
             assert bad.json()["error"]["param"] == param, (path, body, bad.text)
+
+
+def test_logit_bias_reaches_the_sampler_of_both_pools(cluster):
+    """Through the prefill worker (first token) and the decode worker (the rest), and
+    through the prefill-on-decode path of a short prompt."""
+    from pdserve.engine.tokenizer import load_tokenizer
+
+    token = load_tokenizer(cluster.model).decode([42])
+    for prompt in (PROMPT, "Hi"):
+        reply = cluster.client().completions.create(
+            model=str(cluster.model), prompt=prompt, max_tokens=5, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True, "logit_bias": {"42": 100}})
+        assert reply.usage.completion_tokens == 5
+        assert reply.choices[0].logprobs.tokens == [token] * 5, reply.choices[0].text
 
 
 def test_models_and_health(cluster):
