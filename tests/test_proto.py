@@ -24,10 +24,15 @@ OLDEST_PROTOBUF = "5.26.1"  # pyproject: protobuf>=5.26
 
 
 def _without_json_names(file_proto: descriptor_pb2.FileDescriptorProto):
-    """``CopyToProto`` leaves ``json_name`` out; protoc's descriptor sets fill it in."""
-    for message in file_proto.message_type:
-        for field in message.field:
-            field.ClearField("json_name")
+    """``CopyToProto`` leaves ``json_name`` out; protoc's descriptor sets fill it in (also
+    in nested types, such as a ``map`` field's entry)."""
+    def clear(messages) -> None:
+        for message in messages:
+            for field in message.field:
+                field.ClearField("json_name")
+            clear(message.nested_type)
+
+    clear(file_proto.message_type)
     return file_proto
 
 
