@@ -108,6 +108,13 @@ UNSUPPORTED_FIELDS = {
 }
 
 
+def _unknown_field(model: type[BaseModel], data: Any) -> str | None:
+    """The first key of a request body ``data`` that ``model`` does not declare."""
+    if isinstance(data, dict):
+        return next((name for name in data if name not in model.model_fields), None)
+    return None
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completion and chat requests (OpenAI's, then vLLM's extras).
 
@@ -120,11 +127,10 @@ class _SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unknown_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name in data:
-                if name not in cls.model_fields:
-                    why = UNSUPPORTED_FIELDS.get(name, "pdserve does not implement it")
-                    raise RequestError(f"Unsupported field '{name}': {why}", name)
+        name = _unknown_field(cls, data)
+        if name is not None:
+            why = UNSUPPORTED_FIELDS.get(name, "pdserve does not implement it")
+            raise RequestError(f"Unsupported field '{name}': {why}", name)
         return data
 
     model: Text | None = None
@@ -265,13 +271,12 @@ class ChatMessage(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unknown_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name in data:
-                if name not in cls.model_fields:
-                    why = "tool calling is not supported yet" if name in (
-                        "tool_calls", "tool_call_id", "function_call") else \
-                        "a message has role, content and name"
-                    raise ValueError(f"field '{name}' is not supported ({why})")
+        name = _unknown_field(cls, data)
+        if name is not None:
+            why = "tool calling is not supported yet" if name in (
+                "tool_calls", "tool_call_id", "function_call") else \
+                "a message has role, content and name"
+            raise ValueError(f"field '{name}' is not supported ({why})")
         return data
 
     @field_validator("content", mode="before")

@@ -5,9 +5,7 @@ and per-pool engine flags."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -15,11 +13,10 @@ import time
 
 import httpx
 import pytest
+from serve_process import serve_process
 
-from pdserve.engine.demo_model import make_demo_model
-from pdserve.entrypoints.redis_server import RedisServer, free_port
+from pdserve.entrypoints.redis_server import free_port
 
-START_TIMEOUT_S = 240
 PROMPT = " ".join(["the decode worker streams tokens back"] * 12)  # > 16 tokens: the pool
 MAX_TOKENS = 12
 
@@ -30,36 +27,12 @@ def cli(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
 
 
 def start_serve(tmp_path_factory, extra_args: list[str]):
-    """Run ``pdserve serve`` (1 prefill + 1 decode worker, every long prompt through the
-    prefill pool) with ``extra_args`` until the generator is closed; yields (URL, log)."""
-    model = make_demo_model(tmp_path_factory.mktemp("demo") / "model")
-    redis = RedisServer()
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.entrypoints.cli", "serve", "--model", str(model),
-             "--served-model-name", "demo", "--dtype", "float32", "--max-model-len", "512",
-             "--port", str(port), "--grpc-port", "0", "--redis-url", redis.url,
-             "--prefill-workers", "1", "--decode-workers", "1", "--disaggregation", "always",
-             "--drain-grace-s", "20", *extra_args],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RAY_DEDUP_LOGS": "0"})
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while "pdserve serving" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            redis.close()
-            pytest.fail(f"pdserve serve did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", log
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        redis.close()
+    """``pdserve serve`` (1 prefill + 1 decode worker, every long prompt through the
+    prefill pool) with ``extra_args``, until the generator is closed; yields (URL, log)."""
+    with serve_process(tmp_path_factory, [
+            "--grpc-port", "0", "--prefill-workers", "1", "--decode-workers", "1",
+            "--disaggregation", "always", "--drain-grace-s", "20", *extra_args]) as serve:
+        yield serve.url, serve.log
 
 
 @pytest.fixture(scope="module")

@@ -4,26 +4,21 @@ official ``openai`` client over HTTP and by a gRPC client of ``pdserve.v1.Router
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
+from serve_process import serve_process
 
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.demo_model import make_demo_model
 from pdserve.entrypoints.redis_server import RedisServer, free_port
 from pdserve.proto import router_pb2, router_pb2_grpc
 
 openai = pytest.importorskip("openai")
-START_TIMEOUT_S = 240
 
 
 @dataclass
@@ -57,39 +52,16 @@ def ask_at_once(port: int, grpc_port: int) -> tuple[int, list[str]]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A running ``pdserve serve`` with 2 prefill workers and 1 decode worker."""
-    model = make_demo_model(tmp_path_factory.mktemp("demo") / "model")
-    redis = RedisServer()
-    port, grpc_port = free_port(), free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.entrypoints.cli", "serve", "--model", str(model),
-             "--served-model-name", "demo", "--dtype", "float32", "--max-model-len", "512",
-             "--port", str(port), "--grpc-port", str(grpc_port), "--redis-url", redis.url,
-             "--prefill-workers", "2", "--decode-workers", "1", "--kv-lease-s", "10",
-             # NOTE: every worker shares this machine's CPUs, where "auto" keeps prompts
-             # on the decode worker; these tests are about the prefill pool
-             "--disaggregation", "always"],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RAY_DEDUP_LOGS": "0"})
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while "pdserve serving" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            redis.close()
-            pytest.fail(f"pdserve serve did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.02)
-    try:
-        first_http_status, first_grpc_models = ask_at_once(port, grpc_port)
-        yield Served(model, port, grpc_port, redis, log.read_text(), first_http_status,
-                     first_grpc_models)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        redis.close()
-    assert "pdserve stopped" in log.read_text()
+    grpc_port = free_port()
+    with serve_process(tmp_path_factory, [
+            "--grpc-port", str(grpc_port), "--prefill-workers", "2", "--decode-workers", "1",
+            "--kv-lease-s", "10",
+            # NOTE: every worker shares this machine's CPUs, where "auto" keeps prompts on
+            # the decode worker; these tests are about the prefill pool
+            "--disaggregation", "always"]) as serve:
+        first_http_status, first_grpc_models = ask_at_once(serve.port, grpc_port)
+        yield Served(serve.model, serve.port, grpc_port, serve.redis, serve.log.read_text(),
+                     first_http_status, first_grpc_models)
 
 
 def test_serving_line_comes_after_each_phase_and_means_accepting(served):
