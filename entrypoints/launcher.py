@@ -45,6 +45,7 @@ class WorkerInfo:
     kv_address: str
     pid: int
     metrics_address: str = ""
+    node_id: str = ""  # the Ray node it runs on
 
 
 class WorkerActor:
@@ -67,10 +68,13 @@ class WorkerActor:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def info(self) -> WorkerInfo:
+        import ray
+
         metrics = self.worker.runtime.metrics_server
         return WorkerInfo(self.worker.worker_id, self.worker.config.role,
                           self.worker.grpc_address, self.worker.kv_address, os.getpid(),
-                          metrics.address if metrics is not None else "")
+                          metrics.address if metrics is not None else "",
+                          ray.get_runtime_context().get_node_id())
 
     def stop(self) -> None:
         self._run(self.worker.stop(), 30.0)
@@ -190,8 +194,10 @@ class RayLauncher:
         engine = config.engine
         if engine.num_threads is None and not self.has_gpus:
             engine = dataclasses.replace(engine, num_threads=default_num_threads(workers_on_node))
+        # NOTE: SPREAD puts the workers on as many nodes as there are (on one node, all
+        # there); the default packs them onto the first node with room
         options = {"max_restarts": -1, "max_task_retries": 3, "num_cpus": 0,
-                   "num_gpus": 1 if self.has_gpus else 0}
+                   "num_gpus": 1 if self.has_gpus else 0, "scheduling_strategy": "SPREAD"}
         actors = []
         for _ in range(count):
             name = f"{config.role}-{self._num_started}"

@@ -340,7 +340,8 @@ class _ServeRun:
             ready[info.role] += 1
             say(f"{info.role} worker {ready[info.role]}/{counts[info.role]} ready "
                 f"(gRPC {info.grpc_address}, KV {info.kv_address}, metrics "
-                f"{info.metrics_address or 'none'}, id {info.worker_id})")
+                f"{info.metrics_address or 'none'}, id {info.worker_id}, node "
+                f"{info.node_id[:12]})")
 
         infos = launcher.wait_ready(actors, on_ready=report)
         scaler = PoolScaler(launcher, configs, computing, args.drain_grace_s)

@@ -38,12 +38,12 @@ class ServeProcess:
 
 
 @contextmanager
-def serve_process(tmp_path_factory, flags: list[str], port: int | None = None
-                  ) -> Iterator[ServeProcess]:
+def serve_process(tmp_path_factory, flags: list[str], port: int | None = None,
+                  env: dict[str, str] | None = None) -> Iterator[ServeProcess]:
     """Start ``pdserve serve --model <demo> --served-model-name demo --dtype float32
     --max-model-len 512 --port <port> --redis-url <own> <flags>``, wait (at most
-    ``START_TIMEOUT_S``) until it serves, and stop it on the way out; its exit status
-    and "pdserve stopped" are checked then."""
+    ``START_TIMEOUT_S``) until it serves, and stop it on the way out; "pdserve stopped"
+    is checked then. ``env`` adds to the environment."""
     model = make_demo_model(tmp_path_factory.mktemp("demo") / "model")
     redis = RedisServer()
     port = port or free_port()
@@ -53,7 +53,7 @@ def serve_process(tmp_path_factory, flags: list[str], port: int | None = None
             [sys.executable, "-m", "pdserve.entrypoints.cli", "serve", "--model", str(model),
              "--served-model-name", "demo", "--dtype", "float32", "--max-model-len", "512",
              "--port", str(port), "--redis-url", redis.url, *flags],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RAY_DEDUP_LOGS": "0", **(env or {})})
     deadline = time.monotonic() + START_TIMEOUT_S
     while "pdserve serving" not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:

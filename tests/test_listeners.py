@@ -45,7 +45,7 @@ from pdserve.entrypoints.redis_server import free_port
 
 START_TIMEOUT_S = 150
 READY = re.compile(r"(prefill|decode) worker \d+/\d+ ready \(gRPC \S+:(\d+), KV \S+, "
-                   r"metrics \S+:(\d+), id \S+-(\d+)\)")
+                   r"metrics \S+:(\d+), id \S+-(\d+), node \w+\)")
 RAY_GRPC_LOG = re.compile(r"^\[\S+ \S+ \w (\d+) \d+\].* (\w+) server started, "
                           r"listening on port (\d+)\.", re.MULTILINE)
 
