@@ -33,3 +33,18 @@ def test_the_wheel_holds_the_kernel_sources_and_data(tmp_path):
         missing = [p.name for p in files if f"{packaged}/{p.name}" not in names]
         assert not missing, f"{folder}: {missing} are not in the wheel (package-data)"
     assert "pdserve/entrypoints/cli.py" in names and "pdserve/proto/common_pb2.py" in names
+
+
+def test_the_dockerfile_copies_every_package_folder():
+    """The Dockerfile copies folders by name (its context leaves tests and the rest out):
+    a new top-level package folder must be copied too, or the image cannot import it."""
+    import tomllib
+
+    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
+                  ["tool"]["setuptools"]["package-dir"].values())
+    tops = {f.split("/")[0] for f in folders}
+    copied = {line.split()[1] for line in (ROOT / "Dockerfile").read_text().splitlines()
+              if line.startswith("COPY ")}
+    assert tops - copied == set(), f"the Dockerfile does not COPY {sorted(tops - copied)}"
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert not (tops | {"pyproject.toml", "README.md"}) & ignored
