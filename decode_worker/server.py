@@ -94,9 +94,16 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
             logprob_from_proto(request.first_logprob)
             if request.HasField("first_logprob") else None,
             handle, list(request.resume_token_ids))
+        # Prefilled here (no KV handle): the first tokens report the prefix-cache hit;
+        # with a handle the DecodeStart reports what was cached and not pulled.
+        report_hit = handle is None
         async with contextlib.aclosing(stream):
             async for item in stream:
-                yield _to_response(item)
+                response = _to_response(item)
+                if report_hit and not isinstance(item, DecodeStart) and item.new_token_ids:
+                    response.num_cached_tokens = item.num_cached_tokens
+                    report_hit = False
+                yield response
 
     async def Abort(self, request, context):
         aborted = await self.service.abort(request.request_id)

@@ -146,6 +146,8 @@ class WorkerCalls:
             self.release_kv(request, progress)
             message = self.decode_request(request, progress)  # resumes without the KV
         with_handle = message.HasField("kv_handle")
+        # The decode worker prefills the whole prompt: its first tokens report the hit.
+        local_prefill = not with_handle and not progress.generated
         call = self.pool.session(worker).start(message, self.config.request_timeout_s)
         worker_done = False
         try:
@@ -154,6 +156,10 @@ class WorkerCalls:
                     progress.kv, with_handle = None, False  # it pulled the KV (or had it)
                 if not progress.generated and reply.num_cached_tokens:
                     output.num_cached_tokens = reply.num_cached_tokens
+                if local_prefill and reply.token_ids:
+                    local_prefill = False
+                    self.metrics.record_prefix_cache(len(request.prompt_token_ids),
+                                                     reply.num_cached_tokens)
                 if not reply.token_ids and not reply.finish_reason:
                     continue
                 worker_done = bool(reply.finish_reason)

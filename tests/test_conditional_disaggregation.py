@@ -44,10 +44,14 @@ def path_counts(router: Router) -> dict[str, float]:
     return counts
 
 
-async def run(router: Router, request_id: str, prompt: list[int]) -> list[int]:
+async def run(router: Router, request_id: str, prompt: list[int],
+              cached: dict[str, int] | None = None) -> list[int]:
+    """The request's tokens; ``cached[request_id]``: the prefix-cache hit it reported."""
     tokens = []
     async for chunk in router.generate(GenerateRequest(request_id, prompt, GREEDY)):
         tokens += chunk.token_ids
+        if cached is not None:
+            cached[request_id] = max(cached.get(request_id, 0), chunk.num_cached_tokens)
     return tokens
 
 
@@ -62,15 +66,20 @@ async def wait_for(predicate, timeout_s: float, what: str) -> None:
 def test_each_rule_decides_a_real_request(tmp_path):
     """Apart: a long prompt goes to the prefill pool (``remote``), a short one stays on the
     decode worker (``short_prompt``), and a long prompt whose prefix the decode worker
-    holds from the first request stays there too (``cached_on_decode``). Then the only
-    prefill worker left computes on the decode worker's CPU: ``shared_compute``."""
+    holds from the first request, its reply included, stays there too
+    (``cached_on_decode``, reporting the hit). Then the only prefill worker left computes
+    on the decode worker's CPU: ``shared_compute``."""
     model = make_demo_model(tmp_path / "demo")
     cpus = sorted(os.sched_getaffinity(0))
-    long_prompt, short_prompt, other = random_prompts([100, 10, 90], 5)
-    follow_up = long_prompt + [7, 8, 9, 10, 11, 12, 13, 14]  # 108 tokens, 96 on the decode side
+    long_prompt, short_prompt, other = random_prompts([90, 10, 90], 5)
     offline = LLM(str(model), dtype="float32", max_model_len=MAX_MODEL_LEN, load_progress=False)
+    reply = offline.generate([long_prompt], GREEDY)[0].outputs[0].token_ids
+    # 102 tokens: the decode worker computed the prompt and 7 of the 8 reply tokens, so it
+    # holds 6 full blocks (96 tokens), the last one half reply.
+    follow_up = long_prompt + reply + [7, 8, 9, 10]
     expected = [o.outputs[0].token_ids for o in offline.generate(
         [long_prompt, short_prompt, follow_up, other], GREEDY)]
+    cached: dict[str, int] = {}
     procs = []
     with RedisServer() as redis:
         try:
@@ -103,7 +112,7 @@ def test_each_rule_decides_a_real_request(tmp_path):
                         return overlaps.get(decode_id, 0) >= 6
 
                     await wait_for(decode_holds_prefix, 10, "the decode worker's blocks")
-                    got.append(await run(router, "follow-up", follow_up))
+                    got.append(await run(router, "follow-up", follow_up, cached))
                     counts.append(path_counts(router))
                     procs[0].send_signal(signal.SIGTERM)  # the prefill worker apart leaves
                     await wait_for(lambda: pool_is(1), 30, "the apart worker to leave")
@@ -120,6 +129,7 @@ def test_each_rule_decides_a_real_request(tmp_path):
                     proc.kill()
                 proc.wait(30)
     assert got == expected
+    assert cached == {"follow-up": 96}  # reported from the decode worker's own cache
     assert counts[0] == {"remote": 1, "short_prompt": 1}
     assert counts[1] == {"remote": 1, "short_prompt": 1, "cached_on_decode": 1}
     assert counts[2] == {"remote": 1, "short_prompt": 1, "cached_on_decode": 1,
