@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_output import StructuredOutputSpec
 from pdserve.proto import common_pb2
 
 
@@ -40,7 +41,31 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         value = getattr(params, name)
         if value is not None:
             setattr(msg, name, value)
+    if params.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
     return msg
+
+
+def structured_output_to_proto(spec: StructuredOutputSpec) -> common_pb2.StructuredOutput:
+    if spec.kind == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    if spec.kind == "choice":
+        return common_pb2.StructuredOutput(choice=common_pb2.Choices(choices=spec.value))
+    return common_pb2.StructuredOutput(**{spec.kind: spec.value})
+
+
+def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputSpec:
+    """Raises ValueError (``structured_output: ...``): no kind set, ``json_object`` false,
+    or a value ``StructuredOutputSpec`` refuses."""
+    kind = msg.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        raise ValueError("structured_output: set one of json, json_object (true), regex, "
+                         "choice, grammar")
+    if kind == "json_object":
+        return StructuredOutputSpec("json_object")
+    if kind == "choice":
+        return StructuredOutputSpec("choice", tuple(msg.choice.choices))
+    return StructuredOutputSpec(kind, getattr(msg, kind))
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
@@ -51,7 +76,9 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
 
     Raises:
         ValueError: an out-of-range value, the message starting with the field's name
-            (``top_k=-5 is invalid: ...``, ``stop_token_ids: token id ...``).
+            (``top_k=-5 is invalid: ...``, ``stop_token_ids: token id ...``,
+            ``structured_output: ...``). Whether a structured output compiles is not
+            checked here (``engine.structured_output.check_spec``).
     """
     bad = [t for t in msg.stop_token_ids if vocab_size is not None and not 0 <= t < vocab_size]
     if bad:
@@ -65,6 +92,8 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
     kwargs.update({name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)})
     if "max_tokens" not in kwargs:
         kwargs["max_tokens"] = None  # absent: up to max_model_len
+    if msg.HasField("structured_output"):
+        kwargs["structured_output"] = structured_output_from_proto(msg.structured_output)
     return SamplingParams(stop_token_ids=list(msg.stop_token_ids),
                           logit_bias=dict(msg.logit_bias) or None, **kwargs)
 

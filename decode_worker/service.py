@@ -185,6 +185,7 @@ class DecodeService:
 
     async def _allocate(self, request_id, prompt, params, cache_salt, first_token,
                         first_logprob):
+        await self.engine.compile_grammar(params)  # off the engine thread
         deadline = time.monotonic() + self.alloc_timeout_s
         while True:
             alloc = await self.engine.call(

@@ -182,6 +182,7 @@ class AsyncEngine:
                        kv_consumer: str | None = None) -> AsyncIterator[EngineOutput]:
         """Add a request and stream its outputs (see ``LLMEngine.add_request``). Leaving
         at any point, even while the request is being added, aborts it."""
+        await self.compile_grammar(sampling_params)
         stream = self.open_stream(request_id)
         try:
             await self.call(lambda e: e.add_request(request_id, prompt_token_ids,
@@ -197,6 +198,18 @@ class AsyncEngine:
                 yield output
         finally:
             await outputs.aclose()  # runs its clean-up now, not at garbage collection
+
+    async def compile_grammar(self, sampling_params) -> None:
+        """Compile ``sampling_params.structured_output`` (if any) in a worker thread, so
+        that adding the request finds it in the compiler's cache and the engine thread
+        never waits for a compilation.
+
+        Raises:
+            ValueError: it does not compile (``LLMEngine.compile_grammar``).
+        """
+        if sampling_params.structured_output is not None:
+            await asyncio.to_thread(self.engine.compile_grammar,
+                                    sampling_params.structured_output)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request wherever it is; its stream ends with ``finish_reason="abort"``."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from pdserve.engine.model_runner import ModelRunner, kv_cache_block_bytes
 from pdserve.engine.request import Logprob, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.structured_output import GrammarCompiler, StructuredOutputSpec
 from pdserve.engine.tokenizer import eos_token_ids as checkpoint_eos_token_ids
 from pdserve.engine.tokenizer import has_tokenizer, load_tokenizer
 
@@ -198,6 +200,8 @@ class LLMEngine:
                             self.model_config.max_model_len),
             self.kv_cache_manager)
         self.iteration_tokens = TokenHistogram()
+        self._grammar_compiler: GrammarCompiler | None = None  # made on first use
+        self._grammar_compiler_lock = threading.Lock()
 
     def _token_budget(self) -> int:
         if self.config.max_num_batched_tokens is not None:
@@ -230,6 +234,32 @@ class LLMEngine:
                 "lower max_model_len")
         return int(num_blocks)
 
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured output compiler of this engine's tokenizer, made on the first
+        constrained request (thread-safe).
+
+        Raises:
+            ValueError: the checkpoint has no tokenizer.
+        """
+        with self._grammar_compiler_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_output needs the checkpoint's tokenizer, and "
+                                     "this checkpoint has none")
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+            return self._grammar_compiler
+
+    def compile_grammar(self, spec: StructuredOutputSpec | None) -> None:
+        """Compile ``spec`` into the cache, from any thread: ``AsyncEngine`` calls it in a
+        worker thread before a request is added, so the engine thread finds it compiled.
+
+        Raises:
+            ValueError: the spec does not compile, or there is no tokenizer.
+        """
+        if spec is not None:
+            self.grammar_compiler().compile(spec)
+
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
                      sampling_params: SamplingParams, cache_salt: str | None = None,
                      resume_token_ids: Sequence[int] = ()) -> Request:
@@ -239,7 +269,8 @@ class LLMEngine:
         Raises:
             ValueError: an empty prompt, a token id outside ``[0, vocab_size)``, a prompt
                 of ``max_model_len`` tokens or more, or as many resumed tokens as the
-                request may generate.
+                request may generate; a structured output that does not compile, or
+                resumed tokens its grammar forbids.
         """
         prompt = [int(t) for t in prompt_token_ids]
         resumed = [int(t) for t in resume_token_ids]
@@ -260,6 +291,8 @@ class LLMEngine:
                              f"may generate at most {max_tokens}: nothing is left to generate")
         request = Request(request_id, prompt, sampling_params, self.eos_token_ids, max_tokens,
                           cache_salt)
+        if sampling_params.structured_output is not None:
+            request.grammar = self.grammar_compiler().matcher(sampling_params.structured_output)
         for token_id in resumed:
             request.append_output_token(token_id)
         return request
@@ -303,7 +336,7 @@ class LLMEngine:
         if not 0 <= int(first_token) < self.model_config.vocab_size:
             raise ValueError(f"first_token_id {first_token} is out of range "
                              f"[0, {self.model_config.vocab_size})")
-        request.append_output_token(int(first_token), first_logprob)
+        request.append_output_token(int(first_token), first_logprob)  # advances the grammar
         if not self.scheduler.add_kv_transfer_request(request):
             return None
         block_size = self.config.block_size

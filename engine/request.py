@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +61,9 @@ class Request:
     ``remote_decode`` marks a prefill worker's request: it ends after its first token
     (unless that token already finishes it) and its blocks stay held for the decode worker.
     ``kv_consumer`` names the one decode worker that lease may be sent to (None: any).
+    ``grammar`` follows the output through a structured output's grammar (None when
+    unconstrained): every appended token advances it, so tokens generated elsewhere (the
+    prefill worker's first token, a migrated request's) put it where that worker left it.
     """
 
     request_id: str
@@ -80,6 +84,7 @@ class Request:
     stop_reason: int | None = None
     remote_decode: bool = False
     kv_consumer: str | None = None
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -98,6 +103,15 @@ class Request:
         return len(self.output_token_ids)
 
     def append_output_token(self, token_id: int, logprob: Logprob | None = None) -> None:
+        """Append a generated token (and advance the grammar over it).
+
+        Raises:
+            ValueError: the request's grammar forbids ``token_id``; nothing is appended.
+        """
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            raise ValueError(f"token {token_id} does not follow request {self.request_id}'s "
+                             f"structured output grammar after {self.num_output_tokens} "
+                             "output tokens")
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if logprob is not None:
@@ -113,6 +127,8 @@ class Request:
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.terminated:  # EOS under ignore_eos
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         if self.remote_decode:

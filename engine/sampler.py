@@ -1,8 +1,9 @@
 """Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws.
 
 Order of operations (vLLM's): logprobs from the raw logits; then ``logit_bias``; then
-repetition, frequency and presence penalties and the ``min_tokens`` ban on stop tokens; then greedy rows take the
-argmax; the rest are divided by their temperature, filtered (min-p, top-k, top-p) and drawn
+repetition, frequency and presence penalties and the ``min_tokens`` ban on stop tokens; then
+the structured output bitmask of the rows that have a grammar (``engine/structured_output.py``;
+a batch without one does no extra work); then greedy rows take the argmax; the rest are divided by their temperature, filtered (min-p, top-k, top-p) and drawn
 by inverse transform sampling: one uniform ``u`` per row, and the first token whose
 cumulative probability reaches ``(1 - u) * total``, which samples from ``p`` exactly (up to
 fp32 rounding of the running sum) and never picks a token of probability 0. It needs one
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.engine.request import Logprob, Request
+from pdserve.engine.structured_output import apply_grammar_bitmask, bitmask_width
 from pdserve.kernels.layers import argmax
 
 _MASK64 = (1 << 64) - 1
@@ -41,6 +43,8 @@ class Sampler:
 
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        # [rows, ceil(vocab / 32)] int32 on the CPU, grown to the largest constrained batch
+        self._bitmask = torch.empty(0, 0, dtype=torch.int32)
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]
                ) -> list[tuple[int, Logprob | None]]:
@@ -55,6 +59,7 @@ class Sampler:
         self._apply_logit_bias(logits, requests)
         self._apply_penalties(logits, requests)
         self._ban_stop_tokens(logits, requests)
+        self._apply_grammars(logits, requests)
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         if bool(greedy.all()):
             tokens = argmax(logits)
@@ -99,6 +104,18 @@ class Sampler:
                 ids = [t for t in bias if t < vocab]
                 logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype,
                                                device=logits.device)
+
+    def _apply_grammars(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        """Mask the tokens each constrained row's grammar forbids (-inf); other rows are
+        left as they are."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return
+        num_rows, width = logits.shape[0], bitmask_width(logits.shape[1])
+        if self._bitmask.shape[0] < num_rows or self._bitmask.shape[1] != width:
+            self._bitmask = torch.empty(max(num_rows, self._bitmask.shape[0]), width,
+                                        dtype=torch.int32)
+        apply_grammar_bitmask(logits, [requests[i].grammar for i in rows], rows, self._bitmask)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.structured_output import StructuredOutputSpec
+
 _MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: [-100, 100]
@@ -22,7 +24,12 @@ class SamplingParams:
     alternatives, computed from the raw model logits. ``logit_bias`` (OpenAI's) adds
     ``bias`` to token ``id``'s logit before penalties, greedy choice and sampling (at most
     ``MAX_LOGIT_BIAS_ENTRIES`` ids, each bias in [-100, 100]; -100 in practice bans a
-    token, +100 forces it); logprobs stay those of the raw logits.
+    token, +100 forces it); logprobs stay those of the raw logits. ``structured_output``
+    (``engine/structured_output.py``) constrains the output to a JSON schema, any JSON
+    object, a regex, a choice or a grammar: tokens the grammar forbids are masked after
+    ``logit_bias`` and penalties, and the request stops (``finish_reason`` "stop") when
+    the grammar is complete and EOS is sampled. The grammar decides where the output
+    ends, so it takes no ``min_tokens``.
 
     Raises:
         ValueError: from ``__post_init__``, naming the field and the allowed range.
@@ -43,6 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -81,6 +89,10 @@ class SamplingParams:
                        "keys must be non-negative token ids")
                 _check(-LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT, "logit_bias", bias,
                        "values must be in [-100, 100]")
+
+        _check(self.structured_output is None or self.min_tokens == 0, "min_tokens",
+               self.min_tokens, "must be 0 with structured output (the grammar decides "
+               "where the output ends)")
 
     @property
     def greedy(self) -> bool:

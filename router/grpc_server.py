@@ -23,6 +23,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pdserve.cluster.wire import logprob_to_proto, sampling_params_from_proto
+from pdserve.engine.structured_output import check_spec
 from pdserve.engine.tokenizer import encode_prompt
 from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.router.auth import ApiKeyAuth, ApiKeyInterceptor
@@ -177,9 +178,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got "
                                f"{len(msg.stop_token_ids)}", "stop_token_ids")
         try:
-            return sampling_params_from_proto(msg, vocab_size=self.router.vocab_size)
+            params = sampling_params_from_proto(msg, vocab_size=self.router.vocab_size)
         except ValueError as exc:  # "top_k=-5 is invalid: ..." or "stop_token_ids: ..."
             raise RequestError(str(exc), str(exc).split("=", 1)[0].split(":", 1)[0]) from exc
+        if params.structured_output is not None:
+            try:
+                check_spec(params.structured_output)
+            except ValueError as exc:
+                raise RequestError(f"Invalid value for 'structured_output': {exc}",
+                                   "structured_output") from exc
+        return params
 
 
 def _check_field(name: str, check, value) -> None:

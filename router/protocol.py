@@ -3,7 +3,10 @@
 Follows the OpenAI API reference (``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``, the error object) and vLLM's extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``, ``include_stop_str_in_output``, ``cache_salt``). Unknown request
+``skip_special_tokens``, ``include_stop_str_in_output``, ``cache_salt``), and structured
+output: OpenAI's ``response_format``, vLLM's ``structured_outputs`` and ``guided_json`` /
+``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (one constraint per request,
+parsed with xgrammar at validation, ``engine/structured_output.py``). Unknown request
 fields are kept in ``model_extra`` (vLLM logs and ignores them). Validation errors name the
 offending field: see ``validation_error_response``. Stop strings are not engine parameters:
 the router applies them (``router/detokenizer.py``).
@@ -33,6 +36,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -40,6 +44,11 @@ from pydantic import (
 )
 
 from pdserve.engine.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from pdserve.engine.structured_output import (
+    StructuredOutputSpec,
+    check_spec,
+    json_schema_spec,
+)
 from pdserve.router.limits import (
     INT32_MAX,
     MAX_N,
@@ -89,6 +98,42 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: the output is JSON valid against
+    ``schema`` (always enforced, whatever ``strict`` says)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Text = Field(max_length=256)
+    description: Text | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's ``structured_outputs``: one of ``json`` (a JSON schema), ``regex``,
+    ``choice``, ``grammar`` (EBNF, xgrammar's dialect), ``json_object: true``. vLLM's other
+    keys (``whitespace_pattern``, ``structural_tag``, ...) are refused."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 # OpenAI and vLLM request fields pdserve does not implement yet, and why a request with
 # one is refused rather than served as if it were absent.
 UNSUPPORTED_FIELDS = {
@@ -97,12 +142,8 @@ UNSUPPORTED_FIELDS = {
     "parallel_tool_calls": "tool calling is not supported yet",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
-    "response_format": "structured output (response_format) is not supported yet",
-    "structured_outputs": "structured output is not supported yet",
-    "guided_json": "structured output (guided decoding) is not supported yet",
-    "guided_regex": "structured output (guided decoding) is not supported yet",
-    "guided_choice": "structured output (guided decoding) is not supported yet",
-    "guided_grammar": "structured output (guided decoding) is not supported yet",
+    "guided_decoding_backend": "pdserve has one structured output backend (xgrammar)",
+    "guided_whitespace_pattern": "JSON is written without free whitespace",
     "suffix": "suffix (insertion) is not supported",
     "prompt_logprobs": "prompt_logprobs is not supported",
 }
@@ -155,6 +196,65 @@ class _SamplingFields(BaseModel):
     cache_salt: Text | None = None
     # OpenAI's: token id (a string of digits, as JSON keys are) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields; at most one constraint (see structured_output_spec)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+
+    _structured_output: StructuredOutputSpec | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _check_structured_output(self) -> Any:
+        """Build and check the structured output spec once (``structured_output_spec``).
+
+        Raises:
+            RequestError: two or more constraints (naming them all), a ``json_schema``
+                without its schema, or a constraint that is too large or does not
+                compile (naming its field, e.g. ``response_format.json_schema.schema``).
+        """
+        given = self._structured_output_fields()
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise RequestError(f"Give at most one structured output constraint; this "
+                               f"request has {len(given)}: {names}", given[1][0])
+        if given:
+            name, build = given[0]
+            try:
+                self._structured_output = build()
+                check_spec(self._structured_output)
+            except ValueError as exc:
+                message = str(exc).removeprefix("structured_output: ")
+                raise RequestError(f"Invalid value for '{name}': {message}", name) from exc
+        return self
+
+    def structured_output_spec(self) -> StructuredOutputSpec | None:
+        """The request's one structured output constraint as the engine's spec (checked
+        with xgrammar's parser, ``check_spec``, when the request was validated), or None."""
+        return self._structured_output
+
+    def _structured_output_fields(self) -> list[tuple[str, Any]]:
+        """(field name, spec builder) of each constraint the request sets."""
+        given: list[tuple[str, Any]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", lambda: StructuredOutputSpec("json_object")))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise RequestError("response_format of type json_schema needs "
+                                   "json_schema.schema", "response_format.json_schema")
+            given.append(("response_format.json_schema.schema",
+                          lambda: json_schema_spec(rf.json_schema.schema_)))
+        so = self.structured_outputs
+        if so is not None:
+            given += _constraints("structured_outputs.", so.json_, so.regex, so.choice,
+                                  so.grammar, so.json_object)
+        given += _constraints("guided_", self.guided_json, self.guided_regex,
+                              self.guided_choice, self.guided_grammar, None)
+        return given
 
     @field_validator("logit_bias")
     @classmethod
@@ -194,6 +294,24 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+def _constraints(prefix: str, json_schema: Any, regex: str | None, choice: list[str] | None,
+                 grammar: str | None, json_object: bool | None) -> list[tuple[str, Any]]:
+    """The constraints of vLLM's ``structured_outputs`` (``prefix`` "structured_outputs.")
+    or of its ``guided_*`` fields (``prefix`` "guided_"), as (field name, spec builder)."""
+    given = []
+    if json_schema is not None:
+        given.append((prefix + "json", lambda: json_schema_spec(json_schema)))
+    if regex is not None:
+        given.append((prefix + "regex", lambda: StructuredOutputSpec("regex", regex)))
+    if choice is not None:
+        given.append((prefix + "choice", lambda: StructuredOutputSpec("choice", tuple(choice))))
+    if grammar is not None:
+        given.append((prefix + "grammar", lambda: StructuredOutputSpec("grammar", grammar)))
+    if json_object:
+        given.append((prefix + "json_object", lambda: StructuredOutputSpec("json_object")))
+    return given
 
 
 class CompletionRequest(_SamplingFields):
@@ -669,6 +787,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
             max_tokens=max_tokens, min_tokens=request.min_tokens,
             stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos,
             logprobs=logprobs, logit_bias={int(k): v for k, v in
-                                           (request.logit_bias or {}).items()} or None)
+                                           (request.logit_bias or {}).items()} or None,
+            structured_output=request.structured_output_spec())
     except ValueError as exc:  # SamplingParams names the field first: "min_tokens=9 is ..."
         raise RequestError(str(exc), str(exc).split("=", 1)[0]) from exc

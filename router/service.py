@@ -41,6 +41,7 @@ from pathlib import Path
 from pdserve.cluster.auth import ClusterAuth
 from pdserve.cluster.prefix_index import PrefixIndex, PrefixIndexUnavailable
 from pdserve.cluster.registry import WorkerRegistry
+from pdserve.engine import structured_output
 from pdserve.engine.block_hash import hash_block_chain, root_block_hash
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
@@ -183,6 +184,8 @@ class Router:
 
     async def start(self) -> None:
         """Read the live workers and their loads, then keep them fresh in the background."""
+        # NOTE: checking a structured output imports xgrammar; do it now, off the loop.
+        asyncio.get_running_loop().run_in_executor(None, structured_output.preload)
         await self.pool.refresh()
         await self.pool.poll_health()
         self._pool_task = asyncio.create_task(self.pool.run())

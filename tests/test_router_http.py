@@ -268,8 +268,9 @@ BAD_INPUTS = [  # (path, body, status, words the message must hold)
                               "tools": [{"type": "function", "function": {"name": "f"}}],
                               "tool_choice": "auto"}, 400, "tool calling"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "schema": {"type": "foo"}}}}, 400,
+     "response_format.json_schema.schema"),
     ("/v1/chat/completions", {"messages": [
         {"role": "user", "content": "x"},
         {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]}, 400,

@@ -246,10 +246,10 @@ def test_prompt_forms_and_chat_content_parts():
         user="someone")
     assert request.messages[0].content == "line one\nline two"
     # a field pdserve would ignore is refused, naming it
-    with pytest.raises(RequestError, match="response_format") as refused:
+    with pytest.raises(RequestError, match="guided_whitespace_pattern") as refused:
         ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
-                              response_format={"type": "json_object"})
-    assert refused.value.param == "response_format"
+                              guided_whitespace_pattern=" ")
+    assert refused.value.param == "guided_whitespace_pattern"
     stream = CompletionRequest(prompt="a", stream=True, stream_options={"include_usage": True},
                                stop="###")
     assert stream.include_usage() and stream.stop_strings() == ["###"]
