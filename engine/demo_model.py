@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 # Bump when the files change, so caches written by an older pdserve are rebuilt.
-DEMO_MODEL_FORMAT_VERSION = 1
+DEMO_MODEL_FORMAT_VERSION = 2
 MANIFEST_FILE = "pdserve_demo_model.json"
 
 VOCAB_SIZE = 2048
@@ -51,13 +51,35 @@ MODEL_SIZES = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers"
 SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-# Llama 3 style; content is trimmed as Llama 3's template does.
+# Llama 3 style; content is trimmed as Llama 3's template does. With tools (Llama 3.1's
+# JSON tool calling, read by the llama3_json parser): a system turn lists them; an
+# assistant's calls are written as {"name": ..., "parameters": ...} joined by "; "; a tool's
+# result is an "ipython" turn. Without tools a chat renders as it always did.
 CHAT_TEMPLATE = (
     "{{- bos_token }}"
+    "{%- if tools %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{{- 'To call a function, answer with only {\"name\": function name, \"parameters\": "
+    "its arguments as a JSON object}. The functions:\\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] is defined "
+    "and message['tool_calls'] %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if not loop.first %}{{- '; ' }}{%- endif %}"
+    "{{- {'name': call['function']['name'], 'parameters': call['function']['arguments']}"
+    " | tojson }}"
+    "{%- endfor %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- else %}"
+    "{{- '<|start_header_id|>' + ('ipython' if message['role'] == 'tool' else message['role'])"
+    " + '<|end_header_id|>\\n\\n' }}"
     "{{- message['content'] | trim }}"
     "{{- '<|eot_id|>' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"

@@ -74,15 +74,20 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict], *,
-                        add_generation_prompt: bool = True) -> list[int]:
+                        add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                        template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of a chat rendered with the checkpoint's chat template.
 
-    ``messages`` is OpenAI-shaped: ``[{"role": "system" | "user" | "assistant" | ...,
-    "content": str}, ...]``. The template writes BOS and the turn markers itself, so no
-    special tokens are added on top. With ``add_generation_prompt`` the ids end with the
-    assistant's header, ready for the model to answer. Where transformers supports it
-    (5.x), special tokens typed inside message contents are encoded as plain text, so a
-    user cannot end their turn early by writing ``<|eot_id|>``.
+    ``messages`` is OpenAI-shaped: ``[{"role": "system" | "user" | "assistant" | "tool" |
+    ..., "content": str}, ...]``; an assistant message with ``tool_calls`` (arguments as
+    dicts) may have ``content`` None. ``tools`` (OpenAI's ``[{"type": "function",
+    "function": {...}}]``) reach the template as transformers passes them, and
+    ``template_kwargs`` as extra template variables (vLLM's ``chat_template_kwargs``).
+    The template writes BOS and the turn markers itself, so no special tokens are added on
+    top. With ``add_generation_prompt`` the ids end with the assistant's header, ready for
+    the model to answer. Where transformers supports it (5.x), special tokens typed inside
+    message contents are encoded as plain text, so a user cannot end their turn early by
+    writing ``<|eot_id|>``.
 
     Raises:
         ValueError: the tokenizer has no chat template; ``messages`` is not a non-empty list
@@ -94,7 +99,9 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
         name = getattr(tokenizer, "name_or_path", "") or "this tokenizer"
         raise ValueError(f"{name} has no chat template (tokenizer_config.json 'chat_template' "
                          "or chat_template.jinja); send a completion prompt instead")
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
     if "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters:
         kwargs["sanitize_control_tokens"] = True
     from jinja2 import TemplateError
@@ -120,6 +127,8 @@ def _check_messages(messages: Any) -> None:
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not _ROLE_PATTERN.fullmatch(role):
             raise ValueError(f"messages[{i}]['role'] must be a word such as 'user', got {role!r}")
+        if content is None and role == "assistant" and message.get("tool_calls"):
+            continue
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}]['content'] must be a str, "  # noqa: TRY004
                              f"not {type(content).__name__}")

@@ -31,11 +31,15 @@ PREFILL_ROUTING_POLICIES = ("prefix-aware", "round-robin")
 DEFAULT_MAX_PREFILL_QUEUE_SIZE = 4
 LIFECYCLE_FIELDS = ("migration_limit", "max_waiting_requests", "prefill_max_inflight",
                     "decode_max_inflight", "decode_max_kv_usage", "disaggregation",
-                    "max_prefill_queue_size", "prefill_routing")
+                    "max_prefill_queue_size", "prefill_routing", "enable_auto_tool_choice",
+                    "tool_call_parser")
+# vLLM's --tool-call-parser names (router/tool_parsers.py)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
-    """Admission control and migration flags (``RouterConfig``'s fields of those names)."""
+    """Admission control, migration, prefill routing and tool-calling flags
+    (``RouterConfig``'s fields of those names)."""
     parser.add_argument("--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT,
                         help="attempts after the first a request may make when a worker "
                              "fails (retries, and migrations of running streams)")
@@ -69,6 +73,12 @@ def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
                         help="prefix-aware: the prefill worker with the lowest "
                              "uncached blocks + load (the Redis prefix index); round-robin: "
                              "the next one in turn (a baseline to compare with)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let the model decide when to call tools (tool_choice "
+                             "'auto', the default with tools); needs --tool-call-parser")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="how the model writes tool calls: hermes (Hermes, Qwen), "
+                             "llama3_json (Llama 3.1-3.3), mistral")
 
 
 def lifecycle_kwargs(args: argparse.Namespace) -> dict:

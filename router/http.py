@@ -47,6 +47,7 @@ from pdserve.router.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
+    ChatToolCall,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -56,6 +57,7 @@ from pdserve.router.protocol import (
     RequestError,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallFunction,
     UsageInfo,
     chat_stream_choice,
     chat_stream_chunk,
@@ -68,6 +70,7 @@ from pdserve.router.protocol import (
     validation_error_response,
 )
 from pdserve.router.service import GenerateRequest, GenerationChunk, Router
+from pdserve.router.tool_calling import ToolCalling
 
 logger = logging.getLogger(__name__)
 
@@ -136,14 +139,17 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
         request = ChatCompletionRequest.model_validate(await json_body(raw, max_body_bytes),
                                                        context=context)
         _check_model(router, request.model)
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        tools = ToolCalling.of(request, router.config)
+        messages = [m.template_dict() for m in request.messages]
         try:
-            prompt = apply_chat_template(router.tokenizer, messages,
-                                         add_generation_prompt=request.add_generation_prompt)
+            prompt = apply_chat_template(
+                router.tokenizer, messages, add_generation_prompt=request.add_generation_prompt,
+                tools=[t.model_dump(exclude_none=True) for t in request.tools or ()] or None,
+                template_kwargs=request.chat_template_kwargs)
         except ValueError as exc:
             raise RequestError(str(exc), "messages") from exc
         return await _serve(router, request, [prompt], ChatFormatter(
-            router, request, random_id("chatcmpl"), [prompt]))
+            router, request, random_id("chatcmpl"), [prompt], tools))
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -295,6 +301,10 @@ async def _serve(router: Router, request: CompletionRequest | ChatCompletionRequ
                  prompts: list[list[int]], formatter: Formatter) -> Response:
     """Validate, start every sequence (n per prompt), and answer in full or as a stream."""
     sequences = []
+    tools: ToolCalling | None = getattr(formatter, "tools", None)
+    # NOTE: a parser whose markers are special tokens must see them in the text.
+    skip_special_tokens = request.skip_special_tokens and not (
+        tools is not None and tools.needs_special_tokens)
     for prompt in prompts:
         params = to_sampling_params(request, max_model_len=router.max_model_len,
                                     prompt_len=len(prompt))
@@ -303,7 +313,7 @@ async def _serve(router: Router, request: CompletionRequest | ChatCompletionRequ
                 f"{formatter.response_id}-{len(sequences)}", prompt,
                 dataclasses.replace(params, n=1, seed=choice_seed(params.seed, i)),
                 request.stop_strings(),
-                request.include_stop_str_in_output, request.skip_special_tokens,
+                request.include_stop_str_in_output, skip_special_tokens,
                 request.cache_salt))
     router.check_available(len(sequences))
     merged = _Merged([router.generate(s) for s in sequences])
@@ -493,12 +503,25 @@ class CompletionFormatter(Formatter):
 
 
 class ChatFormatter(Formatter):
-    """``chat.completion`` responses and ``chat.completion.chunk`` stream chunks."""
+    """``chat.completion`` responses and ``chat.completion.chunk`` stream chunks; with
+    ``tools``, each choice's text is read for tool calls (``ToolCalling``)."""
+
+    def __init__(self, router: Router, request: ChatCompletionRequest, response_id: str,
+                 prompts: list[list[int]], tools: ToolCalling | None = None) -> None:
+        super().__init__(router, request, response_id, prompts)
+        self.tools = tools
+        self._streams = [tools.stream() if tools else None for _ in self.texts]
+        self._has_calls = [False] * len(self.texts)
 
     def _logprobs(self, logprobs: list):
         if not self.request.logprobs:
             return None
         return chat_logprobs(logprobs, self.decode_token, self.request.top_logprobs or 0)
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        if reason == "stop" and self._has_calls[index] and self.tools.finish_as_tool_calls:
+            return "tool_calls"
+        return reason
 
     def stream_start(self) -> list[dict]:
         return [self._stream_response([chat_stream_choice(i, "", role="assistant")])
@@ -508,18 +531,39 @@ class ChatFormatter(Formatter):
         """Record ``chunk`` of choice ``index``; its ``ChatCompletionStreamResponse`` dict."""
         self.add(index, chunk)
         logprobs = self._logprobs(chunk.logprobs)
+        content, calls = chunk.text, []
+        stream = self._streams[index]
+        if stream is not None:
+            first = len(stream.calls)
+            content, new = stream.feed(chunk.text, final=chunk.finish_reason is not None)
+            calls = [(first + i, call_id, c.name, c.arguments)
+                     for i, (call_id, c) in enumerate(new)]
+            self._has_calls[index] |= bool(stream.calls)
         return self._stream_response([chat_stream_choice(
-            index, chunk.text, finish_reason=chunk.finish_reason,
+            index, content, finish_reason=self._finish_reason(index, chunk.finish_reason),
             stop_reason=chunk.stop_reason,
-            logprobs=None if logprobs is None else logprobs.model_dump())])
+            logprobs=None if logprobs is None else logprobs.model_dump(), tool_calls=calls)])
 
     def _stream_response(self, choices: list[dict], usage: dict | None = None) -> dict:
         return chat_stream_chunk(self.response_id, self.model, choices, usage)
 
+    def _message(self, index: int) -> ChatResponseMessage:
+        text = self.texts[index]
+        if self.tools is None:
+            return ChatResponseMessage(content=text)
+        stream = self.tools.stream()
+        content, calls = stream.feed(text, final=True)
+        self._has_calls[index] = bool(calls)
+        return ChatResponseMessage(content=content or (None if calls else ""), tool_calls=[
+            ChatToolCall(id=call_id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
+            for call_id, c in calls])
+
     def response(self) -> ChatCompletionResponse:
+        messages = [self._message(i) for i in range(len(self.texts))]
         choices = [ChatCompletionChoice(
-            index=i, message=ChatResponseMessage(content=text), finish_reason=self.finish[i][0],
+            index=i, message=message,
+            finish_reason=self._finish_reason(i, self.finish[i][0]),
             stop_reason=self.finish[i][1], logprobs=self._logprobs(self.logprobs[i]))
-            for i, text in enumerate(self.texts)]
+            for i, message in enumerate(messages)]
         return ChatCompletionResponse(id=self.response_id, model=self.model, choices=choices,
                                       usage=self.usage())

@@ -137,9 +137,6 @@ class StructuredOutputsParams(BaseModel):
 # OpenAI and vLLM request fields pdserve does not implement yet, and why a request with
 # one is refused rather than served as if it were absent.
 UNSUPPORTED_FIELDS = {
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-    "parallel_tool_calls": "tool calling is not supported yet",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "guided_decoding_backend": "pdserve has one structured output backend (xgrammar)",
@@ -376,24 +373,84 @@ def _is_token_ids(values: list) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in values)
 
 
+MAX_TOOLS = 128  # tools in one request
+MAX_TOOL_CALLS = 128  # calls in one assistant message
+# Names the chat template is called with; chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+    "chat_template", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class FunctionDefinition(_Strict):
+    """A tool's function: OpenAI's name rule (1-64 of ``a-zA-Z0-9_-``), a description, and
+    its ``parameters`` as a JSON schema object."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    """One entry of ``tools``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class _FunctionName(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"] = "function"
+    function: _FunctionName
+
+
+class ToolCallFunction(_Strict):
+    """A call's function: its name and its arguments as JSON text (OpenAI's shape)."""
+
+    name: Text
+    arguments: Text
+
+
+class ChatToolCall(_Strict):
+    """One of an assistant message's ``tool_calls``."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     """One chat turn. List content (``[{"type": "text", "text": ...}]``) is joined with
-    newlines into a string, vLLM's "string" content format; other part types are refused."""
+    newlines into a string, vLLM's "string" content format; other part types are refused.
+    An assistant turn may carry ``tool_calls`` (its ``content`` then may be null); a
+    ``tool`` turn carries the result of the call ``tool_call_id``."""
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     name: Text | None = None
+    tool_calls: list[ChatToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: Text | None = None
+    # NOTE: last, so that its check sees the fields above (validated in this order).
+    content: Text | None = Field(None, validate_default=True)
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unknown_fields(cls, data: Any) -> Any:
         name = _unknown_field(cls, data)
         if name is not None:
-            why = "tool calling is not supported yet" if name in (
-                "tool_calls", "tool_call_id", "function_call") else \
-                "a message has role, content and name"
+            why = ("function calling is not supported: use tools" if name == "function_call"
+                   else "a message has role, content, name, tool_calls and tool_call_id")
             raise ValueError(f"field '{name}' is not supported ({why})")
         return data
 
@@ -411,6 +468,49 @@ class ChatMessage(BaseModel):
             texts.append(text)
         return "\n".join(texts)
 
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and not (info.data.get("role") == "assistant"
+                                  and info.data.get("tool_calls")):
+            raise ValueError("content is required (null only in an assistant message with "
+                             "tool_calls)")
+        return value
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message has tool calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message needs the id of its call")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only a tool message has a tool_call_id")
+        for call in self.tool_calls or ():
+            try:
+                arguments = orjson.loads(call.function.arguments)
+            except orjson.JSONDecodeError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise ValueError(  # noqa: TRY004 - pydantic reports ValueErrors as 400s
+                    f"tool_calls: the arguments of call {call.id!r} must be a "
+                    f"JSON object, got {reprlib.repr(call.function.arguments)}")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' shape): a call's
+        arguments as a dict, as vLLM passes them."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": orjson.loads(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over the
@@ -423,6 +523,44 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value: Any) -> Any:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value or ()))
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is set by the request itself, not "
+                             f"chat_template_kwargs")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tool_names(cls, value: Any) -> Any:
+        names = [tool.function.name for tool in value or ()]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"two tools are named {dup!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise RequestError("tool_choice needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in self.tools or ()}:
+            raise RequestError(f"tool_choice names the function {choice.function.name!r}, "
+                               f"which is not among the tools", "tool_choice")
+        return self
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``tool_choice``, defaulted as OpenAI does: ``auto`` with tools, else ``none``."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @field_validator("top_logprobs")
     @classmethod
@@ -456,7 +594,7 @@ class UsageInfo(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class _Response(BaseModel):
@@ -525,10 +663,11 @@ class ChatChoiceLogProbs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The assistant's message in a full chat answer."""
+    """The assistant's message in a full chat answer; ``tool_calls`` when it called tools."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ChatToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(_Choice):
@@ -546,11 +685,29 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatCompletionChoice]
 
 
+class DeltaFunctionCall(BaseModel):
+    """A streamed call's function: the name once, then pieces of the arguments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of the call number ``index``; its first piece carries ``id`` and ``type``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
-    """What a stream chunk adds: the role (first chunk), then content."""
+    """What a stream chunk adds: the role (first chunk), then content and tool calls."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # Left out of a chunk without calls, as OpenAI leaves it out.
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionStreamChoice(_Choice):
@@ -601,11 +758,20 @@ def chat_stream_chunk(response_id: str, model: str, choices: list[dict],
 
 def chat_stream_choice(index: int, content: str | None, role: str | None = None,
                        finish_reason: str | None = None, stop_reason: int | str | None = None,
-                       logprobs: dict | None = None) -> dict:
+                       logprobs: dict | None = None,
+                       tool_calls: list[tuple[int, str, str, str]] = ()) -> dict:
     """A ``ChatCompletionStreamChoice`` as a dict: its ``delta`` holds ``role`` and
-    ``content`` (``logprobs`` a ``ChatChoiceLogProbs.model_dump()``)."""
+    ``content`` (``logprobs`` a ``ChatChoiceLogProbs.model_dump()``), and ``tool_calls``
+    given as ``(index, id, name, arguments)``, each sent as OpenAI streams a call: an entry
+    with the id, the name and empty arguments, then one with the arguments."""
+    delta: dict[str, Any] = {"role": role, "content": content}
+    if tool_calls:
+        delta["tool_calls"] = [entry for i, call_id, name, arguments in tool_calls for entry in (
+            {"index": i, "id": call_id, "type": "function",
+             "function": {"name": name, "arguments": ""}},
+            {"index": i, "function": {"arguments": arguments}})]
     return {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason,
-            "delta": {"role": role, "content": content}, "logprobs": logprobs}
+            "delta": delta, "logprobs": logprobs}
 
 
 def sse_event(body: dict) -> bytes:

@@ -89,6 +89,9 @@ class RouterConfig:
     usage under ``decode_max_kv_usage`` (its last Health). A worker at a cap gets no new
     request; a request that no worker of a needed pool can take is refused.
     ``migration_limit``: attempts after the first that one request may make.
+    ``tool_call_parser`` (``router/tool_parsers.py``) reads tool calls out of the model's
+    text; ``enable_auto_tool_choice`` lets requests leave the choice to the model
+    (``tool_choice: auto``), as vLLM's flags of those names do.
     ``auth``: the cluster secret (and mutual TLS) of every call to a worker, and the key
     that registry records must be signed with; None: a cluster without authentication.
     ``redis_url`` may hold the Redis password.
@@ -116,6 +119,8 @@ class RouterConfig:
     prefill_max_inflight: int = flags.DEFAULT_PREFILL_MAX_INFLIGHT
     decode_max_inflight: int = flags.DEFAULT_DECODE_MAX_INFLIGHT
     decode_max_kv_usage: float = flags.DEFAULT_DECODE_MAX_KV_USAGE
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     auth: ClusterAuth | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -134,6 +139,12 @@ class RouterConfig:
                              "be >= 1")
         if not 0.0 < self.decode_max_kv_usage <= 1.0:
             raise ValueError(f"decode_max_kv_usage={self.decode_max_kv_usage} must be in (0, 1]")
+        if self.tool_call_parser not in (None, *flags.TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} must be one of "
+                             f"{flags.TOOL_CALL_PARSERS}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser "
+                             "(--tool-call-parser)")
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ import grpc
 import httpx
 import pytest
 from conftest import stop_cluster
+from inproc_cluster import uvicorn_server
 
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig
@@ -98,7 +99,7 @@ def served(tiny_checkpoints, tmp_path_factory):
         router = Router(RouterConfig(str(model), redis.url, max_model_len=MAX_MODEL_LEN,
                                      disaggregation="always"))
         grpc_server, grpc_port = call(start_grpc_server(router, "127.0.0.1", 0))
-        server = uvicorn_server(build_app(router), free_port())
+        server = uvicorn_server(build_app(router), free_port(), log_level="error")
         serving = asyncio.run_coroutine_threadsafe(server.serve(), loop)
         deadline = time.monotonic() + 30
         while not server.started:
@@ -114,12 +115,6 @@ def served(tiny_checkpoints, tmp_path_factory):
             call(grpc_server.stop(0))
     finally:
         stop_cluster(launcher, redis, loop, thread)
-
-
-def uvicorn_server(app, port: int):
-    import uvicorn
-
-    return uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
 
 
 # ---- the fuzzer ------------------------------------------------------------------------

@@ -5,24 +5,16 @@ The oracle is ``pdserve.engine.LLM`` on the same checkpoint."""
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from inproc_cluster import in_process_cluster
 
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.registry import WorkerRecord, WorkerRegistry
-from pdserve.cluster.worker_config import WorkerConfig
-from pdserve.decode_worker.server import DecodeWorker
-from pdserve.engine import LLM, EngineConfig, SamplingParams
-from pdserve.engine.demo_model import make_demo_model
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
-from pdserve.entrypoints.redis_server import RedisServer, free_port
-from pdserve.prefill_worker.server import PrefillWorker
+from pdserve.entrypoints.redis_server import free_port
 from pdserve.router.http import build_app
 from pdserve.router.routing import WorkerLoad
 from pdserve.router.service import Router, RouterConfig
@@ -34,86 +26,12 @@ CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Tell me about the sea and the ships on it."}]
 
 
-@dataclass
-class Cluster:
-    model: Path
-    url: str
-    redis_url: str
-    prefill: PrefillWorker
-    decode: DecodeWorker
-    router: Router
-    oracle: LLM
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-
-    def expected(self, prompt, **params) -> str:
-        sp = SamplingParams(**params)
-        if isinstance(prompt, list) and isinstance(prompt[0], dict):
-            return self.oracle.chat(prompt, sp)[0].outputs[0].text
-        return self.oracle.generate([prompt], sp)[0].outputs[0].text
-
-    def wait_all_blocks_free(self, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            states = [w.runtime.health() for w in (self.prefill, self.decode)]
-            if all(s.num_free_blocks == s.num_total_blocks for s in states):
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"blocks still in use: {states}")
-            time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    model = make_demo_model(tmp_path_factory.mktemp("router") / "demo")
-    engine = EngineConfig(str(model), dtype="float32", max_model_len=MAX_MODEL_LEN,
-                          load_progress=False, num_gpu_blocks_override=64, num_threads=1)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def call(coro, timeout_s: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
-
-    with RedisServer() as redis:
-        prefill = PrefillWorker(WorkerConfig("prefill", engine, redis_url=redis.url,
-                                             kv_transfer_timeout_s=10.0))
-        decode = DecodeWorker(WorkerConfig("decode", engine, redis_url=redis.url,
-                                           kv_transfer_timeout_s=10.0))
-        call(prefill.start())
-        call(decode.start())
-        router = Router(RouterConfig(str(model), redis.url, max_model_len=MAX_MODEL_LEN,
-                                     local_prefill_threshold=LOCAL_THRESHOLD,
-                                     disaggregation="always"))
-        port = free_port()
-        server = uvicorn_server(build_app(router), port)
-        serving = asyncio.run_coroutine_threadsafe(server.serve(), loop)
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and not serving.done(), "uvicorn did not start"
-            time.sleep(0.02)
-        oracle = LLM(str(model), dtype="float32", max_model_len=MAX_MODEL_LEN,
-                     load_progress=False)
-        try:
-            yield Cluster(model, f"http://127.0.0.1:{port}", redis.url, prefill, decode,
-                          router, oracle)
-        finally:
-            server.should_exit = True
-            serving.result(30)
-            call(prefill.stop())
-            call(decode.stop())
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
-
-
-def uvicorn_server(app, port: int):
-    import uvicorn
-
-    return uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    with in_process_cluster(tmp_path_factory.mktemp("router"), MAX_MODEL_LEN,
+                            local_prefill_threshold=LOCAL_THRESHOLD,
+                            disaggregation="always") as c:
+        yield c
 
 
 def test_greedy_completion_matches_llm_with_usage_and_cache_hit(cluster):
@@ -266,7 +184,7 @@ BAD_INPUTS = [  # (path, body, status, words the message must hold)
     ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}],
-                              "tool_choice": "auto"}, 400, "tool calling"),
+                              "tool_choice": "auto"}, 400, "--enable-auto-tool-choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_schema", "json_schema": {
                                   "name": "x", "schema": {"type": "foo"}}}}, 400,
