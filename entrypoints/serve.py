@@ -234,6 +234,9 @@ class _ServeRun:
             pool_engine_config(EngineConfig("<model>"), getattr(args, f"{role}_engine_args"),
                                role)
         self.planner_config = planner_config_from_args(args) if args.autoscale else None
+        from pdserve.router.flags import lifecycle_kwargs
+
+        lifecycle_kwargs(args)  # NOTE: checks the router's flags before anything starts
 
     def run(self, stack: contextlib.ExitStack) -> None:
         args = self.args

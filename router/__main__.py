@@ -70,14 +70,14 @@ def main(argv: list[str] | None = None) -> None:
         api_auth = api_auth_from_args(args)
         auth = cluster_auth_from_args(args)  # NOTE: ClusterAuthError is a ValueError
         redis_url = redis_url_with_password(args.redis_url, redis_password_from_args(args))
+        router_kwargs = lifecycle_kwargs(args)
     except ValueError as exc:
         print(f"python -m pdserve.router: error: {exc}", file=sys.stderr)
         sys.exit(2)
     router = Router(RouterConfig(
         model=args.model, redis_url=redis_url, served_model_name=args.served_model_name,
         block_size=args.block_size, max_model_len=args.max_model_len,
-        local_prefill_threshold=args.local_prefill_threshold, auth=auth,
-        **lifecycle_kwargs(args)))
+        local_prefill_threshold=args.local_prefill_threshold, auth=auth, **router_kwargs))
     uvicorn.run(build_app(router, api_auth=api_auth), host=args.host, port=args.port,
                 log_level=args.log_level)
 

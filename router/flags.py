@@ -82,7 +82,15 @@ def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
 
 
 def lifecycle_kwargs(args: argparse.Namespace) -> dict:
-    """``RouterConfig`` keyword arguments from ``add_lifecycle_args``'s flags."""
+    """``RouterConfig`` keyword arguments from ``add_lifecycle_args``'s flags.
+
+    Raises:
+        ValueError: ``--enable-auto-tool-choice`` without ``--tool-call-parser`` (checked
+            here, before anything starts).
+    """
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format "
+                         "the model writes its tool calls in)")
     return {name: getattr(args, name) for name in LIFECYCLE_FIELDS}
 
 

@@ -192,3 +192,16 @@ def test_chat_template_kwargs_reach_the_template(cluster):
     finally:
         tokenizer.chat_template = saved
     assert tokenizer.decode(ids).endswith("Hello! What is the weather in Paris?")
+
+
+def test_auto_tool_choice_without_a_parser_stops_serve_before_it_starts():
+    import subprocess
+    import sys
+
+    from pdserve.entrypoints.redis_server import free_port
+
+    done = subprocess.run([sys.executable, "-m", "pdserve.entrypoints.cli", "serve",
+                           "--enable-auto-tool-choice", "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "--tool-call-parser" in done.stderr
