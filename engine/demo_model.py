@@ -51,7 +51,9 @@ MODEL_SIZES = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers"
 SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-# Llama 3 style; content is trimmed as Llama 3's template does. With tools (Llama 3.1's
+# Llama 3 style; content is trimmed as Llama 3's template does, but for the assistant's:
+# a reply sent back is the text the model wrote, so its KV is reused (router/history.py).
+# With tools (Llama 3.1's
 # JSON tool calling, read by the llama3_json parser): a system turn lists them; an
 # assistant's calls are written as {"name": ..., "parameters": ...} joined by "; "; a tool's
 # result is an "ipython" turn. Without tools a chat renders as it always did.
@@ -77,7 +79,7 @@ CHAT_TEMPLATE = (
     "{%- else %}"
     "{{- '<|start_header_id|>' + ('ipython' if message['role'] == 'tool' else message['role'])"
     " + '<|end_header_id|>\\n\\n' }}"
-    "{{- message['content'] | trim }}"
+    "{{- message['content'] if message['role'] == 'assistant' else message['content'] | trim }}"
     "{{- '<|eot_id|>' }}"
     "{%- endif %}"
     "{%- endfor %}"

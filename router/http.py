@@ -32,6 +32,7 @@ from pdserve import __version__ as pdserve_version
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
 from pdserve.router.auth import ApiKeyAuth, ApiKeyMiddleware
 from pdserve.router.detokenizer import fast_decoder
+from pdserve.router.history import ReplyTokens
 from pdserve.router.http_guard import (
     MAX_BODY_BYTES,
     ErrorJSONResponse,
@@ -122,6 +123,13 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
     if api_auth is not None:  # NOTE: added last, so it runs first: before anything else
         app.add_middleware(ApiKeyMiddleware, auth=api_auth)
     context = {"vocab_size": router.vocab_size}
+    # The tokenizer is loaded when the router starts: the cache is made on first use.
+    history: list[ReplyTokens] = []
+
+    def reply_tokens() -> ReplyTokens:
+        if not history:
+            history.append(ReplyTokens(router.tokenizer))
+        return history[0]
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
@@ -148,8 +156,11 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
                 template_kwargs=request.chat_template_kwargs)
         except ValueError as exc:
             raise RequestError(str(exc), "messages") from exc
+        replies = reply_tokens()
+        prompt = replies.splice(prompt, [m.content for m in request.messages
+                                         if m.role == "assistant" and m.content])
         return await _serve(router, request, [prompt], ChatFormatter(
-            router, request, random_id("chatcmpl"), [prompt], tools))
+            router, request, random_id("chatcmpl"), [prompt], tools, replies))
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -507,11 +518,22 @@ class ChatFormatter(Formatter):
     ``tools``, each choice's text is read for tool calls (``ToolCalling``)."""
 
     def __init__(self, router: Router, request: ChatCompletionRequest, response_id: str,
-                 prompts: list[list[int]], tools: ToolCalling | None = None) -> None:
+                 prompts: list[list[int]], tools: ToolCalling | None = None,
+                 replies: ReplyTokens | None = None) -> None:
         super().__init__(router, request, response_id, prompts)
         self.tools = tools
+        self.replies = replies
         self._streams = [tools.stream() if tools else None for _ in self.texts]
         self._has_calls = [False] * len(self.texts)
+        self.token_ids: list[list[int]] = [[] for _ in self.texts]
+
+    def add(self, index: int, chunk: GenerationChunk) -> None:
+        """Record ``chunk`` of choice ``index``; a finished plain-text reply's token ids
+        are remembered for the next turn (``ReplyTokens``)."""
+        super().add(index, chunk)
+        self.token_ids[index] += chunk.token_ids
+        if chunk.finish_reason and self.replies is not None and self.tools is None:
+            self.replies.remember(self.texts[index], self.token_ids[index])
 
     def _logprobs(self, logprobs: list):
         if not self.request.logprobs:
