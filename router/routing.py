@@ -102,15 +102,26 @@ def choose_prefill_worker(num_prompt_blocks: int, overlaps: Mapping[str, int],
     return tied[rotation % len(tied)]
 
 
-def choose_decode_worker(loads: Sequence[WorkerLoad], *, rotation: int = 0) -> str:
-    """The decode worker with the lowest KV cache usage, then the fewest running, then
-    waiting sequences; ties take turns by ``rotation`` over the tied ids in sorted order.
+def choose_decode_worker(loads: Sequence[WorkerLoad], *, rotation: int = 0,
+                         cached_tokens: Mapping[str, int] | None = None,
+                         min_cached_tokens: int = 0) -> str:
+    """The decode worker for a request: among those whose prefix cache holds at least
+    ``min_cached_tokens`` (> 0) leading tokens of its prompt (``cached_tokens``, worker id
+    -> tokens), the one holding the most, as KV-aware routing does (llm-d, Dynamo): a
+    chat's next turn goes where its history's KV is, to be prefilled there from the cache
+    or to pull only the blocks it lacks. Otherwise (or among equals) the one with the
+    lowest KV cache usage, then the fewest running, then waiting sequences; ties take
+    turns by ``rotation`` over the tied ids in sorted order.
 
     Raises:
         NoWorkersError: ``loads`` is empty.
     """
     if not loads:
         raise NoWorkersError("no live decode worker")
+    if cached_tokens and min_cached_tokens > 0:
+        most = max(cached_tokens.get(load.worker_id, 0) for load in loads)
+        if most >= min_cached_tokens:
+            loads = [load for load in loads if cached_tokens.get(load.worker_id, 0) == most]
 
     def key(load: WorkerLoad) -> tuple[float, int, int]:
         return (load.kv_cache_usage, load.num_running, load.num_waiting)

@@ -339,12 +339,16 @@ class Router:
         progress.num_attempts += 1
         # NOTE: a worker's num_inflight counts a request from the moment it is chosen, in
         # the same step as the cap check, so a burst cannot pass a cap between two polls
-        decode = self._choose_decode(exclude, admit=first)
+        fresh = not progress.generated and progress.kv is None  # a prompt to prefill
+        hashes, overlaps = await self._prefix_lookup(request) if fresh else ([], {})
+        decode = self._choose_decode(exclude, admit=first, overlaps=overlaps,
+                                     num_tokens=len(request.prompt_token_ids))
         decode.num_inflight += 1
         try:
             prefill = None
-            if not progress.generated and progress.kv is None:  # a fresh prefill
-                prefill = await self._choose_prefill(request, decode, exclude, admit=first)
+            if fresh:
+                prefill = await self._choose_prefill(request, decode, exclude, first,
+                                                     hashes, overlaps)
             if prefill is not None:
                 chunk = await self.calls.prefill(request, prefill, decode, progress, output,
                                                  exclude)
@@ -356,7 +360,21 @@ class Router:
         finally:
             decode.num_inflight -= 1
 
-    def _choose_decode(self, exclude: set[str], admit: bool) -> WorkerHandle:
+    async def _prefix_lookup(self, request: GenerateRequest
+                             ) -> tuple[list[bytes], dict[str, int]]:
+        """The prompt's block hashes and, per worker, how many leading ones it caches
+        (the Redis prefix index; ``{}`` while it is down or for a prompt under a block)."""
+        if len(request.prompt_token_ids) < self.config.block_size:
+            return [], {}
+        hashes = hash_block_chain(request.prompt_token_ids, self.config.block_size,
+                                  self._root_hash, request.cache_salt)
+        return hashes, await self._lookup(hashes)
+
+    def _choose_decode(self, exclude: set[str], admit: bool, overlaps: dict[str, int],
+                       num_tokens: int) -> WorkerHandle:
+        """The decode worker: the one caching most of the prompt when that is at least
+        half of it (and more than ``local_prefill_threshold`` tokens), else by load
+        (``routing.choose_decode_worker``)."""
         workers = self._open_workers("decode", exclude) if admit else \
             self.pool.live("decode", exclude)
         if not workers:
@@ -365,15 +383,20 @@ class Router:
                 raise RequestError("every decode worker is at capacity; retry later",
                                    status=503)
             raise RequestError("no live decode worker; retry later", status=503)
-        worker_id = choose_decode_worker([w.current_load() for w in workers],
-                                         rotation=next(self._rotation["decode"]))
+        cached = {w.worker_id: min(overlaps.get(w.worker_id, 0) * self.config.block_size,
+                                   num_tokens) for w in workers}
+        worker_id = choose_decode_worker(
+            [w.current_load() for w in workers], rotation=next(self._rotation["decode"]),
+            cached_tokens=cached,
+            min_cached_tokens=max(self.config.local_prefill_threshold, num_tokens // 2, 1))
         worker = next(w for w in workers if w.worker_id == worker_id)
         worker.num_routed += 1
         self.metrics.record_routing("decode", worker_id)
         return worker
 
     async def _choose_prefill(self, request: GenerateRequest, decode: WorkerHandle,
-                              exclude: set[str], admit: bool) -> WorkerHandle | None:
+                              exclude: set[str], admit: bool, hashes: list[bytes],
+                              overlaps: dict[str, int]) -> WorkerHandle | None:
         """The prefill worker for ``request``, or None to prefill on the decode worker
         ``decode`` (conditional disaggregation, ``RouterConfig.disaggregation``); the
         choice is counted in ``pdserve:prefill_path``.
@@ -396,9 +419,6 @@ class Router:
             self.metrics.record_rejection("prefill_pool_full")
             raise RequestError("every prefill worker is at capacity; retry later",
                                status=503)
-        hashes = hash_block_chain(request.prompt_token_ids, self.config.block_size,
-                                  self._root_hash, request.cache_salt)
-        overlaps = await self._lookup(hashes)
         choice = None
         if workers and self.config.prefill_routing == "round-robin":
             loads = sorted((w.current_load() for w in workers), key=lambda w: w.worker_id)

@@ -391,6 +391,36 @@ def test_past_the_caps_requests_get_503_at_once_and_below_none_is_lost(cluster):
     assert len(rejected) == 3 and all(float(n) == 0 for n in rejected)  # every cap at 0
 
 
+def decode_routing(router: Router) -> dict[str, float]:
+    """``pdserve:routing_decisions`` of the decode pool, by worker."""
+    return {sample.labels["worker"]: sample.value
+            for metric in router.metrics.registry.collect()
+            if metric.name == "pdserve:routing_decisions" for sample in metric.samples
+            if sample.name.endswith("_total") and sample.labels["role"] == "decode"}
+
+
+def test_a_chats_turns_go_to_the_decode_worker_holding_its_history(cluster):
+    """With two decode workers, each turn of a chat goes to the one that decoded the
+    previous turn: it holds the history's KV, the reply's included (KV-aware routing)."""
+    messages = [{"role": "user", "content": " ".join(SENTENCES[:4])}]
+    chosen = []
+    with httpx.Client(base_url=cluster.url, timeout=120) as http:
+        for turn in range(3):
+            before = decode_routing(cluster.router)
+            reply = http.post("/v1/chat/completions", json={
+                "model": cluster.model, "messages": messages, "max_tokens": 24,
+                "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            after = decode_routing(cluster.router)
+            (worker,) = [w for w, n in after.items() if n > before.get(w, 0)]
+            chosen.append(worker)
+            messages += [{"role": "assistant",
+                          "content": reply.json()["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"{SENTENCES[5]} ({turn})"}]
+            time.sleep(0.3)  # the decode worker publishes its new blocks (50 ms batches)
+    assert chosen == [chosen[0]] * 3, chosen
+
+
 def run_streams_and_kill(cluster: Cluster, role: str, num_streams: int, max_tokens: int
                          ) -> tuple[list, list]:
     """Start ``num_streams`` gRPC streams (half greedy, half seeded) on prompts long
