@@ -319,6 +319,8 @@ async def _serve(router: Router, request: CompletionRequest | ChatCompletionRequ
     for prompt in prompts:
         params = to_sampling_params(request, max_model_len=router.max_model_len,
                                     prompt_len=len(prompt))
+        if tools is not None and tools.spec is not None:  # tool_choice required / named
+            params = dataclasses.replace(params, structured_output=tools.spec)
         for i in range(request.n):
             sequences.append(GenerateRequest(
                 f"{formatter.response_id}-{len(sequences)}", prompt,

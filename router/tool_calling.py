@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.engine.structured_output import StructuredOutputSpec, check_spec, json_schema_spec
 from pdserve.router.protocol import ChatCompletionRequest, ChatTool, RequestError
 from pdserve.router.tool_parsers import (
     TOOL_PARSERS,
@@ -75,6 +76,21 @@ class RequiredParser(ToolParser):
         return ParseResult("", calls) if calls else ParseResult(text)
 
 
+def _spec(schema: dict[str, Any]) -> StructuredOutputSpec:
+    """The structured output spec of ``schema``, checked.
+
+    Raises:
+        RequestError: 400 naming ``tools``: a tool's parameters do not compile.
+    """
+    try:
+        spec = json_schema_spec(schema)
+        check_spec(spec)
+    except ValueError as exc:
+        raise RequestError(f"a tool's parameters are not a usable JSON schema: {exc}",
+                           "tools") from exc
+    return spec
+
+
 def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
     """The JSON schema of a ``required`` reply: a list of at least one call (at most one
     without ``parallel_tool_calls``), each naming one of ``tools`` with valid parameters."""
@@ -92,13 +108,14 @@ def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class ToolCalling:
     """A request's tool calling: the parser its replies are read with, at most
-    ``max_calls`` calls per reply, the JSON ``schema`` structured decoding holds the
-    reply to (``required`` and named choices), and whether a reply with calls finishes
-    with ``tool_calls``."""
+    ``max_calls`` calls per reply, the structured output ``spec`` (a JSON schema) the
+    reply is held to (``required`` and named choices; applied in the sampler of whichever
+    worker samples, engine/structured_output.py), and whether a reply with calls
+    finishes with ``tool_calls``."""
 
     parser: ToolParser
     max_calls: int | None = None
-    schema: dict[str, Any] | None = None
+    spec: StructuredOutputSpec | None = None
     finish_as_tool_calls: bool = True
 
     @classmethod
@@ -107,8 +124,10 @@ class ToolCalling:
         None when its replies are plain text.
 
         Raises:
-            RequestError: ``tool_choice`` ``auto`` on a router without
-                ``--enable-auto-tool-choice`` (400, naming ``tool_choice``).
+            RequestError: 400 naming the field: ``tool_choice`` ``auto`` on a router
+                without ``--enable-auto-tool-choice``; ``required`` or a named function
+                beside another structured output constraint or ``min_tokens``; a tool's
+                ``parameters`` that xgrammar cannot compile.
         """
         choice = request.effective_tool_choice()
         if not request.tools or choice == "none":
@@ -119,12 +138,19 @@ class ToolCalling:
                 raise RequestError('"auto" tool choice requires --enable-auto-tool-choice '
                                    'and --tool-call-parser to be set', "tool_choice")
             return cls(TOOL_PARSERS[config.tool_call_parser](), max_calls)
+        if request.structured_output_spec() is not None:
+            raise RequestError("tool_choice 'required' or a named function is itself a "
+                               "structured output: drop response_format / "
+                               "structured_outputs / guided_*", "tool_choice")
+        if request.min_tokens:
+            raise RequestError("min_tokens cannot be combined with tool_choice 'required' "
+                               "or a named function", "min_tokens")
         if choice == "required":
-            return cls(RequiredParser(), max_calls,
-                       required_schema(request.tools, request.parallel_tool_calls))
+            return cls(RequiredParser(), max_calls, _spec(
+                required_schema(request.tools, request.parallel_tool_calls)))
         (tool,) = [t for t in request.tools if t.function.name == choice.function.name]
         return cls(NamedFunctionParser(tool.function.name), 1,
-                   tool.function.parameters or _ANY_OBJECT, finish_as_tool_calls=False)
+                   _spec(tool.function.parameters or _ANY_OBJECT), finish_as_tool_calls=False)
 
     @property
     def needs_special_tokens(self) -> bool:

@@ -161,6 +161,12 @@ BAD = [
      "messages"),
     ({"messages": [*ASK, {"role": "user", "content": None}]}, "messages"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "min_tokens": 2}, "min_tokens"),
+    ({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"},
+     "tools"),
     ({"functions": [{"name": "f"}]}, "functions"),
 ]
 
