@@ -5,8 +5,8 @@
 # model, requests through the router (a prompt prefilled remotely among them), then
 # scancel, a check that every process the job started is gone, and the daemons stopped.
 # Exits non-zero on any failure; every wait is bounded. Run as root (the daemons run as
-# root here, SlurmUser=root). Nothing is written outside the temporary folder except the
-# job's own (removed) ~/.pdserve/slurm-JOBID and Ray's /tmp/pdserve-ray-JOBID logs.
+# root here, SlurmUser=root). Nothing is left outside the temporary folder, which is
+# removed when the run passes.
 #
 #   deploy/slurm/run-local.sh
 set -euo pipefail
@@ -144,6 +144,13 @@ log "slurm up: $(sinfo -h -N -o '%N %P %t CPUs=%c memory=%mMB')"
 pdserve make-demo-model "$STATE/model" > /dev/null
 log "demo model in $STATE/model"
 
+# The operator's environment hook (module load, a venv's activate) is sourced before every
+# step on every node; this one records where, so the run shows it was.
+cat > "$STATE/env-setup.sh" <<EOF
+echo "\${SLURM_JOB_ID}.\${SLURM_STEP_ID:-batch} \$(hostname -s)" >> "$STATE/env-setup.log"
+EOF
+export PDSERVE_ENV_SETUP=$STATE/env-setup.sh
+
 # 5. submit_job: the real sbatch script, one node, 1 prefill + 1 decode worker; every
 # prompt of 16 tokens or more goes to the prefill worker (--disaggregation always), so the
 # KV moves. Sets JOB_ID, JOB_OUT, URL and PORTS once the job prints its ready line.
@@ -248,6 +255,10 @@ inspect_job() {
     fail "the Redis password is on a command line"
   fi
   log "ports ${PORTS[*]} listen; the Redis password is in a 0600 file, on no command line"
+  local hooked
+  hooked=$(grep "^$JOB_ID\." "$STATE/env-setup.log" | cut -d' ' -f1 | sort -u | xargs)
+  [[ $(wc -w <<< "$hooked") -ge 4 ]] || fail "PDSERVE_ENV_SETUP sourced only in: $hooked"
+  log "PDSERVE_ENV_SETUP was sourced in the batch script and every step: $hooked"
 }
 
 # stop_job HOW SCANCEL_FLAGS...: scancel, then nothing of the job may be left.
@@ -262,6 +273,7 @@ stop_job() {
   wait_until "the processes of job $JOB_ID to exit" 60 none_alive
   [[ -z $(listeners) ]] || fail "still listening after $how: $(listeners | xargs)"
   [[ ! -e $JOB_DIR ]] || fail "the job's secrets folder $JOB_DIR is left"
+  rm -rf "/tmp/pdserve-ray-$JOB_ID"  # NOTE: Ray's logs; this cluster's job ids restart at 1
   log "job $JOB_ID ended after $how: none of its ${#PIDS[@]} processes is left (the last" \
       "$((SECONDS - ended)) s after the job), no port listens, its secrets folder is gone"
   log "the end of job $JOB_ID's output:"
