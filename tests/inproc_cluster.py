@@ -46,6 +46,17 @@ class Cluster:
             return self.oracle.chat(prompt, sp)[0].outputs[0].text
         return self.oracle.generate([prompt], sp)[0].outputs[0].text
 
+    def prefill_paths(self) -> dict[str, float]:
+        """``pdserve:prefill_path`` by path (``remote``, ``local``)."""
+        counts: dict[str, float] = {}
+        for metric in self.router.metrics.registry.collect():
+            if metric.name == "pdserve:prefill_path":
+                for sample in metric.samples:
+                    if sample.name.endswith("_total"):
+                        path = sample.labels["path"]
+                        counts[path] = counts.get(path, 0) + sample.value
+        return counts
+
     def wait_all_blocks_free(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -58,12 +69,16 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def in_process_cluster(folder: Path, max_model_len: int, **router_kwargs) -> Iterator[Cluster]:
-    """The cluster, the demo model written under ``folder``; ``router_kwargs`` go to
-    ``RouterConfig``."""
-    model = make_demo_model(folder / "demo")
+def in_process_cluster(folder: Path, max_model_len: int, *, model: Path | None = None,
+                       oracle: LLM | None = None, num_gpu_blocks: int = 64,
+                       **router_kwargs) -> Iterator[Cluster]:
+    """The cluster on ``model`` (default: the demo model, written under ``folder``), each
+    worker with ``num_gpu_blocks`` KV blocks; ``oracle`` (default: a new ``LLM``) is the
+    offline engine to compare with; ``router_kwargs`` go to ``RouterConfig``."""
+    model = model or make_demo_model(folder / "demo")
     engine = EngineConfig(str(model), dtype="float32", max_model_len=max_model_len,
-                          load_progress=False, num_gpu_blocks_override=64, num_threads=1)
+                          load_progress=False, num_gpu_blocks_override=num_gpu_blocks,
+                          num_threads=1)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -87,8 +102,8 @@ def in_process_cluster(folder: Path, max_model_len: int, **router_kwargs) -> Ite
         while not server.started:
             assert time.monotonic() < deadline and not serving.done(), "uvicorn did not start"
             time.sleep(0.02)
-        oracle = LLM(str(model), dtype="float32", max_model_len=max_model_len,
-                     load_progress=False)
+        oracle = oracle or LLM(str(model), dtype="float32", max_model_len=max_model_len,
+                               load_progress=False)
         try:
             yield Cluster(model, f"http://127.0.0.1:{port}", redis.url, prefill, decode,
                           router, oracle)

@@ -12,24 +12,18 @@ short prompt is prefilled on the decode worker. Their seeded outputs equal the o
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import threading
-import time
 import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
+from inproc_cluster import in_process_cluster
 
 from pdserve.cluster.wire import sampling_params_from_proto, sampling_params_to_proto
-from pdserve.cluster.worker_config import WorkerConfig
-from pdserve.decode_worker.server import DecodeWorker
-from pdserve.engine import LLM, EngineConfig, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.demo_model import make_demo_model
 from pdserve.engine.structured_output import (
     MAX_SPEC_CHARS,
@@ -38,13 +32,9 @@ from pdserve.engine.structured_output import (
     json_schema_spec,
 )
 from pdserve.engine.tokenizer import encode_prompt
-from pdserve.entrypoints.redis_server import RedisServer, free_port
-from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.proto import common_pb2
 from pdserve.router.grpc_server import RouterServicer
-from pdserve.router.http import build_app
 from pdserve.router.protocol import RequestError
-from pdserve.router.service import Router, RouterConfig
 
 MAX_MODEL_LEN = 512
 LOCAL_THRESHOLD = 8  # prompts under 8 tokens are prefilled on the decode worker
@@ -233,66 +223,13 @@ def test_the_grpc_api_checks_the_constraint():
 # ---- served: router, prefill worker, decode worker ---------------------------------------
 
 
-@dataclass
-class Cluster:
-    url: str
-    model: Path
-    router: Router
-    oracle: LLM
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-
-    def prefill_paths(self) -> dict[str, float]:
-        """``pdserve:prefill_path`` by path (``remote``, ``local``)."""
-        counts: dict[str, float] = {}
-        for metric in self.router.metrics.registry.collect():
-            if metric.name == "pdserve:prefill_path":
-                for sample in metric.samples:
-                    if sample.name.endswith("_total"):
-                        path = sample.labels["path"]
-                        counts[path] = counts.get(path, 0) + sample.value
-        return counts
-
-
 @pytest.fixture(scope="module")
-def cluster(demo_model, llm):
-    engine = EngineConfig(str(demo_model), dtype="float32", max_model_len=MAX_MODEL_LEN,
-                          load_progress=False, num_gpu_blocks_override=128, num_threads=1)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def call(coro, timeout_s: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
-
-    with RedisServer() as redis:
-        prefill = PrefillWorker(WorkerConfig("prefill", engine, redis_url=redis.url))
-        decode = DecodeWorker(WorkerConfig("decode", engine, redis_url=redis.url))
-        call(prefill.start())
-        call(decode.start())
-        router = Router(RouterConfig(str(demo_model), redis.url, max_model_len=MAX_MODEL_LEN,
-                                     local_prefill_threshold=LOCAL_THRESHOLD,
-                                     disaggregation="always"))
-        port = free_port()
-        import uvicorn
-
-        server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=port,
-                                               log_level="warning"))
-        serving = asyncio.run_coroutine_threadsafe(server.serve(), loop)
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and not serving.done(), "uvicorn did not start"
-            time.sleep(0.02)
-        try:
-            yield Cluster(f"http://127.0.0.1:{port}", demo_model, router, llm)
-        finally:
-            server.should_exit = True
-            serving.result(30)
-            call(prefill.stop())
-            call(decode.stop())
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
+def cluster(demo_model, llm, tmp_path_factory):
+    with in_process_cluster(tmp_path_factory.mktemp("so"), MAX_MODEL_LEN, model=demo_model,
+                            oracle=llm, num_gpu_blocks=128,
+                            local_prefill_threshold=LOCAL_THRESHOLD,
+                            disaggregation="always") as c:
+        yield c
 
 
 def test_served_json_schema_disaggregated_equals_offline(cluster):
