@@ -107,11 +107,14 @@ def choose_decode_worker(loads: Sequence[WorkerLoad], *, rotation: int = 0,
                          min_cached_tokens: int = 0) -> str:
     """The decode worker for a request: among those whose prefix cache holds at least
     ``min_cached_tokens`` (> 0) leading tokens of its prompt (``cached_tokens``, worker id
-    -> tokens), the one holding the most, as KV-aware routing does (llm-d, Dynamo): a
-    chat's next turn goes where its history's KV is, to be prefilled there from the cache
-    or to pull only the blocks it lacks. Otherwise (or among equals) the one with the
-    lowest KV cache usage, then the fewest running, then waiting sequences; ties take
-    turns by ``rotation`` over the tied ids in sorted order.
+    -> tokens) and that are not much busier than the least busy (at most
+    ``max(2, least // 4)`` more running and waiting sequences), the one holding the most,
+    as KV-aware routing does (llm-d, Dynamo): a chat's next turn goes where its history's
+    KV is, to be prefilled there from the cache or to pull only the blocks it lacks, while
+    a prefix many requests share (a system prompt) does not pin them all to one worker.
+    Otherwise (or among equals) the one with the lowest KV cache usage, then the fewest
+    running, then waiting sequences; ties take turns by ``rotation`` over the tied ids in
+    sorted order.
 
     Raises:
         NoWorkersError: ``loads`` is empty.
@@ -119,9 +122,13 @@ def choose_decode_worker(loads: Sequence[WorkerLoad], *, rotation: int = 0,
     if not loads:
         raise NoWorkersError("no live decode worker")
     if cached_tokens and min_cached_tokens > 0:
-        most = max(cached_tokens.get(load.worker_id, 0) for load in loads)
-        if most >= min_cached_tokens:
-            loads = [load for load in loads if cached_tokens.get(load.worker_id, 0) == most]
+        least = min(load.num_running + load.num_waiting for load in loads)
+        holders = [load for load in loads
+                   if cached_tokens.get(load.worker_id, 0) >= min_cached_tokens
+                   and load.num_running + load.num_waiting <= least + max(2, least // 4)]
+        if holders:
+            most = max(cached_tokens.get(load.worker_id, 0) for load in holders)
+            loads = [load for load in holders if cached_tokens.get(load.worker_id, 0) == most]
 
     def key(load: WorkerLoad) -> tuple[float, int, int]:
         return (load.kv_cache_usage, load.num_running, load.num_waiting)

@@ -68,7 +68,7 @@ def test_decode_worker_by_kv_usage_then_running_then_waiting():
 
 
 def test_decode_worker_holding_most_of_the_prompt_wins_past_the_minimum():
-    loads = [WorkerLoad("A", num_running=1, kv_cache_usage=0.1),
+    loads = [WorkerLoad("A", num_running=6, kv_cache_usage=0.1),
              WorkerLoad("B", num_running=8, kv_cache_usage=0.7),
              WorkerLoad("C", num_running=8, kv_cache_usage=0.6)]
     # B and C hold the chat's history (C more lightly loaded), A holds nothing.
@@ -79,6 +79,11 @@ def test_decode_worker_holding_most_of_the_prompt_wins_past_the_minimum():
     # Under the minimum (less than half of the prompt): by load alone.
     assert choose_decode_worker(loads, cached_tokens={"B": 48}, min_cached_tokens=64) == "A"
     assert choose_decode_worker(loads, cached_tokens={"B": 96}, min_cached_tokens=0) == "A"
+    # A holder much busier than the least busy does not get it: a shared prefix must not
+    # pin every request to one worker.
+    loads[0] = WorkerLoad("A", num_running=1, kv_cache_usage=0.1)
+    assert choose_decode_worker(loads, cached_tokens={"B": 96, "C": 96},
+                                min_cached_tokens=64) == "A"
 
 
 def test_no_workers():
