@@ -3,7 +3,7 @@
     pdserve make-demo-model DIR          write the small demo checkpoint
     pdserve generate [--model DIR] --prompt TEXT [--prompt TEXT ...]
     pdserve serve [--model DIR] [--prefill-workers N] [--decode-workers M] [--port 8000]
-    pdserve scale [--prefill N] [--decode M] [--url http://127.0.0.1:8000]
+    pdserve scale [--prefill N] [--decode M] [--model NAME] [--url http://127.0.0.1:8000]
 
 Engine flags follow vLLM's names (``--model``, ``--dtype``, ``--max-model-len``, ...).
 """
@@ -61,15 +61,17 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
     body = {k: v for k, v in (("prefill_workers", args.prefill),
                               ("decode_workers", args.decode)) if v is not None}
+    model = {"model": args.model} if args.model else {}
     key = args.api_key or os.environ.get("PDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     url = args.url.rstrip("/")
     try:
         if body:
-            reply = httpx.post(f"{url}/admin/scale", json=body, headers=headers,
+            reply = httpx.post(f"{url}/admin/scale", json={**body, **model}, headers=headers,
                                timeout=args.timeout_s)
         else:
-            reply = httpx.get(f"{url}/admin/pools", headers=headers, timeout=30.0)
+            reply = httpx.get(f"{url}/admin/pools", params=model, headers=headers,
+                              timeout=30.0)
     except httpx.HTTPError as exc:
         print(f"pdserve scale: no answer from {url}: {exc}", file=sys.stderr)
         return 1
@@ -118,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--prefill", type=int, help="prefill workers wanted")
     scale.add_argument("--decode", type=int, help="decode workers wanted (>= 1)")
     scale.add_argument("--url", default="http://127.0.0.1:8000", help="the router's HTTP URL")
+    scale.add_argument("--model", help="the model whose pools to resize (needed when the "
+                                       "cluster serves several)")
     scale.add_argument("--api-key", help="one of the router's --api-key (default: "
                        "$PDSERVE_API_KEY, then $OPENAI_API_KEY)")
     scale.add_argument("--timeout-s", type=float, default=SCALE_TIMEOUT_S,

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -74,6 +75,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="start the local Ray's dashboard (on 127.0.0.1:8265)")
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
+    parser.add_argument("--models-config", default=None, metavar="FILE",
+                        help="serve several models, each with its own prefill and decode "
+                             "pools: a YAML or JSON file listing them (README, Several "
+                             "models); instead of --model and --served-model-name")
     parser.add_argument("--redis-url", default=None,
                         help="Redis for the registry and prefix index (default: start a "
                              "private redis-server on a free loopback port)")
@@ -237,6 +242,23 @@ class _ServeRun:
         from pdserve.router.flags import lifecycle_kwargs
 
         lifecycle_kwargs(args)  # NOTE: checks the router's flags before anything starts
+        self.models = self._models()
+
+    def _models(self) -> list[ModelSpec]:
+        """The models to serve: ``--models-config``'s, or the command line's one.
+
+        Raises:
+            ValueError: a bad ``--models-config``, or one beside ``--model`` or
+                ``--served-model-name``.
+        """
+        engine = self._engine_config()
+        if self.args.models_config is None:
+            return [ModelSpec(engine, self.args.prefill_workers, self.args.decode_workers)]
+        for flag in ("model", "served_model_name"):
+            if getattr(self.args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} and --models-config exclude "
+                                 "each other: name every model in the file")
+        return models_from_config(self.args.models_config, engine, self.args)
 
     def run(self, stack: contextlib.ExitStack) -> None:
         args = self.args
@@ -247,16 +269,29 @@ class _ServeRun:
                 bind_listener(args.host, args.grpc_port, "router gRPC, --grpc-port"))
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        engine = self._engine_config()
         auth = self.auth
         redis_url = self._start_redis(stack)
         launcher = self._start_ray(stack)
-        if self._workers_on_cpu(engine, launcher):
+        if any(self._workers_on_cpu(spec.engine, launcher) for spec in self.models):
             build_cpu_kernels(self.interrupts)
-        scaler = self._start_workers(launcher, engine, redis_url, auth)
-        router, app = self._make_router(engine, redis_url, auth, scaler)
+        # NOTE: every model's workers share the node's cores
+        computing = sum(computing_workers(
+            {"prefill": spec.prefill_workers, "decode": spec.decode_workers},
+            args.disaggregation, launcher.has_gpus) for spec in self.models)
+        routers, scalers, background = [], {}, []
+        for spec in self.models:
+            scaler = self._start_workers(launcher, spec, redis_url, auth, computing)
+            router, tasks = self._make_router(spec, redis_url, auth, scaler)
+            routers.append(router)
+            scalers[spec.name] = scaler
+            background += tasks
+        from pdserve.router.http import build_app
+        from pdserve.router.routers import Routers
+
+        app = build_app(routers, api_auth=self.api_auth, scaler=scalers,
+                        background=background)
         try:
-            asyncio.run(run_router(router, app, args.host, http_sock, grpc_sock,
+            asyncio.run(run_router(Routers(routers), app, args.host, http_sock, grpc_sock,
                                    f"(Redis {redact_url(redis_url)})", self._on_serving))
         except KeyboardInterrupt:
             if not self.announced:
@@ -314,8 +349,11 @@ class _ServeRun:
     def _workers_on_cpu(self, engine, launcher) -> bool:
         return engine.device == "cpu" or (engine.device == "auto" and not launcher.has_gpus)
 
-    def _start_workers(self, launcher, engine, redis_url: str, auth):
-        """Start both pools; returns the ``PoolScaler`` that owns them from now on."""
+    def _start_workers(self, launcher, spec: ModelSpec, redis_url: str, auth,
+                       computing: int):
+        """Start the pools of model ``spec`` (``computing``: the workers of every model
+        that compute at once on a node, to split its cores); returns the ``PoolScaler``
+        that owns them from now on."""
         from pdserve.cluster.worker_config import WorkerConfig
         from pdserve.entrypoints.scaling import PoolScaler
 
@@ -324,12 +362,14 @@ class _ServeRun:
                   "kv_host": args.worker_host, "lease_s": args.kv_lease_s,
                   "drain_grace_s": args.drain_grace_s, "auth": auth}
         configs = {role: WorkerConfig(role, engine=pool_engine_config(
-                       engine, getattr(args, f"{role}_engine_args"), role), **common)
+                       spec.engine, getattr(args, f"{role}_engine_args"), role), **common)
                    for role in ("prefill", "decode")}
-        counts = {"prefill": args.prefill_workers, "decode": args.decode_workers}
-        computing = computing_workers(counts, args.disaggregation, launcher.has_gpus)
-        say(f"starting {counts['prefill']} prefill and {counts['decode']} decode workers")
-        if counts["prefill"] and computing == counts["decode"]:
+        counts = {"prefill": spec.prefill_workers, "decode": spec.decode_workers}
+        model = f"{spec.name}: " if len(self.models) > 1 else ""
+        say(f"{model}starting {counts['prefill']} prefill and {counts['decode']} decode "
+            "workers")
+        if counts["prefill"] and computing_workers(
+                counts, args.disaggregation, launcher.has_gpus) == counts["decode"]:
             say("the prefill workers share this node's CPUs with the decode workers: with "
                 "--disaggregation auto, prompts are prefilled on the decode workers "
                 "(pdserve:prefill_path counts each choice)")
@@ -341,7 +381,7 @@ class _ServeRun:
 
         def report(info) -> None:
             ready[info.role] += 1
-            say(f"{info.role} worker {ready[info.role]}/{counts[info.role]} ready "
+            say(f"{model}{info.role} worker {ready[info.role]}/{counts[info.role]} ready "
                 f"(gRPC {info.grpc_address}, KV {info.kv_address}, metrics "
                 f"{info.metrics_address or 'none'}, id {info.worker_id}, node "
                 f"{info.node_id[:12]})")
@@ -352,18 +392,20 @@ class _ServeRun:
             scaler.adopt(info.role, actor, info.worker_id)
         return scaler
 
-    def _make_router(self, engine, redis_url: str, auth, scaler=None):
+    def _make_router(self, spec: ModelSpec, redis_url: str, auth, scaler=None):
+        """The router of model ``spec`` and its background tasks (the SLO planner of
+        its pools with ``--autoscale``)."""
         from pdserve.router.flags import lifecycle_kwargs
-        from pdserve.router.http import build_app
         from pdserve.router.service import Router, RouterConfig
 
+        engine = spec.engine
         config = RouterConfig(
             model=engine.model, redis_url=redis_url,
             served_model_name=engine.served_model_name, block_size=engine.block_size,
             max_model_len=engine.max_model_len, auth=auth, **lifecycle_kwargs(self.args))
         if self.args.local_prefill_threshold is not None:
             config.local_prefill_threshold = self.args.local_prefill_threshold
-        if self.args.prefill_workers == 0:
+        if spec.prefill_workers == 0:
             config.local_prefill_threshold = engine.max_model_len or 1 << 30
         router = Router(config)
         background = []
@@ -374,8 +416,7 @@ class _ServeRun:
 
                 planner = SLOPlanner(self.planner_config, router, scaler)
                 background.append(planner.run)
-        return router, build_app(router, api_auth=self.api_auth, scaler=scaler,
-                                 background=background)
+        return router, background
 
 
 def planner_config_from_args(args: argparse.Namespace):
@@ -412,28 +453,111 @@ def pool_engine_config(engine, flags: str, role: str):
         ValueError: a flag that is not an engine flag, one of ``SHARED_ENGINE_FLAGS``, or
             a bad value; the message names the flag and ``--<role>-engine-args``.
     """
+    return apply_engine_flags(engine, flags, f"--{role}-engine-args", SHARED_ENGINE_FLAGS,
+                              "must be the same in both pools; set it once, outside")
+
+
+def apply_engine_flags(engine, flags: str, where: str, forbidden: tuple[str, ...],
+                       why: str):
+    """``engine`` with the engine flags in ``flags`` (as on the command line) applied.
+
+    Raises:
+        ValueError: a flag that is not an engine flag, one of ``forbidden`` (``why``), or a
+            bad value; the message names the flag and ``where`` they came from.
+    """
     from pdserve.engine.args import add_engine_args
 
     if not flags.strip():
         return engine
-    parser = argparse.ArgumentParser(prog=f"--{role}-engine-args", add_help=False,
-                                     exit_on_error=False)
+    parser = argparse.ArgumentParser(prog=where, add_help=False, exit_on_error=False)
     add_engine_args(parser)
     defaults = vars(parser.parse_args([]))
     try:
         given, unknown = parser.parse_known_args(shlex.split(flags))
     except (argparse.ArgumentError, SystemExit) as exc:
-        raise ValueError(f"--{role}-engine-args: {exc}") from None
+        raise ValueError(f"{where}: {exc}") from None
     if unknown:
-        raise ValueError(f"--{role}-engine-args: {' '.join(unknown)} is not an engine flag")
+        raise ValueError(f"{where}: {' '.join(unknown)} is not an engine flag")
     changed = {k: v for k, v in vars(given).items() if v != defaults[k]}
-    shared = sorted(set(changed) & set(SHARED_ENGINE_FLAGS))
-    if shared:
-        raise ValueError(f"--{role}-engine-args: --{shared[0].replace('_', '-')} must be the "
-                         "same in both pools; set it once, outside")
+    refused = sorted(set(changed) & set(forbidden))
+    if refused:
+        raise ValueError(f"{where}: --{refused[0].replace('_', '-')} {why}")
     if "enable_prefix_caching" in changed:
         changed["enable_prefix_caching"] = given.enable_prefix_caching
     return dataclasses.replace(engine, **changed)
+
+
+@dataclasses.dataclass(slots=True)
+class ModelSpec:
+    """One model ``pdserve serve`` serves: its engine (``served_model_name`` set) and its
+    own pools' sizes (workers)."""
+
+    engine: object
+    prefill_workers: int
+    decode_workers: int
+
+    @property
+    def name(self) -> str:
+        return self.engine.served_model_name
+
+
+MODEL_ENTRY_KEYS = ("model", "served_model_name", "prefill_workers", "decode_workers",
+                    "engine_args")
+
+
+def models_from_config(path: str, base, args: argparse.Namespace) -> list[ModelSpec]:
+    """The models of ``--models-config`` (YAML or JSON)::
+
+        models:
+          - model: /models/llama-3.1-8b       # required: a checkpoint folder
+            served_model_name: llama          # default: the folder's name
+            prefill_workers: 2                # default: --prefill-workers
+            decode_workers: 2                 # default: --decode-workers
+            engine_args: "--max-num-seqs 128" # engine flags over the command line's
+
+    ``base`` is the command line's engine configuration, each entry's starting point.
+
+    Raises:
+        ValueError: the file does not parse; an entry that is not a mapping, lacks
+            ``model``, has an unknown key or a bad value; two entries with one name.
+    """
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--models-config {path}: {exc}") from None
+    entries = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"--models-config {path}: needs 'models:', a non-empty list")
+    specs = []
+    for i, entry in enumerate(entries):
+        where = f"--models-config models[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
+            raise ValueError(f"{where}: needs 'model', a checkpoint folder")  # noqa: TRY004
+        unknown = sorted(set(entry) - set(MODEL_ENTRY_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown key '{unknown[0]}' (keys: "
+                             f"{', '.join(MODEL_ENTRY_KEYS)})")
+        name = entry.get("served_model_name") or Path(entry["model"]).name
+        engine = dataclasses.replace(base, model=entry["model"], served_model_name=str(name))
+        engine = apply_engine_flags(engine, str(entry.get("engine_args") or ""),
+                                    f"{where}.engine_args", ("model", "served_model_name"),
+                                    "is the entry's own key")
+        counts = {}
+        for role in ("prefill", "decode"):
+            count = entry.get(f"{role}_workers", getattr(args, f"{role}_workers"))
+            if not isinstance(count, int) or isinstance(count, bool) or \
+                    not (0 if role == "prefill" else 1) <= count <= 64:
+                raise ValueError(f"{where}.{role}_workers: {count!r} is not a worker count "
+                                 f"({0 if role == 'prefill' else 1}-64)")
+            counts[role] = count
+        specs.append(ModelSpec(engine, counts["prefill"], counts["decode"]))
+    names = [spec.name for spec in specs]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise ValueError(f"--models-config {path}: two models are served as {twice!r}")
+    return specs
 
 
 def computing_workers(counts: dict[str, int], disaggregation: str, has_gpus: bool) -> int:
@@ -499,7 +623,8 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
                      grpc_sock: socket.socket | None, note: str = "",
                      on_serving: Callable[[], None] | None = None) -> None:
     """Serve ``app`` (HTTP) on the listening ``http_sock`` and, with a ``grpc_sock``, the
-    router's gRPC API on its port, on one event loop until SIGINT/SIGTERM.
+    gRPC API of ``router`` (a ``Router``, or ``Routers`` for several models) on its port,
+    on one event loop until SIGINT/SIGTERM.
 
     Prints ``pdserve serving ...`` and calls ``on_serving()`` once both accept
     connections. ``grpc_sock`` only holds the port: it is closed right before the gRPC
@@ -509,6 +634,9 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
     import uvicorn
 
     from pdserve.router.grpc_server import start_grpc_server
+    from pdserve.router.routers import Routers
+
+    routers = router if isinstance(router, Routers) else Routers([router])
 
     class AnnouncingServer(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -525,9 +653,10 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
             grpc_port = grpc_sock.getsockname()[1]
             grpc_sock.close()
             grpc_server, grpc_port = await start_grpc_server(
-                router, host, grpc_port, api_auth=getattr(app.state, "api_auth", None))
+                routers, host, grpc_port, api_auth=getattr(app.state, "api_auth", None))
             grpc_note = f", gRPC {_address(host, grpc_port)}"
-        line = (f"pdserve serving {router.served_model_name} on "
+        names = ", ".join(r.served_model_name for r in routers)
+        line = (f"pdserve serving {names} on "
                 f"http://{_address(host, http_sock.getsockname()[1])}/v1{grpc_note} {note}")
         server = AnnouncingServer(uvicorn.Config(app, log_level="warning"))
         with contextlib.suppress(KeyboardInterrupt):

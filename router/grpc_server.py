@@ -29,6 +29,7 @@ from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.router.auth import ApiKeyAuth, ApiKeyInterceptor
 from pdserve.router.limits import MAX_STOP_TOKEN_IDS, check_stop_strings, check_text
 from pdserve.router.protocol import INTERNAL_ERROR, RequestError
+from pdserve.router.routers import Routers
 from pdserve.router.service import GenerateRequest, Router
 
 logger = logging.getLogger(__name__)
@@ -39,10 +40,11 @@ _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """Serves ``pdserve.v1.Router`` over ``router``."""
+    """Serves ``pdserve.v1.Router`` over ``router``, or several routers (``Routers``, one
+    per model; a request's ``model`` picks one, the first when it names none)."""
 
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, router: Router | Routers) -> None:
+        self.routers = router if isinstance(router, Routers) else Routers([router])
         # request id -> (the task running it, the queue its Generate reads)
         self._running: dict[str, tuple[asyncio.Task, asyncio.Queue]] = {}
 
@@ -50,8 +52,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if isinstance(request, UndecodableRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
-            generate_request = self._to_request(request)
-            self.router.check_available()
+            router = self.routers.pick(request.model or None)
+            generate_request = self._to_request(request, router)
+            router.check_available()
         except (RequestError, ValueError) as exc:
             await context.abort(*_status(exc))
         except Exception:
@@ -62,7 +65,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # frees the request on its workers); cancelling this handler's task instead could
         # land inside grpc's send and reset the stream
         chunks: asyncio.Queue = asyncio.Queue()
-        pump = asyncio.create_task(self._pump(generate_request, chunks))
+        pump = asyncio.create_task(self._pump(router, generate_request, chunks))
         self._running[request_id] = (pump, chunks)
         num_cached = num_tokens = 0
         prompt = len(generate_request.prompt_token_ids)
@@ -94,11 +97,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._running.pop(request_id, None)
             pump.cancel()  # the client left (or it ended): nothing keeps running
 
-    async def _pump(self, request: GenerateRequest, chunks: asyncio.Queue) -> None:
-        """Run ``request`` on the router, handing its chunks (then ``_END``, or the
+    async def _pump(self, router: Router, request: GenerateRequest,
+                    chunks: asyncio.Queue) -> None:
+        """Run ``request`` on ``router``, handing its chunks (then ``_END``, or the
         exception that ended it) to ``chunks``."""
         try:
-            async with contextlib.aclosing(self.router.generate(request)) as stream:
+            async with contextlib.aclosing(router.generate(request)) as stream:
                 async for chunk in stream:
                     chunks.put_nowait(chunk)
             chunks.put_nowait(_END)
@@ -114,34 +118,37 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.RouterAbortResponse(aborted=entry is not None)
 
     async def Health(self, request, context):
-        state = self.router.health()
+        """The worst status of the models, and their workers added up."""
+        states = [r.health() for r in self.routers]
+        order = ("ok", "degraded", "unavailable")
         return router_pb2.RouterHealthResponse(
-            status=state["status"], num_prefill_workers=state["num_prefill_workers"],
-            num_decode_workers=state["num_decode_workers"])
+            status=max((s["status"] for s in states), key=order.index),
+            num_prefill_workers=sum(s["num_prefill_workers"] for s in states),
+            num_decode_workers=sum(s["num_decode_workers"] for s in states))
 
     async def ListModels(self, request, context):
-        return router_pb2.ListModelsResponse(models=[self.router.served_model_name],
-                                             max_model_len=self.router.max_model_len)
+        """Every model served (``max_model_len``: the first model's)."""
+        return router_pb2.ListModelsResponse(
+            models=[r.served_model_name for r in self.routers],
+            max_model_len=self.routers.first.max_model_len)
 
-    def _to_request(self, request) -> GenerateRequest:
-        """Validate and tokenize, with the HTTP API's bounds.
+    def _to_request(self, request, router: Router) -> GenerateRequest:
+        """Validate and tokenize for ``router`` (the request's model's), with the HTTP
+        API's bounds.
 
         Raises:
-            RequestError: naming the field (``model``: 404; ``text``, ``token_ids``,
-                ``stop``, ``cache_salt``, ``stop_token_ids``, ``max_tokens``: 400).
+            RequestError: naming the field (``text``, ``token_ids``, ``stop``,
+                ``cache_salt``, ``stop_token_ids``, ``max_tokens``: 400).
             ValueError: another sampling parameter is out of range, naming it first.
         """
-        if request.model and request.model != self.router.served_model_name:
-            shown = request.model if len(request.model) <= 100 else request.model[:97] + "..."
-            raise RequestError(f"The model `{shown}` does not exist.", "model", 404)
-        prompt = self._prompt(request)
+        prompt = self._prompt(request, router)
         stop = list(request.stop)
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
         _check_field("stop", check_stop_strings, stop)
         if cache_salt is not None:
             _check_field("cache_salt", check_text, cache_salt)
-        params = self._sampling_params(request.sampling_params)
-        limit = self.router.max_model_len
+        params = self._sampling_params(request.sampling_params, router)
+        limit = router.max_model_len
         room = limit - len(prompt)
         if params.max_tokens is None:
             params.max_tokens = room
@@ -155,30 +162,31 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request.request_id or f"grpc-{uuid.uuid4().hex}", prompt, params, stop,
             request.include_stop_str_in_output, skip, cache_salt)
 
-    def _prompt(self, request) -> list[int]:
+    def _prompt(self, request, router: Router) -> list[int]:
         """The prompt's token ids: ``text`` tokenized, or ``token_ids`` in the vocabulary."""
         kind = request.WhichOneof("prompt")
         if kind == "text":
             # NOTE: protobuf strings arrive as valid UTF-8 (an invalid one fails to parse,
             # see UndecodableRequest); the check costs little and keeps the rule in one place.
             _check_field("text", check_text, request.text)
-            prompt = encode_prompt(self.router.tokenizer, request.text)
+            prompt = encode_prompt(router.tokenizer, request.text)
         elif kind == "token_ids":
             prompt = list(request.token_ids.ids)
         else:
             raise RequestError("prompt is required: set text or token_ids", "prompt")
-        vocab = self.router.vocab_size
+        vocab = router.vocab_size
         if not prompt or any(not 0 <= t < vocab for t in prompt):
             raise RequestError(f"prompt ({kind}) must be 1 or more token ids in [0, {vocab})",
                                kind or "prompt")
         return prompt
 
-    def _sampling_params(self, msg: common_pb2.SamplingParams):
+    @staticmethod
+    def _sampling_params(msg: common_pb2.SamplingParams, router: Router):
         if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got "
                                f"{len(msg.stop_token_ids)}", "stop_token_ids")
         try:
-            params = sampling_params_from_proto(msg, vocab_size=self.router.vocab_size)
+            params = sampling_params_from_proto(msg, vocab_size=router.vocab_size)
         except ValueError as exc:  # "top_k=-5 is invalid: ..." or "stop_token_ids: ..."
             raise RequestError(str(exc), str(exc).split("=", 1)[0].split(":", 1)[0]) from exc
         if params.structured_output is not None:
@@ -255,7 +263,7 @@ def _add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> N
         (grpc.method_handlers_generic_handler("pdserve.v1.Router", handlers),))
 
 
-async def start_grpc_server(router: Router, host: str, port: int, *,
+async def start_grpc_server(router: Router | Routers, host: str, port: int, *,
                             api_auth: ApiKeyAuth | None = None
                             ) -> tuple[grpc.aio.Server, int]:
     """Start the router's gRPC server on ``host:port`` (0: a free port); returns it and

@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -70,6 +71,7 @@ from pdserve.router.protocol import (
     to_sampling_params,
     validation_error_response,
 )
+from pdserve.router.routers import Routers
 from pdserve.router.service import GenerateRequest, GenerationChunk, Router
 from pdserve.router.tool_calling import ToolCalling
 
@@ -77,35 +79,46 @@ logger = logging.getLogger(__name__)
 
 
 class ScaleRequest(BaseModel):
-    """``POST /admin/scale``: the pool sizes wanted (workers); a pool left out keeps its
-    size."""
+    """``POST /admin/scale``: the pool sizes wanted (workers) of ``model`` (needed when
+    the cluster serves several); a pool left out keeps its size."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = None
 
     prefill_workers: StrictInt | None = None
     decode_workers: StrictInt | None = None
 
 
-def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
+def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BODY_BYTES,
               api_auth: ApiKeyAuth | None = None, scaler=None,
               background: Sequence[Callable[[], Awaitable[None]]] = ()) -> FastAPI:
-    """The FastAPI app serving ``router``; its lifespan starts and stops the router.
+    """The FastAPI app serving ``router``, or several routers, one per model (their
+    ``served_model_name``s distinct; a request's ``model`` picks one, the first when it
+    names none); its lifespan starts and stops them.
 
-    ``scaler`` (``entrypoints/scaling.py``'s ``PoolScaler``, from ``pdserve serve``)
-    resizes the pools behind ``POST /admin/scale``; without one, ``/admin/*`` answers 501
-    (a router run alone does not own its workers). ``background``: coroutine functions
-    run as tasks while the router serves (started after it, cancelled before it stops),
-    such as the SLO planner's loop.
+    ``scaler`` (``entrypoints/scaling.py``'s ``PoolScaler``, from ``pdserve serve``; with
+    several models a dict of them by model name) resizes the pools behind ``POST
+    /admin/scale``; without one, ``/admin/*`` answers 501 (a router run alone does not
+    own its workers). ``background``: coroutine functions run as tasks while the router
+    serves (started after it, cancelled before it stops), such as the SLO planner's loop.
 
     ``max_body_bytes`` bounds a request body (413 beyond it, from ``Content-Length`` or
     while reading). With ``api_auth``, every path but its public ones needs one of its
     API keys (401 otherwise, ``router/auth.py``); it is kept as ``app.state.api_auth``,
     so that a gRPC server started beside the app can take the same keys.
+
+    Raises:
+        ValueError: no router, or two serving the same model name.
     """
+    routers = Routers([router] if isinstance(router, Router) else list(router))
+    scalers = scaler if isinstance(scaler, Mapping) or scaler is None else \
+        {routers.first.served_model_name: scaler}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await router.start()
+        for each in routers:
+            await each.start()
         tasks = [asyncio.create_task(fn()) for fn in background]
         try:
             yield
@@ -114,28 +127,33 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
                 task.cancel()
             if tasks:
                 await asyncio.wait(tasks, timeout=30.0)
-            await router.stop()
+            for each in routers:
+                await each.stop()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
-    _add_error_handlers(app, router)
+    _add_error_handlers(app, routers.first)
     app.add_middleware(InternalErrorMiddleware)
     app.state.api_auth = api_auth
     if api_auth is not None:  # NOTE: added last, so it runs first: before anything else
         app.add_middleware(ApiKeyMiddleware, auth=api_auth)
-    context = {"vocab_size": router.vocab_size}
-    # The tokenizer is loaded when the router starts: the cache is made on first use.
-    history: list[ReplyTokens] = []
+    # The tokenizers are loaded when the routers start: a cache is made on first use.
+    history: dict[str, ReplyTokens] = {}
 
-    def reply_tokens() -> ReplyTokens:
-        if not history:
-            history.append(ReplyTokens(router.tokenizer))
-        return history[0]
+    def reply_tokens(router: Router) -> ReplyTokens:
+        if router.served_model_name not in history:
+            history[router.served_model_name] = ReplyTokens(router.tokenizer)
+        return history[router.served_model_name]
+
+    async def body_of(raw: Request) -> tuple[Router, Any]:
+        """The request's JSON body and the router of the model it names."""
+        body = await json_body(raw, max_body_bytes)
+        model = body.get("model") if isinstance(body, dict) else None
+        return routers.pick(model if isinstance(model, str) else None), body
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        request = CompletionRequest.model_validate(await json_body(raw, max_body_bytes),
-                                                   context=context)
-        _check_model(router, request.model)
+        router, body = await body_of(raw)
+        request = CompletionRequest.model_validate(body, context=router.validation_context)
         prompts = [_tokenize_prompt(router, p) for p in request.prompts()]
         texts = [p if isinstance(p, str) else router.tokenizer.decode(p) for p in
                  request.prompts()] if request.echo else None
@@ -144,9 +162,8 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        request = ChatCompletionRequest.model_validate(await json_body(raw, max_body_bytes),
-                                                       context=context)
-        _check_model(router, request.model)
+        router, body = await body_of(raw)
+        request = ChatCompletionRequest.model_validate(body, context=router.validation_context)
         tools = ToolCalling.of(request, router.config)
         messages = [m.template_dict() for m in request.messages]
         try:
@@ -156,7 +173,7 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
                 template_kwargs=request.chat_template_kwargs)
         except ValueError as exc:
             raise RequestError(str(exc), "messages") from exc
-        replies = reply_tokens()
+        replies = reply_tokens(router)
         prompt = replies.splice(prompt, [m.content for m in request.messages
                                          if m.role == "assistant" and m.content])
         return await _serve(router, request, [prompt], ChatFormatter(
@@ -164,21 +181,18 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=router.served_model_name, root=router.config.model,
-                                         max_model_len=router.max_model_len)])
+        return ModelList(data=[_card(r) for r in routers])
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
-        _check_model(router, model_id)
-        return ModelCard(id=router.served_model_name, root=router.config.model,
-                         max_model_len=router.max_model_len)
+        return _card(routers.pick(model_id))
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> TokenizeResponse:
         """vLLM's: a prompt's token ids as the completions API would make them (or, with
         ``add_special_tokens=false``, without the BOS), or a chat's through its template."""
-        request = TokenizeRequest.model_validate(await json_body(raw, max_body_bytes))
-        _check_model(router, request.model)
+        router, body = await body_of(raw)
+        request = TokenizeRequest.model_validate(body)
         if request.messages is not None:
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             try:
@@ -197,9 +211,8 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
         """vLLM's: the text of token ids (special tokens kept)."""
-        request = DetokenizeRequest.model_validate(await json_body(raw, max_body_bytes),
-                                                   context=context)
-        _check_model(router, request.model)
+        router, body = await body_of(raw)
+        request = DetokenizeRequest.model_validate(body, context=router.validation_context)
         return JSONResponse({"prompt": router.tokenizer.decode(request.tokens)})
 
     @app.get("/version")
@@ -210,37 +223,42 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
     async def health() -> Response:
         """Liveness: 200 while the router runs, with its state (``Router.health``):
         ``status`` ``ok``, ``degraded`` (Redis unreachable: serving on the last view) or
-        ``unavailable`` (no live decode worker)."""
-        return JSONResponse(router.health())
+        ``unavailable`` (no live decode worker); with several models, the worst of theirs
+        and each model's under ``models``."""
+        return JSONResponse(routers.health())
 
     @app.get("/ready")
     async def ready() -> Response:
-        """Readiness: 200 when a request can be served now, else 503 with the state."""
-        state = router.health()
+        """Readiness: 200 when a request can be served now (for every model), else 503
+        with the state."""
+        state = routers.health()
         return JSONResponse(state, status_code=503 if state["status"] == "unavailable" else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(router.metrics.exposition(), media_type=router.metrics.CONTENT_TYPE)
+        return Response(routers.exposition(), media_type=routers.first.metrics.CONTENT_TYPE)
 
-    def need_scaler():
-        if scaler is None:
+    def need_scaler(model: str | None):
+        if scalers is None:
             raise RequestError("pool scaling needs the workers' owner: `pdserve serve` "
                                "(Ray); this router was started without one", status=501)
-        return scaler
+        if model is None and len(routers) > 1:
+            raise RequestError(f"this cluster serves {len(routers)} models: name one in "
+                               "'model'", "model")
+        return scalers[routers.pick(model).served_model_name]
 
     @app.get("/admin/pools")
-    async def pools() -> Response:
-        """The pool sizes ``pdserve serve`` keeps (workers per pool)."""
-        sizes = need_scaler().sizes()
+    async def pools(model: str | None = None) -> Response:
+        """The pool sizes ``pdserve serve`` keeps (workers per pool) of ``model``."""
+        sizes = need_scaler(model).sizes()
         return JSONResponse({f"{role}_workers": n for role, n in sizes.items()})
 
     @app.post("/admin/scale")
     async def scale(raw: Request) -> Response:
-        """Resize the pools; answers once new workers serve and removed ones have drained
-        (minutes, when a model loads). Not public by default."""
+        """Resize a model's pools; answers once new workers serve and removed ones have
+        drained (minutes, when a model loads). Not public by default."""
         request = ScaleRequest.model_validate(await json_body(raw, max_body_bytes))
-        owner = need_scaler()
+        owner = need_scaler(request.model)
         wanted = {"prefill": request.prefill_workers, "decode": request.decode_workers}
         try:
             sizes = await owner.scale(wanted)
@@ -253,9 +271,15 @@ def build_app(router: Router, *, max_body_bytes: int = MAX_BODY_BYTES,
         """Prometheus HTTP service discovery (``http_sd_configs``) of every worker's
         ``/metrics``, from the registry. Not public by default: it names internal
         addresses (Prometheus sends the API key as ``authorization``)."""
-        return JSONResponse(router.pool.metrics_targets(router.served_model_name))
+        return JSONResponse([t for r in routers
+                             for t in r.pool.metrics_targets(r.served_model_name)])
 
     return app
+
+
+def _card(router: Router) -> ModelCard:
+    return ModelCard(id=router.served_model_name, root=router.config.model,
+                     max_model_len=router.max_model_len)
 
 
 def _scale_param(message: str) -> str | None:
@@ -292,12 +316,6 @@ def _add_error_handlers(app: FastAPI, router: Router) -> None:
         if exc.status_code == 404:
             message = f"{request.method} {request.url.path}: no such route"
         return reply(exc.status_code, error_response(exc.status_code, message))
-
-
-def _check_model(router: Router, model: str | None) -> None:
-    if model is not None and model != router.served_model_name:
-        shown = model if len(model) <= 100 else model[:97] + "..."
-        raise RequestError(f"The model `{shown}` does not exist.", "model", status=404)
 
 
 def _tokenize_prompt(router: Router, prompt: str | list[int]) -> list[int]:

@@ -211,6 +211,11 @@ class Router:
         await self.pool.close()
         self.index.close()
 
+    @property
+    def validation_context(self) -> dict:
+        """The ``context`` request models validate with (token ids within the vocabulary)."""
+        return {"vocab_size": self.vocab_size}
+
     def health(self) -> dict:
         """The router's state for ``/health``: ``status`` is ``ok``, ``degraded`` (the
         registry or prefix index is unreachable, or the prefill pool is empty while

@@ -57,7 +57,9 @@ class WorkerPool:
     ``run()`` refreshes both until cancelled. The registry discovers workers; Health
     decides who stays: a worker leaves the pool once it is gone from the registry and its
     Health no longer answers "ok" (dead, draining). So while Redis is unreachable, or just
-    restarted empty, the last known workers keep serving (logged once per outage)."""
+    restarted empty, the last known workers keep serving (logged once per outage). Only
+    the workers of the router's model (their record's ``model``, the served model name)
+    join: one registry serves every model of a cluster."""
 
     def __init__(self, registry: WorkerRegistry, config: RouterConfig,
                  metrics: RouterMetrics | None = None) -> None:
@@ -122,8 +124,10 @@ class WorkerPool:
         if self.metrics is not None:
             self.metrics.record_registry(available=True,
                                          num_rejected=len(self.registry.rejected_ids))
+        model = self.config.served_model_name or self.config.model
         for role, known in self.workers.items():
-            fresh = {r.worker_id: r for r in records if r.role == role}
+            # NOTE: one registry serves several models; this pool is one model's
+            fresh = {r.worker_id: r for r in records if r.role == role and r.model == model}
             for worker_id in list(known):
                 record = fresh.get(worker_id)
                 if record is None and known[worker_id].healthy:

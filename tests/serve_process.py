@@ -39,19 +39,23 @@ class ServeProcess:
 
 @contextmanager
 def serve_process(tmp_path_factory, flags: list[str], port: int | None = None,
-                  env: dict[str, str] | None = None) -> Iterator[ServeProcess]:
+                  env: dict[str, str] | None = None,
+                  models: list[str] | None = None) -> Iterator[ServeProcess]:
     """Start ``pdserve serve --model <demo> --served-model-name demo --dtype float32
     --max-model-len 512 --port <port> --redis-url <own> <flags>``, wait (at most
     ``START_TIMEOUT_S``) until it serves, and stop it on the way out; "pdserve stopped"
-    is checked then. ``env`` adds to the environment."""
+    is checked then. ``env`` adds to the environment; ``models`` replaces ``--model
+    <demo> --served-model-name demo`` (``["--models-config", FILE]``)."""
     model = make_demo_model(tmp_path_factory.mktemp("demo") / "model")
+    if models is None:
+        models = ["--model", str(model), "--served-model-name", "demo"]
     redis = RedisServer()
     port = port or free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.entrypoints.cli", "serve", "--model", str(model),
-             "--served-model-name", "demo", "--dtype", "float32", "--max-model-len", "512",
+            [sys.executable, "-m", "pdserve.entrypoints.cli", "serve", *models,
+             "--dtype", "float32", "--max-model-len", "512",
              "--port", str(port), "--redis-url", redis.url, *flags],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RAY_DEDUP_LOGS": "0", **(env or {})})
     deadline = time.monotonic() + START_TIMEOUT_S

@@ -210,13 +210,15 @@ def test_specs_are_checked_and_cross_the_wire():
 
 
 def test_the_grpc_api_checks_the_constraint():
-    servicer = RouterServicer(types.SimpleNamespace(vocab_size=2048))
+    router = types.SimpleNamespace(vocab_size=2048)
     ok = common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(regex=REGEX))
-    assert servicer._sampling_params(ok).structured_output == StructuredOutputSpec("regex", REGEX)
+    assert RouterServicer._sampling_params(ok, router).structured_output == \
+        StructuredOutputSpec("regex", REGEX)
     for bad in [common_pb2.StructuredOutput(regex="[a-"), common_pb2.StructuredOutput(),
                 common_pb2.StructuredOutput(json_object=False)]:
         with pytest.raises(RequestError) as refused:
-            servicer._sampling_params(common_pb2.SamplingParams(structured_output=bad))
+            RouterServicer._sampling_params(common_pb2.SamplingParams(structured_output=bad),
+                                            router)
         assert refused.value.param == "structured_output"
 
 

@@ -1,0 +1,79 @@
+"""The routers of one server, one per served model: a request's ``model`` picks one; their
+health and metrics are served together (``router/http.py``, ``router/grpc_server.py``)."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from pdserve.router.protocol import RequestError
+from pdserve.router.service import Router
+
+
+class Routers:
+    """The routers of one app, one per model: ``pick`` one by a request's ``model``;
+    their health and metrics together.
+
+    Raises:
+        ValueError: no router, or two with the same ``served_model_name``.
+    """
+
+    def __init__(self, routers: list[Router]) -> None:
+        if not routers:
+            raise ValueError("build_app needs at least one router")
+        self.by_name = {r.served_model_name: r for r in routers}
+        if len(self.by_name) != len(routers):
+            raise ValueError("two routers serve the same model name")
+        self.first = routers[0]
+
+    def __iter__(self):
+        return iter(self.by_name.values())
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+    def pick(self, model: str | None) -> Router:
+        """The router of ``model`` (the first when None).
+
+        Raises:
+            RequestError: 404 naming ``model`` when no router serves it.
+        """
+        if model is None:
+            return self.first
+        router = self.by_name.get(model)
+        if router is None:
+            shown = model if len(model) <= 100 else model[:97] + "..."
+            raise RequestError(f"The model `{shown}` does not exist.", "model", status=404)
+        return router
+
+    def health(self) -> dict:
+        """One router's ``health()``; with several, the worst status and each model's."""
+        if len(self) == 1:
+            return self.first.health()
+        states = {name: r.health() for name, r in self.by_name.items()}
+        order = ("ok", "degraded", "unavailable")
+        worst = max((s["status"] for s in states.values()), key=order.index)
+        return {"status": worst, "models": states}
+
+    def exposition(self) -> bytes:
+        """Every router's metrics in one Prometheus text exposition: the families of the
+        same name merged (their samples differ by the ``model_name`` label)."""
+        if len(self) == 1:
+            return self.first.metrics.exposition()
+        return generate_latest(_MergedRegistry([r.metrics.registry for r in self]))
+
+
+class _MergedRegistry:
+    """``collect()`` over several ``CollectorRegistry``s, one family per name."""
+
+    def __init__(self, registries) -> None:
+        self.registries = registries
+
+    def collect(self):
+        families = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        return list(families.values())
