@@ -42,6 +42,7 @@ from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.router.auth import ApiKeyAuth, load_api_keys
 from pdserve.router.flags import api_auth_from_args
 from pdserve.router.grpc_server import start_grpc_server
+from pdserve.router.http import build_app
 
 openai = pytest.importorskip("openai")
 
@@ -174,8 +175,9 @@ def cluster(tmp_path_factory):
                  str(MAX_MODEL_LEN), "--redis-url", redis.url, "--api-key", KEY,
                  "--api-key", SECOND_KEY, "--api-key-file", str(key_file)])
             run = _ServeRun(args, Interrupts())
-            served = RouterThread(*run._make_router(run._engine_config(), redis.url,
-                                                    TEST_AUTH))
+            router, background = run._make_router(run.models[0], redis.url, TEST_AUTH)
+            served = RouterThread(router, build_app(router, api_auth=run.api_auth,
+                                                    background=background))
             wait_ready(plain, plain_url, root / "router.log")
             yield Cluster(model, served, plain_url)
         finally:
