@@ -31,6 +31,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--num-threads", type=int, help="torch CPU threads for this engine")
+    parser.add_argument("--cpu-omp-threads-bind", default="auto",
+                        help="CPU only (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto binds "
+                        "intra-op thread i to the i-th CPU this process may use when the "
+                        "engine has one thread per such CPU; nobind; or a CPU list (0-3)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -45,7 +49,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, device=args.device,
-        num_threads=args.num_threads, model=args.model or str(ensure_demo_model()))
+        num_threads=args.num_threads,
+        cpu_omp_threads_bind=args.cpu_omp_threads_bind, model=args.model or str(ensure_demo_model()))
 
 
 __all__ = ["add_engine_args", "engine_kwargs"]

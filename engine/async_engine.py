@@ -223,6 +223,13 @@ class AsyncEngine:
     # The engine thread.
 
     def _run(self) -> None:
+        try:
+            self.engine.bind_threads()
+        except Exception as exc:  # NOTE: a bad CPU list fails every request, loudly
+            logger.exception("binding the engine's CPU threads failed")
+            self._stop.set()
+            self._fail_all(exc)
+            return
         while not self._stop.is_set():
             self._run_commands()
             self._housekeeping()

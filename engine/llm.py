@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._bound_threads: set[int] = set()  # threads whose team is bound (a CPU list)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -63,6 +65,9 @@ class LLM:
                 without a tokenizer, or a ``sampling_params`` list of the wrong length.
         """
         prompts = _as_prompt_list(prompts)
+        if threading.get_ident() not in self._bound_threads:
+            self.engine.bind_threads(explicit_only=True)
+            self._bound_threads.add(threading.get_ident())
         params = sampling_params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):

@@ -47,6 +47,16 @@ class EngineConfig:
     faster than 8192-row matmuls, which leave the cache), and a burst of prompts gets its
     first tokens in smaller groups (W1's served shape on 2 cores: mean TTFT ~0.67 s
     against ~0.85 s, same throughput).
+
+    ``cpu_omp_threads_bind`` (CPU only; vLLM's ``VLLM_CPU_OMP_THREADS_BIND``; see
+    ``LLMEngine.bind_threads`` for which thread it applies to): ``"auto"``
+    binds intra-op thread i to the i-th CPU this process may run on when there are as
+    many threads as such CPUs (the engine owns them; otherwise nothing is bound, so two
+    engines sharing a machine are not stacked on its first cores), ``"nobind"`` leaves
+    the threads to the kernel, and a CPU list (``"0-3"``, ``"0,2,4-5"``) binds thread i
+    to its i-th CPU. A bound team is never stacked onto one core while other processes
+    (the router, the client) take the other: under W1's served load on 2 cores, unbound
+    threads cost the decode worker ~13% more CPU time than the same work offline.
     """
 
     model: str
@@ -63,6 +73,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "auto"
     num_threads: int | None = None
+    cpu_omp_threads_bind: str = "auto"
     load_progress: bool = True
 
     def __post_init__(self) -> None:
@@ -70,6 +81,26 @@ class EngineConfig:
             raise ValueError(f"block_size={self.block_size} must be a power of two <= 128")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.cpu_omp_threads_bind not in ("auto", "nobind"):
+            parse_cpu_list(self.cpu_omp_threads_bind)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-3,6"`` -> ``[0, 1, 2, 3, 6]`` (Linux's cpu list format, in the order given).
+
+    Raises:
+        ValueError: not such a list, naming ``cpu_omp_threads_bind``.
+    """
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or int(last or first) < int(first):
+            raise ValueError(f"cpu_omp_threads_bind={text!r} must be auto, nobind or a CPU "
+                             "list such as 0-3 or 0,2,4-5")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    if len(set(cpus)) != len(cpus):
+        raise ValueError(f"cpu_omp_threads_bind={text!r} names a CPU twice")
+    return cpus
 
 
 @dataclass(slots=True)
@@ -392,6 +423,43 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def bind_threads(self, explicit_only: bool = False) -> int:
+        """Bind the calling thread's intra-op team as ``cpu_omp_threads_bind`` says (CPU
+        engines only); returns how many threads were bound. Call it on the thread that
+        steps the engine (an OpenMP team belongs to its thread): ``AsyncEngine`` does on
+        its own thread; ``LLM`` only for a CPU list (``explicit_only``), since "auto"
+        would pin its caller's thread, and every process that thread starts later.
+
+        Raises:
+            ValueError: a CPU list shorter than the team.
+        """
+        import os
+
+        from pdserve.kernels import cpu_ext
+
+        mode = self.config.cpu_omp_threads_bind
+        if self.device.type != "cpu" or mode == "nobind" or (explicit_only and mode == "auto"):
+            return 0
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)  # NOTE: a per-thread setting
+        threads = torch.get_num_threads()
+        if mode == "auto":
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) != threads:
+                logger.info("intra-op threads not bound: %d threads on %d CPUs "
+                            "(--cpu-omp-threads-bind auto binds only a team that has "
+                            "them all)", threads, len(cpus))
+                return 0
+        else:
+            cpus = parse_cpu_list(mode)
+            if len(cpus) < threads:
+                raise ValueError(f"cpu_omp_threads_bind={mode!r} names {len(cpus)} CPUs "
+                                 f"for {threads} intra-op threads")
+        bound = cpu_ext.bind_intra_op_threads(cpus[:threads])
+        logger.info("%d of %d intra-op threads bound to CPUs %s", bound, threads,
+                    cpus[:threads])
+        return bound
 
     def step(self) -> list[EngineOutput]:
         """Schedule, run the model once, and report each request's new tokens."""

@@ -98,6 +98,19 @@ def _has_prefill_attention() -> bool:
     return bool(torch.ops.pdserve_cpu.has_paged_prefill_attention())
 
 
+def bind_intra_op_threads(cpus: list[int]) -> int:
+    """Bind intra-op thread i of the calling thread's OpenMP team to CPU ``cpus[i]``
+    (as vLLM's ``VLLM_CPU_OMP_THREADS_BIND``); returns how many threads were bound (0
+    when the C++ kernels are unavailable). Call it on the thread that runs the model.
+
+    Raises:
+        RuntimeError: fewer CPUs than ``torch.get_num_threads()`` threads.
+    """
+    if not load():
+        return 0
+    return int(torch.ops.pdserve_cpu.bind_intra_op_threads(list(cpus)))
+
+
 def _build_and_load() -> bool:
     from torch.utils import cpp_extension
 

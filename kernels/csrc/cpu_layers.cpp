@@ -9,9 +9,12 @@
 
 #include <torch/library.h>
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -278,4 +281,35 @@ void argmax_rows(at::Tensor out, const at::Tensor& x) {
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
+}
+
+// Binds intra-op thread i of the calling thread's OpenMP team (torch's intra-op pool, as
+// at::parallel_for runs it) to CPU cpus[i] (Linux sched_setaffinity on that thread), as
+// vLLM's CPU worker binds its OpenMP threads (VLLM_CPU_OMP_THREADS_BIND). A bound team
+// is never stacked on one core by the kernel's load balancing while other processes
+// take the other core: its threads are preempted in place instead, and the team meets
+// at the next barrier as soon as they run again. Returns the number of threads bound.
+int64_t bind_intra_op_threads(std::vector<int64_t> cpus) {
+  const int64_t n = at::get_num_threads();
+  TORCH_CHECK(static_cast<int64_t>(cpus.size()) >= n, "bind_intra_op_threads: ", n,
+              " intra-op threads, but only ", cpus.size(), " CPUs given");
+  std::vector<int> bound(n, 0);
+  // NOTE: a range of n with grain 1 gives each of the team's n threads one index
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int thread = at::get_thread_num();
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(static_cast<int>(cpus[thread]), &set);
+      bound[thread] = sched_setaffinity(0, sizeof(set), &set) == 0;
+    }
+  });
+  int64_t count = 0;
+  for (int b : bound) count += b;
+  return count;
+}
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("bind_intra_op_threads(int[] cpus) -> int");
+  m.impl("bind_intra_op_threads", &bind_intra_op_threads);
 }

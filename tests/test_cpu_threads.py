@@ -1,0 +1,127 @@
+"""Binding the engine's intra-op threads to CPUs (``--cpu-omp-threads-bind``, vLLM's
+``VLLM_CPU_OMP_THREADS_BIND``): the CPU list parser, and real engines in fresh
+processes whose threads' affinities are read back from ``/proc``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.engine.llm_engine import EngineConfig, parse_cpu_list
+from pdserve.kernels import cpu_ext
+
+CPUS = sorted(os.sched_getaffinity(0))
+needs_two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs")
+needs_kernels = pytest.mark.skipif(not cpu_ext.load(), reason="C++ CPU kernels unavailable")
+
+
+def test_cpu_lists_parse_as_linux_writes_them():
+    assert parse_cpu_list("0-3,6") == [0, 1, 2, 3, 6]
+    assert parse_cpu_list("5") == [5]
+    assert parse_cpu_list("4-5, 1") == [4, 5, 1]  # the order given: thread i -> i-th CPU
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "-1", "0-", "0,0", "0-2,1", "all"])
+def test_bad_cpu_lists_are_refused_naming_the_setting(text):
+    with pytest.raises(ValueError, match="cpu_omp_threads_bind"):
+        EngineConfig(model="m", cpu_omp_threads_bind=text)
+
+
+# Runs an engine in a fresh process, on an AsyncEngine's own thread (as the workers do)
+# or through LLM on the main thread, then reads every thread's CPU affinity and CPU ticks;
+# "stepper" is the thread that ran the model.
+ENGINE_SCRIPT = r"""
+import asyncio, json, os, sys, threading
+import torch
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.async_engine import AsyncEngine
+model, threads, bind, how = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+llm = LLM(model, max_model_len=256, num_threads=threads, cpu_omp_threads_bind=bind,
+          device="cpu", load_progress=False)
+params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+if how == "llm":
+    out = llm.generate([{"prompt_token_ids": list(range(1, 150))}] * 4, params)
+    assert all(len(o.outputs[0].token_ids) == 64 for o in out)
+    stepper = threading.get_native_id()
+else:
+    engine = AsyncEngine(llm.engine)
+    engine.start()
+    async def main():
+        async def one(i):
+            return [o async for o in engine.generate(f"r{i}", list(range(1, 150)), params)]
+        runs = await asyncio.gather(*(one(i) for i in range(4)))
+        assert all(run[-1].finish_reason == "length" for run in runs), runs
+        return await engine.call(lambda e: threading.get_native_id())
+    stepper = asyncio.run(main())
+    engine.shutdown()
+tasks = {}
+for tid in os.listdir("/proc/self/task"):
+    try:
+        status = open(f"/proc/self/task/{tid}/status").read()
+        stat = open(f"/proc/self/task/{tid}/stat").read()
+    except FileNotFoundError:  # a thread that has just ended
+        continue
+    allowed = status.split("Cpus_allowed_list:")[1].split()[0]
+    tasks[tid] = (allowed, sum(int(x) for x in stat.rsplit(")", 1)[1].split()[11:13]))
+print("RESULT " + json.dumps({"stepper": str(stepper), "main": str(os.getpid()), "tasks": tasks}))
+"""
+
+
+def run_engine(model, threads: int, bind: str, how: str, ok: bool = True):
+    done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(model), str(threads), bind,
+                           how], capture_output=True, text=True, timeout=300, check=False)
+    if not ok:
+        return done
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def all_cpus() -> str:
+    with open("/proc/self/status") as status:
+        return status.read().split("Cpus_allowed_list:")[1].split()[0]
+
+
+@needs_two_cpus
+@needs_kernels
+def test_auto_binds_an_engine_threads_team_that_has_every_cpu(tiny_checkpoints):
+    result = run_engine(tiny_checkpoints["llama"], len(CPUS), "auto", "async")
+    tasks = result["tasks"]
+    # the engine thread holds the first CPU, a thread of its team each other one
+    assert tasks[result["stepper"]][0] == str(CPUS[0]), tasks
+    bound = [allowed for allowed, _ in tasks.values() if allowed != all_cpus()]
+    assert sorted(bound) == sorted(str(c) for c in CPUS), tasks
+    assert tasks[result["main"]][0] == all_cpus()  # the rest of the process is not bound
+
+
+@needs_two_cpus
+@needs_kernels
+@pytest.mark.parametrize("how", ["async", "llm"])
+def test_a_cpu_list_binds_thread_i_to_its_ith_cpu(tiny_checkpoints, how):
+    result = run_engine(tiny_checkpoints["llama"], 2, f"{CPUS[1]},{CPUS[0]}", how)
+    tasks = result["tasks"]
+    assert tasks[result["stepper"]][0] == str(CPUS[1]), tasks
+    assert any(allowed == str(CPUS[0]) for allowed, _ in tasks.values()), tasks
+
+
+@needs_two_cpus
+@pytest.mark.parametrize("threads,bind,how", [(1, "auto", "async"), (2, "nobind", "async"),
+                                              (len(CPUS), "auto", "llm")])
+def test_nothing_is_bound_otherwise(tiny_checkpoints, threads, bind, how):
+    """auto leaves a 1-thread engine unbound on a 2-CPU machine (another engine may share
+    it, and both would land on its first CPU), and LLM does not pin its caller's thread
+    (nor what that thread starts later) unless given a CPU list."""
+    result = run_engine(tiny_checkpoints["llama"], threads, bind, how)
+    assert {allowed for allowed, _ in result["tasks"].values()} == {all_cpus()}
+
+
+@needs_two_cpus
+@needs_kernels
+def test_a_list_shorter_than_the_team_is_refused(tiny_checkpoints):
+    done = run_engine(tiny_checkpoints["llama"], 2, str(CPUS[0]), "llm", ok=False)
+    assert done.returncode != 0
+    assert "cpu_omp_threads_bind" in done.stderr and "2 intra-op threads" in done.stderr
