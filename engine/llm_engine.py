@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -434,8 +435,6 @@ class LLMEngine:
         Raises:
             ValueError: a CPU list shorter than the team.
         """
-        import os
-
         from pdserve.kernels import cpu_ext
 
         mode = self.config.cpu_omp_threads_bind
@@ -457,8 +456,9 @@ class LLMEngine:
                 raise ValueError(f"cpu_omp_threads_bind={mode!r} names {len(cpus)} CPUs "
                                  f"for {threads} intra-op threads")
         bound = cpu_ext.bind_intra_op_threads(cpus[:threads])
-        logger.info("%d of %d intra-op threads bound to CPUs %s", bound, threads,
-                    cpus[:threads])
+        # NOTE: a CPU outside the process's allowed set (or the machine) stays unbound
+        logger.log(logging.INFO if bound == threads else logging.WARNING,
+                   "%d of %d intra-op threads bound to CPUs %s", bound, threads, cpus[:threads])
         return bound
 
     def step(self) -> list[EngineOutput]:

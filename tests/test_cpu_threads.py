@@ -125,3 +125,15 @@ def test_a_list_shorter_than_the_team_is_refused(tiny_checkpoints):
     done = run_engine(tiny_checkpoints["llama"], 2, str(CPUS[0]), "llm", ok=False)
     assert done.returncode != 0
     assert "cpu_omp_threads_bind" in done.stderr and "2 intra-op threads" in done.stderr
+
+
+@needs_two_cpus
+@needs_kernels
+def test_a_cpu_the_machine_cannot_have_stays_unbound():
+    script = ("import threading, torch\nfrom pdserve.kernels import cpu_ext\n"
+              "torch.set_num_threads(2)\n"
+              f"print('BOUND', cpu_ext.bind_intra_op_threads([{CPUS[0]}, 1 << 20]))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "BOUND 1" in done.stdout

@@ -298,6 +298,7 @@ int64_t bind_intra_op_threads(std::vector<int64_t> cpus) {
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int thread = at::get_thread_num();
+      if (cpus[thread] < 0 || cpus[thread] >= CPU_SETSIZE) continue;  // counted as unbound
       cpu_set_t set;
       CPU_ZERO(&set);
       CPU_SET(static_cast<int>(cpus[thread]), &set);
