@@ -63,7 +63,7 @@ for tid in os.listdir("/proc/self/task"):
     try:
         status = open(f"/proc/self/task/{tid}/status").read()
         stat = open(f"/proc/self/task/{tid}/stat").read()
-    except FileNotFoundError:  # a thread that has just ended
+    except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile (ESRCH on read)
         continue
     allowed = status.split("Cpus_allowed_list:")[1].split()[0]
     tasks[tid] = (allowed, sum(int(x) for x in stat.rsplit(")", 1)[1].split()[11:13]))
