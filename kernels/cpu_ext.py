@@ -35,10 +35,10 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PDSERVE_CPU_KERNELS"
 _SOURCES = ("cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_layers.cpp",
-            "cpu_block_copy.cpp")
+            "cpu_block_copy.cpp", "cpu_gemm.cpp")
 _OPS = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "rms_norm",
         "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax_rows",
-        "gather_block_rows", "scatter_block_rows")
+        "gather_block_rows", "scatter_block_rows", "pack_linear_weight", "linear_packed")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _lock = threading.Lock()
 _loaded: bool | None = None
@@ -96,6 +96,19 @@ def has_prefill_attention() -> bool:
 @functools.cache
 def _has_prefill_attention() -> bool:
     return bool(torch.ops.pdserve_cpu.has_paged_prefill_attention())
+
+
+def has_linear_packed() -> bool:
+    """Whether ``torch.ops.pdserve_cpu.linear_packed`` (fp32 linears on weights packed by
+    ``pack_linear_weight``, ``kernels/csrc/cpu_gemm.cpp``) runs on this CPU: the C++
+    kernels load and were built with AVX2 and FMA for a CPU without AVX-512 (where
+    oneDNN's AVX-512 kernels are kept)."""
+    return load() and _has_linear_packed()
+
+
+@functools.cache
+def _has_linear_packed() -> bool:
+    return bool(torch.ops.pdserve_cpu.has_linear_packed())
 
 
 def bind_intra_op_threads(cpus: list[int]) -> int:

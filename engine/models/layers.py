@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
+from pdserve.kernels import cpu_ext
 from pdserve.kernels.layers import fused_add_rms_norm, rms_norm
 
 
@@ -82,28 +83,48 @@ class RotaryEmbedding(nn.Module):
 
 
 class PackedLinear(nn.Module):
-    """A bias-free or biased linear layer whose weight oneDNN has reordered once into its
-    blocked layout (what Inductor's CPU freezing does, and vLLM's CPU backend with
-    ``onednn_mm``), so each call skips the per-call weight reorder.
+    """A bias-free or biased linear layer whose weight was reordered once, at load, into a
+    kernel's blocked layout, so no call reorders it again (what Inductor's CPU freezing
+    does, and vLLM's CPU backend with ``onednn_mm``).
 
-    Measured: bf16, about 1.2x faster than ``F.linear`` at 32 rows on AVX512-BF16 CPUs;
-    fp32 on a 2-core AVX2 EPYC, 1.5x at 32 rows for the 768-wide layers of a 125M Llama
-    and 2.3x for its 32000-row LM head, level with it at 1024 rows.
+    Two kernels, chosen per layer at construction:
 
-    ``x: [T, in_features]`` -> ``[T, out_features]``, in the weight's dtype (bf16 or
-    fp32), the values of ``F.linear`` up to summation order.
+    - fp32 on an AVX2 + FMA CPU without AVX-512, where pdserve's C++ kernels load:
+      ``torch.ops.pdserve_cpu.linear_packed`` (``kernels/csrc/cpu_gemm.cpp``: panels of
+      16 output features, 6 x 16 register tiles, work items handed out dynamically).
+      Measured on a 2-core Zen 3 over one decode step's linears of a 125M Llama
+      (``benchmarks/cpu_linear.py``): 1.11-1.33x oneDNN's packed linear from 1 to 128
+      rows, 1.01-1.04x at 256 and 1024.
+    - otherwise oneDNN's packed linear (``mkldnn._linear_pointwise``): bf16, about 1.2x
+      ``F.linear`` at 32 rows on AVX512-BF16 CPUs; fp32 on that 2-core AVX2 EPYC, 1.5x
+      at 32 rows for the 768-wide layers and 2.3x for the 32000-row LM head, level at
+      1024 rows.
+
+    ``x: [..., in_features]`` -> ``[..., out_features]``, in the weight's dtype (bf16 or
+    fp32): the values of ``F.linear`` up to fp32 summation order.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, own_kernel: bool | None = None) -> None:
+        """``own_kernel``: use ``linear_packed`` (None: where it runs, for fp32)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None),
-                             persistent=False)
+        if own_kernel is None:
+            own_kernel = weight.dtype == torch.float32 and cpu_ext.has_linear_packed()
+        self.own_kernel = own_kernel
+        pack = torch.ops.pdserve_cpu.pack_linear_weight if own_kernel else \
+            (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))
+        self.register_buffer("packed_weight", pack(weight), persistent=False)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if not self.own_kernel:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
+                                                      [], "")
+        rows = x.reshape(-1, self.in_features)
+        out = torch.ops.pdserve_cpu.linear_packed(rows, self.packed_weight, self.bias,
+                                                  self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float32)
@@ -128,7 +149,8 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
 
 def _packed_linear_works(dtype: torch.dtype) -> bool:
     try:
-        if not torch.backends.mkldnn.is_available():
+        own_kernel = dtype == torch.float32 and cpu_ext.has_linear_packed()
+        if not own_kernel and not torch.backends.mkldnn.is_available():
             return False
         x = torch.randn(3, 32).to(dtype)
         linear = nn.Linear(32, 16).to(dtype)
