@@ -6,7 +6,8 @@ last-level cache (as a serving engine's are), a new set of blocks per call (as t
 layers of a step read theirs), and reports the bytes of K and V read per second against
 the machine's copy bandwidth measured in the same run (bytes read + written by a
 ``Tensor.copy_`` of ``--copy-mib`` MiB). Default shape: W1's served decode step (32
-sequences of 320 tokens, 12 query heads over 4 kv heads of 64, fp32, block 16).
+sequences of 320 tokens, 12 query heads over 4 kv heads of 64, fp32, block 16). The
+cache sits on 2 MiB pages where Linux allows, as the engine's CPU KV cache does.
 
     python benchmarks/cpu_decode_attention.py
     python benchmarks/cpu_decode_attention.py --dtype bfloat16 --context-len 1024
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
 
+    from pdserve.engine.model_runner import cpu_zeros_on_huge_pages
     from pdserve.kernels import cpu_ext
     from pdserve.kernels.paged_decode_attention import paged_decode_attention
 
@@ -67,8 +69,11 @@ def main() -> None:
                          f"than one step's {args.num_seqs * per_seq}")
     generator = torch.Generator().manual_seed(0)
     shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
-    key_cache = torch.randn(shape, generator=generator).to(dtype)
-    value_cache = torch.randn(shape, generator=generator).to(dtype)
+    # NOTE: on 2 MiB pages where Linux allows, as the engine's CPU KV cache
+    key_cache = cpu_zeros_on_huge_pages(shape, dtype)
+    value_cache = cpu_zeros_on_huge_pages(shape, dtype)
+    key_cache.copy_(torch.randn(shape, generator=generator))
+    value_cache.copy_(torch.randn(shape, generator=generator))
     query = torch.randn(args.num_seqs, args.num_heads, args.head_dim,
                         generator=generator).to(dtype)
     seq_lens = torch.full((args.num_seqs,), args.context_len, dtype=torch.int32)
