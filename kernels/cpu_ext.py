@@ -35,10 +35,11 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PDSERVE_CPU_KERNELS"
 _SOURCES = ("cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_layers.cpp",
-            "cpu_block_copy.cpp", "cpu_gemm.cpp")
+            "cpu_block_copy.cpp", "cpu_gemm.cpp", "cpu_gemm_avx512.cpp")
 _OPS = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "rms_norm",
         "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax_rows",
-        "gather_block_rows", "scatter_block_rows", "pack_linear_weight", "linear_packed")
+        "gather_block_rows", "scatter_block_rows", "pack_linear_weight", "linear_packed",
+        "linear_panel_width")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _lock = threading.Lock()
 _loaded: bool | None = None
@@ -99,16 +100,51 @@ def _has_prefill_attention() -> bool:
 
 
 def has_linear_packed() -> bool:
-    """Whether ``torch.ops.pdserve_cpu.linear_packed`` (fp32 linears on weights packed by
+    """Whether ``torch.ops.pdserve_cpu.linear_packed`` (linears on weights packed by
     ``pack_linear_weight``, ``kernels/csrc/cpu_gemm.cpp``) runs on this CPU: the C++
-    kernels load and were built with AVX2 and FMA for a CPU without AVX-512 (where
-    oneDNN's AVX-512 kernels are kept)."""
+    kernels load and were built with AVX2 and FMA (fp32, 16-feature panels) or AVX-512
+    (fp32 and bf16, 32-feature panels, ``cpu_gemm_avx512.cpp``)."""
     return load() and _has_linear_packed()
 
 
 @functools.cache
 def _has_linear_packed() -> bool:
     return bool(torch.ops.pdserve_cpu.has_linear_packed())
+
+
+def linear_packed_dtypes() -> frozenset[torch.dtype]:
+    """The weight dtypes whose linears run faster in ``linear_packed`` than in oneDNN's
+    packed linear on this CPU, as measured by ``benchmarks/cpu_linear.py``:
+
+    - an AVX2 + FMA build (no AVX-512): fp32 (1.11-1.33x oneDNN at 1-128 rows, 1.01-1.04x
+      at 256-1024, on a 2-core Zen 3);
+    - an AVX-512 build: bf16, unless oneDNN's bf16 GEMM has hardware that runs it faster
+      than fp32 FMAs: AMX tiles, or an AMD CPU's AVX512-BF16 (Zen 4 computes vdpbf16ps at
+      twice its fp32 FMA rate). On a 2-core Xeon without AMX, oneDNN's bf16 linears ran at
+      140-167 GFLOP/s and ``linear_packed``'s bf16 (fp32 FMAs on widened weights) at
+      220-266: 1.26x at 1 row, 1.56-1.60x at 32-1024. Its fp32 path stays on oneDNN
+      there (1.10x at 32 rows but 0.81-0.84x at 256 and more).
+    """
+    if not has_linear_packed():
+        return frozenset()
+    if int(torch.ops.pdserve_cpu.linear_panel_width()) == 16:
+        return frozenset({torch.float32})
+    if torch.cpu._is_amx_tile_supported() or _cpu_vendor() == "AuthenticAMD":
+        return frozenset()
+    return frozenset({torch.bfloat16})
+
+
+@functools.cache
+def _cpu_vendor() -> str:
+    """``vendor_id`` of ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``), or ""."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def bind_intra_op_threads(cpus: list[int]) -> int:

@@ -87,14 +87,14 @@ class PackedLinear(nn.Module):
     kernel's blocked layout, so no call reorders it again (what Inductor's CPU freezing
     does, and vLLM's CPU backend with ``onednn_mm``).
 
-    Two kernels, chosen per layer at construction:
+    Two kernels, chosen per layer at construction by its weight's dtype:
 
-    - fp32 on an AVX2 + FMA CPU without AVX-512, where pdserve's C++ kernels load:
-      ``torch.ops.pdserve_cpu.linear_packed`` (``kernels/csrc/cpu_gemm.cpp``: panels of
-      16 output features, 6 x 16 register tiles, work items handed out dynamically).
-      Measured on a 2-core Zen 3 over one decode step's linears of a 125M Llama
-      (``benchmarks/cpu_linear.py``): 1.11-1.33x oneDNN's packed linear from 1 to 128
-      rows, 1.01-1.04x at 256 and 1024.
+    - pdserve's ``torch.ops.pdserve_cpu.linear_packed`` where it is the faster one
+      (``cpu_ext.linear_packed_dtypes``, with the measurements): fp32 on an AVX2 + FMA
+      CPU without AVX-512 (``kernels/csrc/cpu_gemm.cpp``: panels of 16 output features,
+      6 x 16 register tiles, work items handed out dynamically), bf16 on an AVX-512 CPU
+      whose bf16 dot products are no faster than fp32 FMAs (``cpu_gemm_avx512.cpp``:
+      panels of 32 features, 12 x 32 register tiles summing in fp32);
     - otherwise oneDNN's packed linear (``mkldnn._linear_pointwise``): bf16, about 1.2x
       ``F.linear`` at 32 rows on AVX512-BF16 CPUs; fp32 on that 2-core AVX2 EPYC, 1.5x
       at 32 rows for the 768-wide layers and 2.3x for the 32000-row LM head, level at
@@ -105,12 +105,13 @@ class PackedLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, own_kernel: bool | None = None) -> None:
-        """``own_kernel``: use ``linear_packed`` (None: where it runs, for fp32)."""
+        """``own_kernel``: use ``linear_packed`` (None: where it is the faster kernel for
+        the weight's dtype, ``cpu_ext.linear_packed_dtypes``)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         if own_kernel is None:
-            own_kernel = weight.dtype == torch.float32 and cpu_ext.has_linear_packed()
+            own_kernel = weight.dtype in cpu_ext.linear_packed_dtypes()
         self.own_kernel = own_kernel
         pack = torch.ops.pdserve_cpu.pack_linear_weight if own_kernel else \
             (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))
@@ -149,7 +150,7 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
 
 def _packed_linear_works(dtype: torch.dtype) -> bool:
     try:
-        own_kernel = dtype == torch.float32 and cpu_ext.has_linear_packed()
+        own_kernel = dtype in cpu_ext.linear_packed_dtypes()
         if not own_kernel and not torch.backends.mkldnn.is_available():
             return False
         x = torch.randn(3, 32).to(dtype)

@@ -1,6 +1,7 @@
-// fp32 linear layers on AVX2 + FMA CPUs without AVX-512: y = x W^T (+ b) with W packed
-// once, at load, into panels of 16 output features, built on first use by
-// pdserve/kernels/cpu_ext.py.
+// Packed linear layers: the ops pack_linear_weight and linear_packed, built on first use
+// by pdserve/kernels/cpu_ext.py. On AVX-512 CPUs they run cpu_gemm_avx512.cpp (fp32 and
+// bf16, 32-feature panels); this file holds the fp32 path for AVX2 + FMA CPUs without
+// AVX-512: y = x W^T (+ b) with W packed once, at load, into panels of 16 output features.
 //
 // The blocking is GotoBLAS's (Goto and van de Geijn, "Anatomy of High-Performance Matrix
 // Multiplication", ACM TOMS 34(3), 2008), with the weight as the packed operand: a
@@ -13,14 +14,15 @@
 //
 // Measured on a 2-core Zen 3 (benchmarks/cpu_linear.py), on the linears of one forward
 // pass of a 125M Llama: 1.11-1.33x oneDNN's packed fp32 linear from 1 to 128 rows,
-// 1.01-1.04x at 256 and 1024 (KC = 256 had given 0.90 at 1024). AVX-512 CPUs keep
-// oneDNN's AVX-512 kernels.
+// 1.01-1.04x at 256 and 1024 (KC = 256 had given 0.90 at 1024).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
+
+#include "cpu_gemm.h"
 
 #include <algorithm>
 #include <atomic>
@@ -42,6 +44,7 @@ constexpr int64_t kBlockM = 192;  // rows of x per work item: 288 KiB per KC sli
 // W [N, K] -> [ceil(N / 16), K, 16]: panel p, row k holds W[16p .. 16p + 16)[k], the
 // features past N zero.
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  if (pdserve::gemm_avx512::available()) return pdserve::gemm_avx512::pack(weight);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "pack_linear_weight: weight must be a 2-D float32 CPU tensor [out_features, "
               "in_features], got ", weight.sizes(), " ", weight.scalar_type());
@@ -137,6 +140,8 @@ void run_item(const float* x, int64_t m, int64_t k, const float* panel, const fl
 // y [M, N] = x [M, K] W^T + bias, W packed by pack_linear_weight; out_features = N.
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias, int64_t out_features) {
+  if (pdserve::gemm_avx512::available())
+    return pdserve::gemm_avx512::linear(x, packed, bias, out_features);
 #ifdef PDSERVE_PACKED_LINEAR
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "linear_packed: x must be a 2-D float32 CPU tensor [tokens, in_features], got ",
@@ -176,18 +181,23 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed,
   });
   return y;
 #else
-  TORCH_CHECK(false, "linear_packed: built without AVX2 + FMA, or for an AVX-512 CPU "
+  TORCH_CHECK(false, "linear_packed: built without AVX2 + FMA or AVX-512 "
               "(has_linear_packed() is False here)");
 #endif
 }
 
-// Whether linear_packed runs here (AVX2 + FMA without AVX-512 built in).
+// Whether linear_packed runs here (AVX2 + FMA, or AVX-512, built in).
 bool has_linear_packed() {
 #ifdef PDSERVE_PACKED_LINEAR
   return true;
 #else
-  return false;
+  return pdserve::gemm_avx512::available();
 #endif
+}
+
+// Output features per packed panel: 32 on AVX-512 builds, 16 on AVX2 ones.
+int64_t linear_panel_width() {
+  return pdserve::gemm_avx512::available() ? pdserve::gemm_avx512::panel_width() : kPanel;
 }
 
 }  // namespace
@@ -198,4 +208,5 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("linear_packed(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.impl("linear_packed", c10::DispatchKey::CPU, &linear_packed);
   m.def("has_linear_packed() -> bool", &has_linear_packed);
+  m.def("linear_panel_width() -> int", &linear_panel_width);
 }
