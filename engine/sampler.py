@@ -3,8 +3,10 @@
 Order of operations (vLLM's): logprobs from the raw logits; then ``logit_bias``; then
 repetition, frequency and presence penalties and the ``min_tokens`` ban on stop tokens; then
 the structured output bitmask of the rows that have a grammar (``engine/structured_output.py``;
-a batch without one does no extra work); then greedy rows take the argmax; the rest are divided by their temperature, filtered (min-p, top-k, top-p) and drawn
-by inverse transform sampling: one uniform ``u`` per row, and the first token whose
+a batch without one does no extra work); then greedy rows take the argmax; the rest are
+divided by their temperature, filtered (min-p, top-k, top-p) and drawn by inverse transform
+sampling (``kernels.layers.sample_rows``, one C++ pass over each row on the CPU where
+nothing is filtered): one uniform ``u`` per row, and the first token whose
 cumulative probability reaches ``(1 - u) * total``, which samples from ``p`` exactly (up to
 fp32 rounding of the running sum) and never picks a token of probability 0. It needs one
 random number per row where the exponential race ``argmax(p / q), q ~ Exp(1)`` needs one per
@@ -21,7 +23,7 @@ import torch
 
 from pdserve.engine.request import Logprob, Request
 from pdserve.engine.structured_output import apply_grammar_bitmask, bitmask_width
-from pdserve.kernels.layers import argmax
+from pdserve.kernels.layers import argmax, sample_rows
 
 _MASK64 = (1 << 64) - 1
 
@@ -60,38 +62,51 @@ class Sampler:
         self._apply_penalties(logits, requests)
         self._ban_stop_tokens(logits, requests)
         self._apply_grammars(logits, requests)
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        if bool(greedy.all()):
+        if all(p.greedy for p in params):
             tokens = argmax(logits)
         else:
-            tokens = torch.where(greedy, argmax(logits), self._draw(logits, requests))
+            tokens = self._draw(logits, requests)
         token_list = tokens.tolist()
         return [(t, _logprob(raw_logprobs, i, t, p.logprobs))
                 for i, (t, p) in enumerate(zip(token_list, params))]
 
     def _draw(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """``[N]`` int64: the argmax of greedy rows, a draw from the others."""
         params = [r.sampling_params for r in requests]
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
-                             device=logits.device)
-        logits = logits / temps[:, None]
-        min_p = [p.min_p for p in params]
-        if any(m > 0 for m in min_p):  # min-p first, as vLLM: relative to the top token
-            probs = torch.softmax(logits, dim=-1)
-            floor = torch.tensor(min_p, device=probs.device)[:, None] * probs.amax(-1, keepdim=True)
-            logits = logits.masked_fill(probs < floor, float("-inf"))
-        logits = _filter_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        probs = torch.softmax(logits, dim=-1)  # [N, V]
-        u = torch.empty(len(params), dtype=torch.float64)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params],
+                             dtype=torch.float32, device=logits.device)
+        # NOTE: greedy rows are left unfiltered, so they keep their argmax, ties included
+        sampled = [not p.greedy for p in params]
+        min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
+        top_k = [p.top_k if s else 0 for p, s in zip(params, sampled)]
+        top_p = [p.top_p if s else 1.0 for p, s in zip(params, sampled)]
+        if any(m > 0 for m in min_p) or _filters(top_k, top_p, logits.shape[1]):
+            # NOTE: filter the scaled logits, then draw from them as they are (temperature 1)
+            logits = logits / torch.where(temps > 0, temps, 1.0)[:, None]
+            if any(m > 0 for m in min_p):  # min-p first, as vLLM: relative to the top token
+                probs = torch.softmax(logits, dim=-1)
+                floor = torch.tensor(min_p, device=probs.device)[:, None] * \
+                    probs.amax(-1, keepdim=True)
+                logits = logits.masked_fill(probs < floor, float("-inf"))
+            logits = _filter_top_k_top_p(logits, top_k, top_p)
+            temps = (temps > 0).to(temps.dtype)
+        return sample_rows(logits, temps, self._uniforms(requests).to(logits.device))
+
+    def _uniforms(self, requests: Sequence[Request]) -> torch.Tensor:
+        """``[N]`` fp64 in [0, 1): a seeded row's from its (seed, output index), the
+        others' from the sampler's generator (greedy rows' unused)."""
+        params = [r.sampling_params for r in requests]
+        u = torch.zeros(len(params), dtype=torch.float64)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None and not p.greedy]
         if unseeded:
             u[unseeded] = torch.rand(len(unseeded), generator=self.generator,
                                      dtype=torch.float64)
         for i, p in enumerate(params):
-            if p.seed is not None:
+            if p.seed is not None and not p.greedy:
                 gen = torch.Generator().manual_seed(position_seed(p.seed,
                                                                   requests[i].num_output_tokens))
                 u[i] = torch.rand(1, generator=gen, dtype=torch.float64)
-        return _inverse_cdf_sample(probs, u.to(probs.device))
+        return u
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
@@ -171,12 +186,17 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Ten
     return counts[:, :vocab]
 
 
+def _filters(top_k: list[int], top_p: list[float], vocab: int) -> bool:
+    """Whether any row's top-k or top-p removes a token."""
+    return not (all(k == 0 or k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p))
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
                         ) -> torch.Tensor:
     """Set logits outside each row's top-k and top-p nucleus (Holtzman et al. 2019,
     https://arxiv.org/abs/1904.09751) to -inf. ``top_k == 0`` and ``top_p == 1`` are off."""
     vocab = logits.shape[1]
-    if all(k == 0 or k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p):
+    if not _filters(top_k, top_p, vocab):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
     ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
@@ -187,18 +207,6 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     ps = torch.tensor(top_p, device=logits.device)[:, None]
     sorted_logits = sorted_logits.masked_fill(mass_before >= ps, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-
-
-def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs: [N, V]`` (fp32, rows need not be normalised) given
-    ``u: [N]`` uniform in [0, 1): the first index whose running sum reaches
-    ``(1 - u) * row total``. That target lies in (0, total], so the index found has
-    probability above 0. Returns ``[N]`` int64."""
-    cdf = probs.cumsum(dim=-1)  # [N, V]
-    target = ((1.0 - u) * cdf[:, -1].to(u.dtype)).to(cdf.dtype)  # (0, total]
-    # NOTE: fp32 rounding can put the target a hair above the last running sum.
-    target = torch.minimum(target, cdf[:, -1])
-    return torch.searchsorted(cdf, target[:, None]).squeeze(1)
 
 
 def _logprob(raw: torch.Tensor | None, row: int, token: int, num_top: int | None

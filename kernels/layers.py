@@ -125,3 +125,37 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         torch.ops.pdserve_cpu.argmax_rows(out, x)
         return out
     return x.argmax(dim=-1)
+
+
+def sample_rows_ref(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor
+                    ) -> torch.Tensor:
+    """One token per row of ``logits: [rows, vocab]`` fp32: the argmax where
+    ``temperature: [rows]`` fp32 is 0, else a draw from ``softmax(logits / temperature)``
+    by inverse transform sampling with ``u: [rows]`` fp64 uniform in [0, 1): the first
+    index whose running sum of probabilities reaches ``(1 - u)`` of the row's total (so
+    a token of probability 0 is never drawn). A row whose largest logit is not finite
+    takes the argmax. Returns int64 ``[rows]``."""
+    greedy = (temperature == 0) | ~torch.isfinite(logits.amax(dim=-1))
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    probs = torch.softmax(scaled.masked_fill(greedy[:, None], 0.0), dim=-1)  # [rows, vocab]
+    cdf = probs.cumsum(dim=-1)
+    target = ((1.0 - u) * cdf[:, -1].to(u.dtype)).to(cdf.dtype)  # (0, total]
+    # NOTE: fp32 rounding can put the target a hair above the last running sum.
+    target = torch.minimum(target, cdf[:, -1])
+    drawn = torch.searchsorted(cdf, target[:, None]).squeeze(1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor
+                ) -> torch.Tensor:
+    """``sample_rows_ref``; on CPU a C++ kernel (``kernels/csrc/cpu_sampling.cpp``) that
+    never writes the probabilities or their running sums: rows in parallel, the draw
+    within 64-token blocks of the running sum. The two agree token for token but where
+    the target falls within rounding of a boundary between two tokens."""
+    if (logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1] > 0
+            and logits.stride(-1) == 1 and _on_cpu_kernels(logits)):
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        torch.ops.pdserve_cpu.sample_rows(out, logits, temperature.float().contiguous(),
+                                          u.double().contiguous())
+        return out
+    return sample_rows_ref(logits, temperature, u)

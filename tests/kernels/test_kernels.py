@@ -644,3 +644,44 @@ def test_argmax_cpu_kernel_is_torch_argmax():
     x[6] = float("-inf")
     assert torch.equal(layers.argmax(x), x.argmax(dim=-1))
     assert torch.equal(layers.argmax(x[:, :1]), torch.zeros(37, dtype=torch.int64))
+
+
+@CPU_KERNELS
+def test_sample_rows_cpu_kernel_draws_the_references_tokens():
+    """The C++ draw and the reference (softmax, cumsum, searchsorted) give the same token
+    for every row: temperatures from 0.05 to 3, masked (-inf) tokens first, last and
+    inside, greedy rows (temperature 0, ties to the first index), rows with a NaN or
+    nothing but -inf (the argmax), vocabularies that are and are not multiples of 64,
+    and u at 0 and just below 1."""
+    generator = torch.Generator().manual_seed(7)
+    for vocab in (1, 5, 64, 1000, 32000):
+        rows = 64
+        logits = torch.randn(rows, vocab, generator=generator) * 3
+        temperature = torch.rand(rows, generator=generator) * 2.95 + 0.05
+        u = torch.rand(rows, generator=generator, dtype=torch.float64)
+        u[0], u[1] = 0.0, 1.0 - 2.0 ** -53
+        if vocab > 2:
+            logits[2, 0] = logits[2, -1] = float("-inf")
+            logits[3, 1::3] = float("-inf")
+        temperature[4] = 0.0
+        logits[4, -1] = logits[4, 0] = logits[4].max() + 1
+        logits[5, vocab // 2] = float("nan")
+        logits[6] = float("-inf")
+        got = layers.sample_rows(logits, temperature, u)
+        want = layers.sample_rows_ref(logits, temperature, u)
+        assert torch.equal(got, want), (vocab, (got != want).nonzero().flatten().tolist())
+        assert got[4] == 0 and got[5] == vocab // 2 and got[6] == 0
+        if vocab > 2:
+            assert got[2] not in (0, vocab - 1) and got[3] % 3 != 1
+
+
+@CPU_KERNELS
+def test_sample_rows_cpu_kernel_names_what_is_wrong():
+    out, logits = torch.empty(2, dtype=torch.int64), torch.randn(2, 10)
+    temperature, u = torch.ones(2), torch.rand(2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="logits must be fp32"):
+        torch.ops.pdserve_cpu.sample_rows(out, logits.double(), temperature, u)
+    with pytest.raises(RuntimeError, match="temperature must be contiguous fp32 \\[rows\\]"):
+        torch.ops.pdserve_cpu.sample_rows(out, logits, torch.ones(3), u)
+    with pytest.raises(RuntimeError, match="u must be contiguous fp64 \\[rows\\]"):
+        torch.ops.pdserve_cpu.sample_rows(out, logits, temperature, u.float())
