@@ -49,10 +49,10 @@ class WorkerRuntime:
             from pdserve.cluster.prefix_index import KVEventPublisher
 
             self.publisher = KVEventPublisher(self.config.redis_url, self.worker_id)
-        engine = LLMEngine(self.config.engine, kv_event_callback=self.publisher,
-                           kv_lease_s=self.config.lease_s)
-        self.engine = AsyncEngine(engine, name=f"engine-{self.worker_id}")
-        self.engine.start()
+        self.engine = AsyncEngine.build(
+            lambda: LLMEngine(self.config.engine, kv_event_callback=self.publisher,
+                              kv_lease_s=self.config.lease_s),
+            name=f"engine-{self.worker_id}")
         return self.engine
 
     async def start_server(self, add_servicer: Callable[[grpc.aio.Server], None]) -> str:

@@ -177,3 +177,38 @@ def test_generate_cancelled_at_any_point_leaves_nothing(async_engine, delay_s):
                                                   e.num_unowned_blocks()))
 
     assert asyncio.run(main()) == (True, 0)
+
+
+def test_build_makes_the_engine_on_the_thread_that_steps_it(tiny_checkpoints):
+    import threading
+
+    made_on = []
+
+    def factory():
+        made_on.append(threading.get_ident())
+        return LLMEngine(EngineConfig(str(tiny_checkpoints["llama"]), dtype="float32",
+                                      max_model_len=256, load_progress=False))
+
+    runner = AsyncEngine.build(factory, name="built-engine")
+    try:
+        async def main():
+            stepped_on = await runner.call(lambda e: threading.get_ident())
+            tokens, last = await collect(runner, "built", [1, 2, 3])
+            return stepped_on, tokens, last
+        stepped_on, tokens, last = asyncio.run(main())
+        assert made_on == [stepped_on] and stepped_on != threading.get_ident()
+        assert len(tokens) == PARAMS.max_tokens and last.finish_reason == "length"
+    finally:
+        runner.shutdown()
+    assert not runner.alive
+
+
+def test_a_failed_build_raises_its_error_and_leaves_no_thread():
+    import threading
+
+    def factory():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.build(factory, name="failed-engine")
+    assert not any(t.name == "failed-engine" for t in threading.enumerate())

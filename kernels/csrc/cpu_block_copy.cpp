@@ -13,20 +13,19 @@
 // Gather copies cache row block_ids[i] of each plane to packed row i; scatter the
 // reverse: one memcpy per (block, plane) row, or one per block of all planes where both
 // sides are block-major (plane stride == row). Bytes are copied as they are, so any dtype
-// works (the caller casts). Work is split over torch's intra-op threads; small copies stay
-// on one thread.
+// works (the caller casts). The copies run on the calling thread alone: a KV transfer's
+// threads are not the engine's, and an OpenMP team started on one of them would outlive
+// the copy and outnumber the CPUs with the engine's team, which then stops spinning at
+// its barriers (see AsyncEngine.build); a memcpy-bound copy gains little from a second
+// thread on cores the engine is using anyway.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 namespace {
-
-constexpr int64_t kGrainBytes = 1 << 20;  // below this many bytes per task: one thread
 
 struct Side {
   char* base;
@@ -115,26 +114,19 @@ void copy_rows(const RowCopy& g, const int64_t* ids) {
   if (g.planes == 1 || (c.plane == g.row_bytes && p.plane == g.row_bytes)) {
     // Block-major on both sides: a block's rows of all planes are one run on each.
     const int64_t bytes = g.planes * g.row_bytes;
-    const int64_t grain = std::max<int64_t>(1, kGrainBytes / bytes);
-    at::parallel_for(0, g.n, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        copy<kGather>(c.base + ids[i] * c.block, p.base + i * p.block, bytes);
-      }
-    });
+    for (int64_t i = 0; i < g.n; ++i)
+      copy<kGather>(c.base + ids[i] * c.block, p.base + i * p.block, bytes);
     return;
   }
   // NOTE: a block-major cache is walked block by block (its rows of a block lie
   // together), a layer-major one plane by plane.
   const bool block_outer = c.plane < c.block;
-  const int64_t grain = std::max<int64_t>(1, kGrainBytes / g.row_bytes);
-  at::parallel_for(0, g.planes * g.n, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t plane = block_outer ? r % g.planes : r / g.n;
-      const int64_t i = block_outer ? r / g.planes : r % g.n;
-      copy<kGather>(c.base + plane * c.plane + ids[i] * c.block,
-                    p.base + plane * p.plane + i * p.block, g.row_bytes);
-    }
-  });
+  for (int64_t r = 0; r < g.planes * g.n; ++r) {
+    const int64_t plane = block_outer ? r % g.planes : r / g.n;
+    const int64_t i = block_outer ? r / g.planes : r % g.n;
+    copy<kGather>(c.base + plane * c.plane + ids[i] * c.block,
+                  p.base + plane * p.plane + i * p.block, g.row_bytes);
+  }
 }
 
 // out[:, :, i] = kv_cache[:, :, block_ids[i]]
@@ -143,8 +135,7 @@ void gather_block_rows(at::Tensor out, const at::Tensor& kv_cache, const at::Ten
   copy_rows<true>(g, block_ids.data_ptr<int64_t>());
 }
 
-// kv_cache[:, :, block_ids[i]] = src[:, :, i]; ids must be distinct (else the last wins,
-// or any, across threads).
+// kv_cache[:, :, block_ids[i]] = src[:, :, i]; ids must be distinct (else the last wins).
 void scatter_block_rows(at::Tensor kv_cache, const at::Tensor& block_ids, const at::Tensor& src) {
   const RowCopy g = check(kv_cache, src, block_ids, "scatter_block_rows");
   copy_rows<false>(g, block_ids.data_ptr<int64_t>());
