@@ -124,6 +124,9 @@ class StandInRouter:
     def check_available(self, num_sequences: int) -> None:
         pass
 
+    def validation_context(self) -> dict:
+        return {"vocab_size": self.vocab_size}
+
     async def generate(self, request):
         output = SequenceOutput(self.tokenizer, request.prompt_token_ids, request.stop,
                                 request.include_stop_str_in_output, request.skip_special_tokens)
@@ -185,7 +188,7 @@ _USAGE = re.compile(rb'"usage":\{"prompt_tokens":\d+,"completion_tokens":(\d+)')
 
 
 def make_app(tokenizer, token_ids: list[int], step_ms: float):
-    return build_app(StandInRouter(tokenizer, token_ids, step_ms / 1000))
+    return build_app([StandInRouter(tokenizer, token_ids, step_ms / 1000)])
 
 
 def bench_asgi(tokenizer, token_ids: list[int], args) -> dict[str, float]:
