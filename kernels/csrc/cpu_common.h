@@ -77,6 +77,34 @@ inline void load_as_float(const T* __restrict__ src, float* __restrict__ dst, in
   for (int64_t i = 0; i < n; ++i) dst[i] = Elem<T>::widen(raw[i]);
 }
 
+// A row's largest value, and whether it holds a NaN: row[0..n), n >= 1, one vectorized pass.
+struct RowMax {
+  float max;
+  bool nan;
+};
+inline RowMax row_max(const float* __restrict__ row, int64_t n) {
+  float best = row[0];
+  int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    best = std::max(best, row[i]);
+    nan |= row[i] != row[i];
+  }
+  return {best, nan != 0};
+}
+
+// torch.argmax of row[0..n) given its row_max: the first index of the largest value, a
+// NaN counting as the largest.
+inline int64_t argmax_of(const float* row, RowMax m) {
+  int64_t index = 0;
+  if (m.nan) {
+    while (row[index] == row[index]) ++index;
+  } else {
+    while (row[index] != m.max) ++index;
+  }
+  return index;
+}
+
 // In place: s[t] <- exp(s[t] - max(s)); returns 1 / sum_t of the new s[t].
 inline float softmax_inplace(float* __restrict__ s, int64_t n) {
   float max_score = -INFINITY;

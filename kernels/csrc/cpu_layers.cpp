@@ -258,20 +258,7 @@ void argmax_rows(at::Tensor out, const at::Tensor& x) {
   at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = ptr + r * stride;
-      float best = row[0];
-      int nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : nan)
-      for (int64_t i = 0; i < n; ++i) {
-        best = std::max(best, row[i]);
-        nan |= row[i] != row[i];
-      }
-      int64_t index = 0;
-      if (nan) {
-        while (row[index] == row[index]) ++index;
-      } else {
-        while (row[index] != best) ++index;
-      }
-      result[r] = index;
+      result[r] = pdserve::argmax_of(row, pdserve::row_max(row, n));
     }
   });
 }

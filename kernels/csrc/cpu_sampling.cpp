@@ -35,16 +35,6 @@ inline float weight(float logit, float max_logit, float inv_t) {
   return x < -87.0f ? 0.0f : exp_f32(x);
 }
 
-int64_t argmax_row(const float* row, int64_t n, float best, bool nan) {
-  int64_t index = 0;
-  if (nan) {
-    while (row[index] == row[index]) ++index;
-  } else {
-    while (row[index] != best) ++index;
-  }
-  return index;
-}
-
 // The first index of row[0..n) whose running weight reaches (1 - u) of the total.
 int64_t draw_row(const float* row, int64_t n, float max_logit, float inv_t, double u) {
   float total = 0.0f;
@@ -100,17 +90,11 @@ void sample_rows(at::Tensor out, const at::Tensor& logits, const at::Tensor& tem
   at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = ptr + r * stride;
-      float best = row[0];
-      int nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : nan)
-      for (int64_t i = 0; i < n; ++i) {
-        best = std::max(best, row[i]);
-        nan |= row[i] != row[i];
-      }
-      if (temps[r] == 0.0f || nan || !std::isfinite(best)) {
-        result[r] = argmax_row(row, n, best, nan);
+      const pdserve::RowMax m = pdserve::row_max(row, n);
+      if (temps[r] == 0.0f || m.nan || !std::isfinite(m.max)) {
+        result[r] = pdserve::argmax_of(row, m);
       } else {
-        result[r] = draw_row(row, n, best, 1.0f / temps[r], uniforms[r]);
+        result[r] = draw_row(row, n, m.max, 1.0f / temps[r], uniforms[r]);
       }
     }
   });
