@@ -4,9 +4,10 @@ Order of operations (vLLM's): logprobs from the raw logits; then ``logit_bias``;
 repetition, frequency and presence penalties and the ``min_tokens`` ban on stop tokens; then
 the structured output bitmask of the rows that have a grammar (``engine/structured_output.py``;
 a batch without one does no extra work); then greedy rows take the argmax; the rest are
-divided by their temperature, filtered (min-p, top-k, top-p) and drawn by inverse transform
-sampling (``kernels.layers.sample_rows``, one C++ pass over each row on the CPU where
-nothing is filtered): one uniform ``u`` per row, and the first token whose
+divided by their temperature, filtered (min-p, top-k, top-p: ``kernels.layers.filter_rows``,
+each a threshold on the logits, found on the CPU without sorting the row) and drawn by
+inverse transform sampling (``kernels.layers.sample_rows``, one C++ pass over each row on
+the CPU): one uniform ``u`` per row, and the first token whose
 cumulative probability reaches ``(1 - u) * total``, which samples from ``p`` exactly (up to
 fp32 rounding of the running sum) and never picks a token of probability 0. It needs one
 random number per row where the exponential race ``argmax(p / q), q ~ Exp(1)`` needs one per
@@ -23,7 +24,7 @@ import torch
 
 from pdserve.engine.request import Logprob, Request
 from pdserve.engine.structured_output import apply_grammar_bitmask, bitmask_width
-from pdserve.kernels.layers import argmax, sample_rows
+from pdserve.kernels.layers import argmax, filter_rows, sample_rows
 
 _MASK64 = (1 << 64) - 1
 
@@ -83,12 +84,10 @@ class Sampler:
         if any(m > 0 for m in min_p) or _filters(top_k, top_p, logits.shape[1]):
             # NOTE: filter the scaled logits, then draw from them as they are (temperature 1)
             logits = logits / torch.where(temps > 0, temps, 1.0)[:, None]
-            if any(m > 0 for m in min_p):  # min-p first, as vLLM: relative to the top token
-                probs = torch.softmax(logits, dim=-1)
-                floor = torch.tensor(min_p, device=probs.device)[:, None] * \
-                    probs.amax(-1, keepdim=True)
-                logits = logits.masked_fill(probs < floor, float("-inf"))
-            logits = _filter_top_k_top_p(logits, top_k, top_p)
+            device = logits.device
+            logits = filter_rows(logits, torch.tensor(min_p, device=device),
+                                 torch.tensor(top_k, device=device),
+                                 torch.tensor(top_p, device=device))
             temps = (temps > 0).to(temps.dtype)
         return sample_rows(logits, temps, self._uniforms(requests).to(logits.device))
 
@@ -189,24 +188,6 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Ten
 def _filters(top_k: list[int], top_p: list[float], vocab: int) -> bool:
     """Whether any row's top-k or top-p removes a token."""
     return not (all(k == 0 or k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p))
-
-
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
-                        ) -> torch.Tensor:
-    """Set logits outside each row's top-k and top-p nucleus (Holtzman et al. 2019,
-    https://arxiv.org/abs/1904.09751) to -inf. ``top_k == 0`` and ``top_p == 1`` are off."""
-    vocab = logits.shape[1]
-    if not _filters(top_k, top_p, vocab):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-    ps = torch.tensor(top_p, device=logits.device)[:, None]
-    sorted_logits = sorted_logits.masked_fill(mass_before >= ps, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
 def _logprob(raw: torch.Tensor | None, row: int, token: int, num_top: int | None

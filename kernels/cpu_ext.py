@@ -39,7 +39,7 @@ _SOURCES = ("cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_layers.cpp",
 _OPS = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "rms_norm",
         "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax_rows",
         "gather_block_rows", "scatter_block_rows", "pack_linear_weight", "linear_packed",
-        "linear_panel_width", "sample_rows")
+        "linear_panel_width", "sample_rows", "filter_rows")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _lock = threading.Lock()
 _loaded: bool | None = None

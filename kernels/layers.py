@@ -159,3 +159,50 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor
                                           u.double().contiguous())
         return out
     return sample_rows_ref(logits, temperature, u)
+
+
+def filter_rows_ref(logits: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor) -> torch.Tensor:
+    """Row ``r`` of ``logits: [rows, vocab]`` fp32 with min-p, top-k and top-p applied in
+    that order (``min_p: [rows]`` fp32, 0 off; ``top_k: [rows]`` int64, 0 off; ``top_p:
+    [rows]`` fp32, 1 off): each sets to -inf the logits below a threshold, so ties at it
+    are kept (as vLLM's top-k). min-p (https://arxiv.org/abs/2407.01082): ``max +
+    ln(min_p)``, a probability ``min_p`` times the top one's; top-k: the k-th largest
+    logit; top-p, the nucleus (https://arxiv.org/abs/1904.09751) of what is left: the
+    logit of the token whose probability, added to every better token's, first reaches
+    ``top_p``. Rows whose largest logit is not finite, or that hold a NaN, are returned as
+    they are. Returns a new tensor."""
+    out = logits.clone()
+    for r in range(out.shape[0]):
+        row = out[r]
+        top = row.max()
+        if not torch.isfinite(top) or row.isnan().any():
+            continue
+        if min_p[r] > 0:
+            row[row < top + torch.log(min_p[r])] = float("-inf")
+        k = int(top_k[r])
+        if 0 < k < row.numel():
+            row[row < row.topk(k).values[-1]] = float("-inf")
+        if top_p[r] < 1:
+            weights = torch.exp(row - top)  # [vocab], 0 where -inf
+            ordered, order = weights.sort(descending=True)
+            running = ordered.cumsum(0)
+            target = (top_p[r] * weights.sum()).reshape(1)
+            crossing = int(torch.searchsorted(running, target))
+            threshold = row[order[min(crossing, row.numel() - 1)]]
+            row[row < threshold] = float("-inf")
+    return out
+
+
+def filter_rows(logits: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor) -> torch.Tensor:
+    """``filter_rows_ref``; on CPU a C++ kernel (``kernels/csrc/cpu_sampling.cpp``) that
+    finds each threshold by bisection over the row instead of sorting it, in place on
+    ``logits`` (returned)."""
+    if (logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1] > 0
+            and logits.stride(-1) == 1 and _on_cpu_kernels(logits)):
+        torch.ops.pdserve_cpu.filter_rows(logits, min_p.float().contiguous(),
+                                          top_k.long().contiguous(),
+                                          top_p.float().contiguous())
+        return logits
+    return filter_rows_ref(logits, min_p, top_k, top_p)

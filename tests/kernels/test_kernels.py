@@ -685,3 +685,56 @@ def test_sample_rows_cpu_kernel_names_what_is_wrong():
         torch.ops.pdserve_cpu.sample_rows(out, logits, torch.ones(3), u)
     with pytest.raises(RuntimeError, match="u must be contiguous fp64 \\[rows\\]"):
         torch.ops.pdserve_cpu.sample_rows(out, logits, temperature, u.float())
+
+
+def test_filter_rows_ref_keeps_ties_and_the_nucleus():
+    """The reference on a known distribution: top-k keeps every logit tied with the k-th,
+    top-p keeps the smallest set of best tokens whose mass reaches p (renormalized after
+    top-k), min-p keeps p >= min_p * p_max."""
+    probs = torch.tensor([0.4, 0.2, 0.2, 0.1, 0.06, 0.04])
+    logits = probs.log().repeat(4, 1)
+    kept = layers.filter_rows_ref(
+        logits, min_p=torch.tensor([0.0, 0.0, 0.2, 0.0]), top_k=torch.tensor([2, 0, 0, 3]),
+        top_p=torch.tensor([1.0, 0.7, 1.0, 0.8])).isfinite()
+    assert kept[0].tolist() == [True, True, True, False, False, False]  # ties at the 2nd
+    assert kept[1].tolist() == [True, True, True, False, False, False]  # 0.4+0.2+0.2 >= 0.7
+    assert kept[2].tolist() == [True, True, True, True, False, False]  # >= 0.08
+    # top-3 (0.8 of the mass), renormalized: 0.5, 0.25, 0.25; 0.8 needs all three
+    assert kept[3].tolist() == [True, True, True, False, False, False]
+
+
+@CPU_KERNELS
+def test_filter_rows_cpu_kernel_keeps_what_the_reference_keeps():
+    """Random rows (fp32 logits and bf16-rounded ones, which tie often) with every filter
+    alone and together, masked tokens already in the row, rows with a NaN or nothing but
+    -inf (left alone): the kernel masks exactly the reference's tokens, but where the
+    nucleus's mass lies within rounding of top_p."""
+    generator = torch.Generator().manual_seed(11)
+    for vocab in (1, 7, 64, 1000, 32000):
+        for rounded in (False, True):
+            rows = 48
+            logits = torch.randn(rows, vocab, generator=generator) * 2.5
+            if rounded:
+                logits = logits.bfloat16().float()
+            if vocab > 2:
+                logits[0, ::2] = float("-inf")
+            logits[1, 0] = float("nan")
+            logits[2] = float("-inf")
+            min_p = torch.where(torch.rand(rows, generator=generator) < 0.3,
+                                torch.rand(rows, generator=generator) * 0.5, 0.0)
+            top_k = torch.where(torch.rand(rows, generator=generator) < 0.5,
+                                torch.randint(1, vocab + 2, (rows,), generator=generator), 0)
+            top_p = torch.where(torch.rand(rows, generator=generator) < 0.6,
+                                torch.rand(rows, generator=generator), 1.0)
+            want = layers.filter_rows_ref(logits, min_p, top_k, top_p)
+            got = layers.filter_rows(logits.clone(), min_p, top_k, top_p)
+            differ = (got.isfinite() != want.isfinite()).any(dim=1).nonzero().flatten()
+            for r in differ.tolist():  # NOTE: only a nucleus edge within fp32 rounding
+                before_top_p = layers.filter_rows_ref(logits[r:r + 1], min_p[r:r + 1],
+                                                      top_k[r:r + 1], torch.ones(1))[0]
+                weights = torch.exp(before_top_p - before_top_p.max())
+                running = (weights.sort(descending=True).values.cumsum(0) / weights.sum())
+                assert top_p[r] < 1, (vocab, rounded, r)
+                assert (running - top_p[r]).abs().min() < 1e-5, (vocab, rounded, r)
+            assert torch.equal(got[1:3].nan_to_num(), logits[1:3].nan_to_num())
+            assert got[3:].isfinite().any(dim=1).all()  # the best token always stays
