@@ -179,8 +179,9 @@ class KVEventPublisher:
     ``__call__`` only records the event (thread-safe, no I/O): it updates the worker's set
     of cached hashes and the pending changes, compacted per hash (a hash stored then
     removed before a flush sends one SREM). A daemon thread flushes the pending changes
-    every ``flush_interval_s``, and with nothing to send still writes (an empty update that
-    reads the epoch) every ``probe_interval_s``. While Redis is down, changes stay pending
+    as they come (one write at a time: what arrives during a write goes in the next), and
+    with nothing to send still writes (an empty update that reads the epoch)
+    every ``probe_interval_s``, sleeping in between. While Redis is down, changes stay pending
     and the thread retries every ``retry_interval_s``; when a write reports a new epoch
     (Redis restarted empty), it republishes every cached hash.
 
@@ -257,8 +258,14 @@ class KVEventPublisher:
         last_contact_s = float("-inf")
         while True:
             with self._cond:
+                # NOTE: an event wakes the thread at once; with nothing to send it sleeps
+                # until the next probe is due while Redis answers (an idle worker's thread
+                # woke 20 times a second), else it polls every flush_interval_s
+                wait_s = self.flush_interval_s if not self.available else max(
+                    self.flush_interval_s,
+                    last_contact_s + self.probe_interval_s - time.monotonic())
                 self._cond.wait_for(lambda: self._closed or self._to_add or self._to_remove,
-                                    self.flush_interval_s)
+                                    wait_s)
                 if self._closed:
                     return
                 due = time.monotonic() - last_contact_s >= self.probe_interval_s

@@ -28,7 +28,6 @@ from pdserve.engine.llm_engine import BlockOwnership, EngineOutput, LLMEngine
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-_IDLE_WAIT_S = 0.05
 _LEASE_CHECK_INTERVAL_S = 0.1
 _AUDIT_INTERVAL_S = 0.5  # O(blocks in use) on the engine thread
 
@@ -278,7 +277,7 @@ class AsyncEngine:
             self._run_commands()
             self._housekeeping()
             if not self.engine.has_unfinished_requests():
-                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.wait(self._idle_wait_s())
                 self._wake.clear()
                 continue
             try:
@@ -290,6 +289,16 @@ class AsyncEngine:
             self._deliver_step(outputs)
         self._run_commands()  # clean-ups queued before the stop
         self._fail_all(EngineDeadError("the engine is shutting down"))
+
+    def _idle_wait_s(self) -> float:
+        """How long the idle engine thread sleeps: until its next lease check while it
+        holds leases, else until its next audit. A command or a request wakes it at once;
+        an idle worker wakes twice a second, not twenty times, beside the engines on its
+        cores."""
+        deadline = self._next_audit
+        if self.engine.kv_cache_manager.held:
+            deadline = min(deadline, self._next_lease_check)
+        return min(max(0.0, deadline - time.monotonic()), _AUDIT_INTERVAL_S)
 
     def _housekeeping(self) -> None:
         """Every ``_LEASE_CHECK_INTERVAL_S``, unpin expired leases; every
