@@ -261,9 +261,16 @@ class Fuzzer:
         return path, json.dumps(body).encode(), note  # ensure_ascii: "\ud800" stays an escape
 
 
-def check_reply(status: int, content: bytes, streamed: bool, note: str) -> None:
-    """No 5xx; a 4xx is an OpenAI error; a stream holds no internal error."""
+def check_reply(status: int, content: bytes, streamed: bool, note: str,
+                retry_after: str | None = None) -> None:
+    """No 5xx but load shedding; a 4xx is an OpenAI error; a stream holds no internal
+    error. Shedding (503 with Retry-After, service_unavailable) is the router's answer
+    when the fuzzer's own concurrent requests of up to 256 sequences pass a pool's cap
+    of 256 sequences in flight (a timing question), so it is allowed for those alone."""
     where = f"{note}: {status} {content[:300]!r}"
+    if status == 503 and note == "sequences" and retry_after:
+        assert json.loads(content)["error"]["type"] == "service_unavailable", where
+        return
     assert status < 500, where
     if status >= 400:
         error = json.loads(content)["error"]
@@ -288,7 +295,7 @@ async def send_all(url: str, cases: list[tuple[str, bytes, str]]) -> list[int]:
                                         headers={"content-type": "application/json"})
             check_reply(reply.status_code, reply.content,
                         reply.headers.get("content-type", "").startswith("text/event-stream"),
-                        note)
+                        note, reply.headers.get("retry-after"))
             return reply.status_code
 
         return await asyncio.gather(*(send(*case) for case in cases))
@@ -300,6 +307,7 @@ def test_fuzzed_bodies_never_get_a_5xx(served):
     statuses = asyncio.run(send_all(served.url, cases))
     assert statuses.count(200) >= 200  # the valid share really generated
     assert statuses.count(400) >= 500
+    assert statuses.count(503) <= 10  # NOTE: shed, rarely, when two big requests overlap
     reply = httpx.post(served.url + "/v1/completions", timeout=30,
                        json={"prompt": "the sea", "max_tokens": 3})
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] is not None
