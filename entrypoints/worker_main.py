@@ -11,11 +11,24 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
+from pathlib import Path
 
 from pdserve.cluster.worker_config import add_worker_args, worker_config_from_args
 from pdserve.engine.args import add_engine_args
+
+
+def write_ready_file(path: Path, info: dict) -> None:
+    """Write ``info`` as JSON to ``path`` whole or not at all: a launcher that polls for the
+    file (SLURM scripts, tests) never reads it half-written. The bytes go to a sibling file
+    first, then ``os.replace`` renames it (atomic on one POSIX file system).
+
+    Raises ``OSError`` when the folder is not writable."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(info))
+    os.replace(partial, path)
 
 
 def make_worker(config):
@@ -38,8 +51,7 @@ async def serve(config, ready_file: str | None = None) -> None:
             "metrics_address": metrics.address if metrics is not None else ""}
     print(json.dumps(info), flush=True)
     if ready_file:
-        with open(ready_file, "w") as f:
-            json.dump(info, f)
+        write_ready_file(Path(ready_file), info)
     stop = asyncio.Event()
     received: list[int] = []
 

@@ -266,3 +266,19 @@ def test_mismatched_kv_handle_is_refused_and_nothing_leaks(tiny_checkpoints, red
     assert len(ok.tokens) == GREEDY.max_tokens
     assert p_state.num_free_blocks == p_state.num_total_blocks
     assert d_state.num_free_blocks == d_state.num_total_blocks
+
+
+def test_ready_file_appears_whole(tmp_path):
+    """A launcher polls for the ready file and reads it at once: it must never see it empty
+    or half-written, and a rewrite leaves no partial file behind."""
+    import json
+
+    from pdserve.entrypoints.worker_main import write_ready_file
+
+    path = tmp_path / "decode.ready.json"
+    info = {"worker_id": "decode-x", "grpc_address": "127.0.0.1:1234", "pad": "x" * 1_000_000}
+    write_ready_file(path, info)
+    assert json.loads(path.read_text()) == info
+    write_ready_file(path, {"worker_id": "decode-y"})
+    assert json.loads(path.read_text()) == {"worker_id": "decode-y"}
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
