@@ -110,9 +110,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="prompts shorter than this many tokens skip the prefill pool")
     from pdserve.cluster.auth import add_cluster_auth_args
-    from pdserve.router.flags import add_api_auth_args, add_lifecycle_args
+    from pdserve.router.flags import add_api_auth_args, add_http_args, add_lifecycle_args
 
     add_lifecycle_args(parser)
+    add_http_args(parser)
     add_api_auth_args(parser)
     add_cluster_auth_args(parser, generated=True)
 
@@ -239,9 +240,10 @@ class _ServeRun:
             pool_engine_config(EngineConfig("<model>"), getattr(args, f"{role}_engine_args"),
                                role)
         self.planner_config = planner_config_from_args(args) if args.autoscale else None
-        from pdserve.router.flags import lifecycle_kwargs
+        from pdserve.router.flags import http_timeouts_from_args, lifecycle_kwargs
 
         lifecycle_kwargs(args)  # NOTE: checks the router's flags before anything starts
+        self.http_timeouts = http_timeouts_from_args(args)
         self.models = self._models()
 
     def _models(self) -> list[ModelSpec]:
@@ -289,7 +291,7 @@ class _ServeRun:
         from pdserve.router.routers import Routers
 
         app = build_app(routers, api_auth=self.api_auth, scaler=scalers,
-                        background=background)
+                        background=background, http_timeouts=self.http_timeouts)
         try:
             asyncio.run(run_router(Routers(routers), app, args.host, http_sock, grpc_sock,
                                    f"(Redis {redact_url(redis_url)})", self._on_serving))
@@ -634,6 +636,7 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
     import uvicorn
 
     from pdserve.router.grpc_server import start_grpc_server
+    from pdserve.router.http_server import uvicorn_config
     from pdserve.router.routers import Routers
 
     routers = router if isinstance(router, Routers) else Routers([router])
@@ -658,7 +661,7 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
         names = ", ".join(r.served_model_name for r in routers)
         line = (f"pdserve serving {names} on "
                 f"http://{_address(host, http_sock.getsockname()[1])}/v1{grpc_note} {note}")
-        server = AnnouncingServer(uvicorn.Config(app, log_level="warning"))
+        server = AnnouncingServer(uvicorn_config(app, log_level="warning"))
         with contextlib.suppress(KeyboardInterrupt):
             # NOTE: uvicorn stops on SIGINT/SIGTERM, then raises that signal again
             await server.serve(sockets=[http_sock])

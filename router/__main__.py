@@ -16,8 +16,6 @@ import argparse
 import logging
 import sys
 
-import uvicorn
-
 from pdserve.cluster.auth import (
     add_cluster_auth_args,
     cluster_auth_from_args,
@@ -26,11 +24,14 @@ from pdserve.cluster.auth import (
 )
 from pdserve.router.flags import (
     add_api_auth_args,
+    add_http_args,
     add_lifecycle_args,
     api_auth_from_args,
+    http_timeouts_from_args,
     lifecycle_kwargs,
 )
 from pdserve.router.http import build_app
+from pdserve.router.http_server import serve_app
 from pdserve.router.service import DEFAULT_LOCAL_PREFILL_THRESHOLD, Router, RouterConfig
 
 
@@ -55,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="prompts shorter than this many tokens are prefilled on the "
                              "decode worker (0: never; default: one block)")
     add_lifecycle_args(parser)
+    add_http_args(parser)
     add_api_auth_args(parser)
     add_cluster_auth_args(parser)
     parser.add_argument("--log-level", default="info")
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         auth = cluster_auth_from_args(args)  # NOTE: ClusterAuthError is a ValueError
         redis_url = redis_url_with_password(args.redis_url, redis_password_from_args(args))
         router_kwargs = lifecycle_kwargs(args)
+        http_timeouts = http_timeouts_from_args(args)
     except ValueError as exc:
         print(f"python -m pdserve.router: error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -78,8 +81,8 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model, redis_url=redis_url, served_model_name=args.served_model_name,
         block_size=args.block_size, max_model_len=args.max_model_len,
         local_prefill_threshold=args.local_prefill_threshold, auth=auth, **router_kwargs))
-    uvicorn.run(build_app(router, api_auth=api_auth), host=args.host, port=args.port,
-                log_level=args.log_level)
+    serve_app(build_app(router, api_auth=api_auth, http_timeouts=http_timeouts),
+              host=args.host, port=args.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ LIFECYCLE_FIELDS = ("migration_limit", "max_waiting_requests", "prefill_max_infl
                     "decode_max_inflight", "decode_max_kv_usage", "disaggregation",
                     "max_prefill_queue_size", "prefill_routing", "enable_auto_tool_choice",
                     "tool_call_parser")
+# seconds a request's headers, then its body, may take to arrive (router/http_server.py)
+DEFAULT_REQUEST_HEADER_TIMEOUT_S = 10.0
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 60.0
 # vLLM's --tool-call-parser names (router/tool_parsers.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
@@ -79,6 +82,31 @@ def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="how the model writes tool calls: hermes (Hermes, Qwen), "
                              "llama3_json (Llama 3.1-3.3), mistral")
+
+
+def add_http_args(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server's request deadlines (``router/http_server.py``; read back by
+    ``http_timeouts_from_args``)."""
+    parser.add_argument("--request-header-timeout-s", type=float,
+                        default=DEFAULT_REQUEST_HEADER_TIMEOUT_S,
+                        help="seconds a request's line and headers may take to arrive "
+                             "(from the connection's opening, or the previous response's "
+                             "end); past it the connection is closed (%(default)s)")
+    parser.add_argument("--request-body-timeout-s", type=float,
+                        default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+                        help="seconds a request's body may take to arrive after its "
+                             "headers; past it the connection is closed (%(default)s)")
+
+
+def http_timeouts_from_args(args: argparse.Namespace):
+    """``HTTPTimeouts`` from ``add_http_args``'s flags.
+
+    Raises:
+        ValueError: a timeout that is not a positive number of seconds (names the flag).
+    """
+    from pdserve.router.http_server import HTTPTimeouts
+
+    return HTTPTimeouts(args.request_header_timeout_s, args.request_body_timeout_s)
 
 
 def lifecycle_kwargs(args: argparse.Namespace) -> dict:

@@ -40,6 +40,7 @@ from pdserve.router.http_guard import (
     InternalErrorMiddleware,
     json_body,
 )
+from pdserve.router.http_server import HTTPServerMetrics, HTTPTimeouts
 from pdserve.router.limits import choice_seed
 from pdserve.router.logprobs import chat_logprobs, completion_logprobs
 from pdserve.router.protocol import (
@@ -92,7 +93,8 @@ class ScaleRequest(BaseModel):
 
 def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BODY_BYTES,
               api_auth: ApiKeyAuth | None = None, scaler=None,
-              background: Sequence[Callable[[], Awaitable[None]]] = ()) -> FastAPI:
+              background: Sequence[Callable[[], Awaitable[None]]] = (),
+              http_timeouts: HTTPTimeouts | None = None) -> FastAPI:
     """The FastAPI app serving ``router``, or several routers, one per model (their
     ``served_model_name``s distinct; a request's ``model`` picks one, the first when it
     names none); its lifespan starts and stops them.
@@ -107,6 +109,10 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
     while reading). With ``api_auth``, every path but its public ones needs one of its
     API keys (401 otherwise, ``router/auth.py``); it is kept as ``app.state.api_auth``,
     so that a gRPC server started beside the app can take the same keys.
+
+    ``http_timeouts`` (default ``HTTPTimeouts()``) bound how long a request may take to
+    arrive; kept as ``app.state.http_timeouts`` beside ``app.state.http_metrics`` for the
+    server that ``router/http_server.py``'s ``uvicorn_config`` makes for the app.
 
     Raises:
         ValueError: no router, or two serving the same model name.
@@ -134,6 +140,8 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
     _add_error_handlers(app, routers.first)
     app.add_middleware(InternalErrorMiddleware)
     app.state.api_auth = api_auth
+    app.state.http_timeouts = http_timeouts or HTTPTimeouts()
+    app.state.http_metrics = http_metrics = HTTPServerMetrics()
     if api_auth is not None:  # NOTE: added last, so it runs first: before anything else
         app.add_middleware(ApiKeyMiddleware, auth=api_auth)
     # The tokenizers are loaded when the routers start: a cache is made on first use.
@@ -236,7 +244,8 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(routers.exposition(), media_type=routers.first.metrics.CONTENT_TYPE)
+        return Response(routers.exposition(http_metrics.registry),
+                        media_type=routers.first.metrics.CONTENT_TYPE)
 
     def need_scaler(model: str | None):
         if scalers is None:

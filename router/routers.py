@@ -3,7 +3,7 @@ health and metrics are served together (``router/http.py``, ``router/grpc_server
 
 from __future__ import annotations
 
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.router.protocol import RequestError
 from pdserve.router.service import Router
@@ -54,12 +54,14 @@ class Routers:
         worst = max((s["status"] for s in states.values()), key=order.index)
         return {"status": worst, "models": states}
 
-    def exposition(self) -> bytes:
-        """Every router's metrics in one Prometheus text exposition: the families of the
-        same name merged (their samples differ by the ``model_name`` label)."""
-        if len(self) == 1:
+    def exposition(self, *extra: CollectorRegistry) -> bytes:
+        """Every router's metrics, and those of the ``extra`` registries (the HTTP
+        server's), in one Prometheus text exposition: the families of the same name
+        merged (their samples differ by the ``model_name`` label)."""
+        if len(self) == 1 and not extra:
             return self.first.metrics.exposition()
-        return generate_latest(_MergedRegistry([r.metrics.registry for r in self]))
+        return generate_latest(_MergedRegistry([r.metrics.registry for r in self] +
+                                               list(extra)))
 
 
 class _MergedRegistry:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 
@@ -21,6 +22,7 @@ from pdserve.engine.demo_model import make_demo_model
 from pdserve.entrypoints.redis_server import RedisServer, free_port
 from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.router.http import build_app
+from pdserve.router.http_server import HTTPTimeouts, uvicorn_config
 from pdserve.router.service import Router, RouterConfig
 
 
@@ -33,6 +35,8 @@ class Cluster:
     decode: DecodeWorker
     router: Router
     oracle: LLM
+    app: Any = None  # the router's FastAPI app
+    loop: asyncio.AbstractEventLoop | None = None  # where the workers, router and app run
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
@@ -71,10 +75,12 @@ class Cluster:
 @contextlib.contextmanager
 def in_process_cluster(folder: Path, max_model_len: int, *, model: Path | None = None,
                        oracle: LLM | None = None, num_gpu_blocks: int = 64,
+                       http_timeouts: HTTPTimeouts | None = None,
                        **router_kwargs) -> Iterator[Cluster]:
     """The cluster on ``model`` (default: the demo model, written under ``folder``), each
     worker with ``num_gpu_blocks`` KV blocks; ``oracle`` (default: a new ``LLM``) is the
-    offline engine to compare with; ``router_kwargs`` go to ``RouterConfig``."""
+    offline engine to compare with; ``http_timeouts`` go to ``build_app``;
+    ``router_kwargs`` go to ``RouterConfig``."""
     model = model or make_demo_model(folder / "demo")
     engine = EngineConfig(str(model), dtype="float32", max_model_len=max_model_len,
                           load_progress=False, num_gpu_blocks_override=num_gpu_blocks,
@@ -96,7 +102,8 @@ def in_process_cluster(folder: Path, max_model_len: int, *, model: Path | None =
         router = Router(RouterConfig(str(model), redis.url, max_model_len=max_model_len,
                                      **router_kwargs))
         port = free_port()
-        server = uvicorn_server(build_app(router), port)
+        app = build_app(router, http_timeouts=http_timeouts)
+        server = uvicorn_server(app, port)
         serving = asyncio.run_coroutine_threadsafe(server.serve(), loop)
         deadline = time.monotonic() + 30
         while not server.started:
@@ -106,7 +113,7 @@ def in_process_cluster(folder: Path, max_model_len: int, *, model: Path | None =
                                load_progress=False)
         try:
             yield Cluster(model, f"http://127.0.0.1:{port}", redis.url, prefill, decode,
-                          router, oracle)
+                          router, oracle, app, loop)
         finally:
             server.should_exit = True
             serving.result(30)
@@ -117,8 +124,9 @@ def in_process_cluster(folder: Path, max_model_len: int, *, model: Path | None =
 
 
 def uvicorn_server(app, port: int, log_level: str = "warning"):
-    """A uvicorn server for ``app`` on 127.0.0.1:``port`` (0: any), not started."""
+    """A uvicorn server for ``app`` (from ``build_app``) on 127.0.0.1:``port`` (0: any),
+    configured as the router serves it (its request deadlines), not started."""
     import uvicorn
 
-    return uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+    return uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port,
                                          log_level=log_level))

@@ -55,6 +55,7 @@ from pdserve.proto import (
 )
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http import build_app
+from pdserve.router.http_server import uvicorn_config
 from pdserve.router.service import Router, RouterConfig
 
 MAX_MODEL_LEN = 256
@@ -105,7 +106,7 @@ async def serve_http(router: Router, port: int):
     """Start uvicorn for ``router`` on loopback; returns (server, its serving task)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(build_app(router), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn_config(build_app(router), host="127.0.0.1", port=port,
                                            log_level="warning"))
     task = asyncio.ensure_future(server.serve())
     for _ in range(600):

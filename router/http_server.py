@@ -1,0 +1,202 @@
+"""The router's HTTP server: uvicorn, with deadlines on receiving a request.
+
+uvicorn bounds the idle time between two requests on a kept-alive connection
+(``timeout_keep_alive``) but not the time a request takes to arrive: its keep-alive timer
+stops at a request's first byte, and nothing bounds the rest. A client that sends a
+request line and then one header byte a minute, or headers and then a trickle of body,
+holds its connection, a file descriptor and (for the body) a handler for as long as it
+likes; a few thousand such clients ("Slowloris", CVE-2007-6750) use up the router's
+connections without ever passing the API key check, which runs once the request is in.
+ASGI middleware cannot help: the app sees nothing before the headers are complete.
+
+``TimedH11Protocol`` is uvicorn's h11 protocol with two deadlines, as Apache's
+mod_reqtimeout and nginx's ``client_header_timeout`` / ``client_body_timeout`` set them
+(uvicorn's own issue #157 proposes the same two):
+
+- **header**: a request's line and headers arrive within ``header_timeout_s`` of the
+  connection's opening, or of the previous response's end on a kept-alive connection;
+- **body**: its body arrives within ``body_timeout_s`` of its headers.
+
+Once a request has arrived whole, no deadline runs while the router answers it: a stream
+may last as long as its generation does. On a deadline the connection is closed; a client
+that had sent part of its headers first gets ``408 Request Timeout`` (an OpenAI error
+body), one that had sent nothing gets a plain close (as uvicorn closes an idle kept-alive
+connection, so that a client sending its next request just then sees a closed connection,
+not an answer to a request it never sent). A body cut short reaches the app as a client
+disconnect. Each expiry counts in ``pdserve:http_request_timeouts_total{phase}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import h11
+from prometheus_client import CollectorRegistry, Counter
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pdserve.router.flags import DEFAULT_REQUEST_BODY_TIMEOUT_S, DEFAULT_REQUEST_HEADER_TIMEOUT_S
+from pdserve.router.protocol import error_response
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_PHASES = ("header", "body")
+_WARN_EVERY_S = 60.0  # at most one warning a minute about expired deadlines
+
+
+@dataclass(frozen=True)
+class HTTPTimeouts:
+    """How long a request may take to arrive, in seconds (module docstring).
+
+    Attributes:
+        header_timeout_s: request line and headers, from the connection's opening or the
+            previous response's end.
+        body_timeout_s: the body, from the end of the headers.
+
+    Raises:
+        ValueError: a timeout that is not a positive finite number of seconds (the
+            message names the flag).
+    """
+
+    header_timeout_s: float = DEFAULT_REQUEST_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        for name, flag in (("header_timeout_s", "--request-header-timeout-s"),
+                           ("body_timeout_s", "--request-body-timeout-s")):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(f"{flag} must be a positive number of seconds, not {value!r}")
+
+
+class HTTPServerMetrics:
+    """Metrics of the HTTP server itself, not of one model's router: its own
+    ``CollectorRegistry``, merged into ``/metrics`` beside the routers'.
+
+    ``pdserve:http_request_timeouts_total{phase}``: connections closed because a request's
+    headers (``phase="header"``) or body (``"body"``) did not arrive in time.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._timeouts = Counter(
+            "pdserve:http_request_timeouts", "Connections closed because a request's "
+            "headers or body did not arrive within its deadline", ["phase"],
+            registry=self.registry)
+        for phase in TIMEOUT_PHASES:
+            self._timeouts.labels(phase=phase)
+        self._counts = dict.fromkeys(TIMEOUT_PHASES, 0)
+        self._warned_at = -_WARN_EVERY_S
+        self._warned_counts = dict(self._counts)
+
+    def request_timed_out(self, phase: str, limit_s: float) -> None:
+        """Count one expired ``phase`` deadline of ``limit_s`` seconds; warn in the log
+        at most once a minute with what expired since the last warning."""
+        self._timeouts.labels(phase=phase).inc()
+        self._counts[phase] += 1
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_S:
+            new = {p: self._counts[p] - self._warned_counts[p] for p in TIMEOUT_PHASES}
+            logger.warning("closed %d connection(s) whose request headers and %d whose "
+                           "body did not arrive in time (latest: %s, %.1f s)",
+                           new["header"], new["body"], phase, limit_s)
+            self._warned_at, self._warned_counts = now, dict(self._counts)
+
+
+def timed_h11_protocol(timeouts: HTTPTimeouts,
+                       metrics: HTTPServerMetrics) -> type[H11Protocol]:
+    """uvicorn's h11 ``asyncio.Protocol`` with ``timeouts`` (module docstring), counting
+    expiries in ``metrics``; pass it as ``uvicorn.Config(http=...)``."""
+
+    class TimedH11Protocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+        _phase: str | None = None
+        _partial_request = False  # bytes of the next request's headers have arrived
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm("header")
+
+        def data_received(self, data: bytes) -> None:
+            if self._phase == "header" and data:
+                self._partial_request = True
+            super().data_received(data)
+            self._follow()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm("header")  # the next request on this kept-alive connection
+                self._follow()  # unless a pipelined one is in already
+
+        def handle_websocket_upgrade(self, event) -> None:
+            self._disarm()  # another protocol takes the connection over
+            super().handle_websocket_upgrade(event)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _follow(self) -> None:
+            """Move the deadline along with the client's side of the exchange."""
+            state = self.conn.their_state
+            if state is h11.SEND_BODY:
+                if self._phase != "body":
+                    self._arm("body")
+            elif state is not h11.IDLE and self.cycle is not None \
+                    and not self.cycle.response_complete:
+                self._disarm()  # the request is in; the answer takes what it takes
+
+        def _arm(self, phase: str) -> None:
+            self._disarm()
+            limit = timeouts.header_timeout_s if phase == "header" else timeouts.body_timeout_s
+            self._phase = phase
+            self._partial_request = False
+            self._deadline = self.loop.call_later(limit, self._expired, phase, limit)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline, self._phase = None, None
+
+        def _expired(self, phase: str, limit_s: float) -> None:
+            self._deadline, self._phase = None, None
+            if self.transport.is_closing():
+                return
+            metrics.request_timed_out(phase, limit_s)
+            if phase == "header" and self._partial_request and \
+                    self.conn.our_state is h11.IDLE:
+                self.transport.write(_request_timeout_response(limit_s))
+            self.transport.close()
+
+    return TimedH11Protocol
+
+
+def _request_timeout_response(limit_s: float) -> bytes:
+    """A whole ``408 Request Timeout`` HTTP/1.1 response, written past h11 (its state
+    machine answers only a request it has received) right before the connection closes."""
+    body = error_response(
+        408, f"the request's headers did not arrive within {limit_s:g} s").model_dump_json()
+    head = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    return head.encode("ascii") + body.encode()
+
+
+def uvicorn_config(app, **kwargs):
+    """A ``uvicorn.Config`` serving ``app`` (from ``build_app``) with its request deadlines
+    (``app.state.http_timeouts``) counted in its ``app.state.http_metrics``; ``kwargs``
+    go to ``uvicorn.Config`` (host, port, log_level...)."""
+    import uvicorn
+
+    return uvicorn.Config(app, http=timed_h11_protocol(app.state.http_timeouts,
+                                                       app.state.http_metrics), **kwargs)
+
+
+def serve_app(app, **kwargs) -> None:
+    """Serve ``app`` until SIGINT or SIGTERM, as ``uvicorn.run`` does, with
+    ``uvicorn_config(app, **kwargs)``."""
+    import uvicorn
+
+    uvicorn.Server(uvicorn_config(app, **kwargs)).run()
