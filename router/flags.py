@@ -36,6 +36,7 @@ LIFECYCLE_FIELDS = ("migration_limit", "max_waiting_requests", "prefill_max_infl
 # seconds a request's headers, then its body, may take to arrive (router/http_server.py)
 DEFAULT_REQUEST_HEADER_TIMEOUT_S = 10.0
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 60.0
+DEFAULT_RESPONSE_SEND_TIMEOUT_S = 60.0  # a client that takes no bytes of its response
 # vLLM's --tool-call-parser names (router/tool_parsers.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
@@ -85,8 +86,8 @@ def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_http_args(parser: argparse.ArgumentParser) -> None:
-    """The HTTP server's request deadlines (``router/http_server.py``; read back by
-    ``http_timeouts_from_args``)."""
+    """The HTTP server's deadlines on the client's side of an exchange
+    (``router/http_server.py``; read back by ``http_timeouts_from_args``)."""
     parser.add_argument("--request-header-timeout-s", type=float,
                         default=DEFAULT_REQUEST_HEADER_TIMEOUT_S,
                         help="seconds a request's line and headers may take to arrive "
@@ -96,6 +97,11 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
                         help="seconds a request's body may take to arrive after its "
                              "headers; past it the connection is closed (%(default)s)")
+    parser.add_argument("--response-send-timeout-s", type=float,
+                        default=DEFAULT_RESPONSE_SEND_TIMEOUT_S,
+                        help="seconds a client may take no bytes of a response while "
+                             "the router has more to send; past it the connection is "
+                             "dropped and the request cancelled (%(default)s)")
 
 
 def http_timeouts_from_args(args: argparse.Namespace):
@@ -106,7 +112,8 @@ def http_timeouts_from_args(args: argparse.Namespace):
     """
     from pdserve.router.http_server import HTTPTimeouts
 
-    return HTTPTimeouts(args.request_header_timeout_s, args.request_body_timeout_s)
+    return HTTPTimeouts(args.request_header_timeout_s, args.request_body_timeout_s,
+                        args.response_send_timeout_s)
 
 
 def lifecycle_kwargs(args: argparse.Namespace) -> dict:

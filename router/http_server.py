@@ -1,4 +1,4 @@
-"""The router's HTTP server: uvicorn, with deadlines on receiving a request.
+"""The router's HTTP server: uvicorn, with deadlines on a client's side of an exchange.
 
 uvicorn bounds the idle time between two requests on a kept-alive connection
 (``timeout_keep_alive``) but not the time a request takes to arrive: its keep-alive timer
@@ -7,18 +7,25 @@ request line and then one header byte a minute, or headers and then a trickle of
 holds its connection, a file descriptor and (for the body) a handler for as long as it
 likes; a few thousand such clients ("Slowloris", CVE-2007-6750) use up the router's
 connections without ever passing the API key check, which runs once the request is in.
-ASGI middleware cannot help: the app sees nothing before the headers are complete.
+ASGI middleware cannot help: the app sees nothing before the headers are complete. The
+other way round, a client that stops reading a stream leaves its tokens piling up in the
+router (a request may ask for 256 sequences), with no end.
 
-``TimedH11Protocol`` is uvicorn's h11 protocol with two deadlines, as Apache's
-mod_reqtimeout and nginx's ``client_header_timeout`` / ``client_body_timeout`` set them
-(uvicorn's own issue #157 proposes the same two):
+``TimedH11Protocol`` is uvicorn's h11 protocol with three deadlines, as nginx sets them
+(``client_header_timeout``, ``client_body_timeout``, ``send_timeout``; uvicorn's own issue
+#157 proposes the first two):
 
 - **header**: a request's line and headers arrive within ``header_timeout_s`` of the
   connection's opening, or of the previous response's end on a kept-alive connection;
-- **body**: its body arrives within ``body_timeout_s`` of its headers.
+- **body**: its body arrives within ``body_timeout_s`` of its headers;
+- **send**: a client takes the response's bytes: the connection's write buffer, once over
+  its high-water mark (asyncio's flow control, which pauses the app's writes), drains
+  below it within ``send_timeout_s``.
 
-Once a request has arrived whole, no deadline runs while the router answers it: a stream
-may last as long as its generation does. On a deadline the connection is closed; a client
+Nothing times the router's own side: a stream may last as long as its generation does,
+and a long wait for a first token is no timeout. On a deadline the connection is closed
+(aborted, for **send**: what the client did not take is dropped; the app sees the client
+leave, and the request is cancelled on the workers as for any disconnect); a client
 that had sent part of its headers first gets ``408 Request Timeout`` (an OpenAI error
 body), one that had sent nothing gets a plain close (as uvicorn closes an idle kept-alive
 connection, so that a client sending its next request just then sees a closed connection,
@@ -37,12 +44,16 @@ import h11
 from prometheus_client import CollectorRegistry, Counter
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pdserve.router.flags import DEFAULT_REQUEST_BODY_TIMEOUT_S, DEFAULT_REQUEST_HEADER_TIMEOUT_S
+from pdserve.router.flags import (
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    DEFAULT_REQUEST_HEADER_TIMEOUT_S,
+    DEFAULT_RESPONSE_SEND_TIMEOUT_S,
+)
 from pdserve.router.protocol import error_response
 
 logger = logging.getLogger(__name__)
 
-TIMEOUT_PHASES = ("header", "body")
+TIMEOUT_PHASES = ("header", "body", "send")
 _WARN_EVERY_S = 60.0  # at most one warning a minute about expired deadlines
 
 
@@ -54,6 +65,8 @@ class HTTPTimeouts:
         header_timeout_s: request line and headers, from the connection's opening or the
             previous response's end.
         body_timeout_s: the body, from the end of the headers.
+        send_timeout_s: how long the client may leave the response's write buffer full
+            (over its high-water mark) without taking bytes from it.
 
     Raises:
         ValueError: a timeout that is not a positive finite number of seconds (the
@@ -62,10 +75,12 @@ class HTTPTimeouts:
 
     header_timeout_s: float = DEFAULT_REQUEST_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S
+    send_timeout_s: float = DEFAULT_RESPONSE_SEND_TIMEOUT_S
 
     def __post_init__(self) -> None:
         for name, flag in (("header_timeout_s", "--request-header-timeout-s"),
-                           ("body_timeout_s", "--request-body-timeout-s")):
+                           ("body_timeout_s", "--request-body-timeout-s"),
+                           ("send_timeout_s", "--response-send-timeout-s")):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
                 raise ValueError(f"{flag} must be a positive number of seconds, not {value!r}")
@@ -76,20 +91,26 @@ class HTTPServerMetrics:
     ``CollectorRegistry``, merged into ``/metrics`` beside the routers'.
 
     ``pdserve:http_request_timeouts_total{phase}``: connections closed because a request's
-    headers (``phase="header"``) or body (``"body"``) did not arrive in time.
+    headers (``phase="header"``) or body (``"body"``) did not arrive in time, or because
+    the client took no bytes of its response in time (``"send"``).
     """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._timeouts = Counter(
             "pdserve:http_request_timeouts", "Connections closed because a request's "
-            "headers or body did not arrive within its deadline", ["phase"],
+            "headers or body did not arrive, or its response was not taken, within its "
+            "deadline", ["phase"],
             registry=self.registry)
         for phase in TIMEOUT_PHASES:
             self._timeouts.labels(phase=phase)
         self._counts = dict.fromkeys(TIMEOUT_PHASES, 0)
         self._warned_at = -_WARN_EVERY_S
         self._warned_counts = dict(self._counts)
+
+    def counts(self) -> dict[str, int]:
+        """Expired deadlines so far, by phase."""
+        return dict(self._counts)
 
     def request_timed_out(self, phase: str, limit_s: float) -> None:
         """Count one expired ``phase`` deadline of ``limit_s`` seconds; warn in the log
@@ -100,8 +121,9 @@ class HTTPServerMetrics:
         if now - self._warned_at >= _WARN_EVERY_S:
             new = {p: self._counts[p] - self._warned_counts[p] for p in TIMEOUT_PHASES}
             logger.warning("closed %d connection(s) whose request headers and %d whose "
-                           "body did not arrive in time (latest: %s, %.1f s)",
-                           new["header"], new["body"], phase, limit_s)
+                           "body did not arrive in time, and %d that took no bytes of "
+                           "their response in time (latest: %s, %g s)",
+                           new["header"], new["body"], new["send"], phase, limit_s)
             self._warned_at, self._warned_counts = now, dict(self._counts)
 
 
@@ -113,6 +135,7 @@ def timed_h11_protocol(timeouts: HTTPTimeouts,
     class TimedH11Protocol(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
         _phase: str | None = None
+        _send_deadline: asyncio.TimerHandle | None = None
         _partial_request = False  # bytes of the next request's headers have arrived
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -137,7 +160,30 @@ def timed_h11_protocol(timeouts: HTTPTimeouts,
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._disarm_send()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._send_deadline is None:
+                self._send_deadline = self.loop.call_later(
+                    timeouts.send_timeout_s, self._send_expired)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._disarm_send()
+
+        def _disarm_send(self) -> None:
+            if self._send_deadline is not None:
+                self._send_deadline.cancel()
+                self._send_deadline = None
+
+        def _send_expired(self) -> None:
+            self._send_deadline = None
+            if self.transport.is_closing():
+                return
+            metrics.request_timed_out("send", timeouts.send_timeout_s)
+            self.transport.abort()  # close() would wait for the client to take the rest
 
         def _follow(self) -> None:
             """Move the deadline along with the client's side of the exchange."""

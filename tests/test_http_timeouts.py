@@ -1,6 +1,7 @@
 """Slow clients against the router's HTTP port (``router/http_server.py``): a request's
 headers, then its body, must arrive within their deadlines, however the bytes trickle in;
-a request that arrived in time is answered however long its answer takes. A real uvicorn
+a request that arrived in time is answered however long its answer takes; a client that
+stops reading its response is dropped. A real uvicorn
 port, a real Redis, one prefill and one decode worker in this process on the demo model;
 the clients are raw sockets, as an attacker's would be."""
 
@@ -74,7 +75,7 @@ def timeouts_counted(cluster) -> dict[str, float]:
         if line.startswith("pdserve:http_request_timeouts_total{"):
             phase = line.split('phase="')[1].split('"')[0]
             counts[phase] = float(line.rsplit(" ", 1)[1])
-    assert set(counts) == {"header", "body"}, text
+    assert set(counts) == {"header", "body", "send"}, text
     return counts
 
 
@@ -115,8 +116,7 @@ def test_headers_trickled_a_byte_at_a_time_get_408_at_the_header_deadline(cluste
     assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower()
     error = json.loads(body)["error"]
     assert error["code"] == 408 and f"{HEADER_S:g} s" in error["message"]
-    assert timeouts_counted(cluster) == {"header": before["header"] + 1,
-                                         "body": before["body"]}
+    assert timeouts_counted(cluster) == {**before, "header": before["header"] + 1}
     served(cluster)
 
 
@@ -132,8 +132,7 @@ def test_a_trickled_body_is_cut_at_the_body_deadline_and_nothing_is_admitted(clu
     assert received == b""  # the handler was still reading: it only saw the client leave
     # the headers' own time counts toward the header deadline only
     assert BODY_S * 0.9 <= closed_after < BODY_S + 3
-    assert timeouts_counted(cluster) == {"header": before["header"],
-                                         "body": before["body"] + 1}
+    assert timeouts_counted(cluster) == {**before, "body": before["body"] + 1}
     cluster.wait_all_blocks_free()
     served(cluster)
 
@@ -164,31 +163,37 @@ def test_requests_that_arrive_in_time_are_answered(cluster):
 
 
 @contextlib.contextmanager
-def second_port(cluster, timeouts: HTTPTimeouts):
-    """The cluster's router app served on another port too, with ``timeouts`` (its own
-    metrics; the app's lifespan is the first server's). Yields the base URL."""
-    config = uvicorn.Config(cluster.app, host="127.0.0.1", port=free_port(),
-                            log_level="warning", lifespan="off",
-                            http=timed_h11_protocol(timeouts, HTTPServerMetrics()))
+def second_port(cluster, timeouts: HTTPTimeouts, metrics: HTTPServerMetrics | None = None,
+                send_buffer_bytes: int | None = None):
+    """The cluster's router app served on another port too, with ``timeouts`` counted in
+    ``metrics`` (its own by default; the app's lifespan is the first server's). With
+    ``send_buffer_bytes`` its connections' kernel send buffers are that small (loopback's
+    grow to megabytes), as a real network's in-flight bytes are bounded. Yields the port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    if send_buffer_bytes is not None:  # NOTE: accepted sockets inherit it
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    config = uvicorn.Config(cluster.app, log_level="warning", lifespan="off",
+                            http=timed_h11_protocol(timeouts, metrics or HTTPServerMetrics()))
     server = uvicorn.Server(config)
-    serving = asyncio.run_coroutine_threadsafe(server.serve(), cluster.loop)
+    serving = asyncio.run_coroutine_threadsafe(server.serve(sockets=[listener]), cluster.loop)
     deadline = time.monotonic() + LIMIT_S
     while not server.started:
         assert time.monotonic() < deadline and not serving.done(), "uvicorn did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{config.port}"
+        yield listener.getsockname()[1]
     finally:
         server.should_exit = True
         serving.result(LIMIT_S)
+        listener.close()
 
 
 def test_a_stream_runs_past_both_deadlines_once_its_request_is_in(cluster):
     timeouts = HTTPTimeouts(header_timeout_s=0.05, body_timeout_s=0.05)
-    with second_port(cluster, timeouts) as url:
+    with second_port(cluster, timeouts) as port:
         start = time.monotonic()
         with httpx.Client(timeout=LIMIT_S) as client, client.stream(
-                "POST", url + "/v1/completions",
+                "POST", f"http://127.0.0.1:{port}/v1/completions",
                 json={"prompt": PROMPT, "max_tokens": 200, "temperature": 0,
                       "ignore_eos": True, "stream": True}) as reply:
             assert reply.status_code == 200
@@ -205,6 +210,7 @@ def test_a_stream_runs_past_both_deadlines_once_its_request_is_in(cluster):
 @pytest.mark.parametrize(("argv", "flag"), [
     (["serve", "--request-header-timeout-s", "0"], "--request-header-timeout-s"),
     (["serve", "--request-body-timeout-s", "nan"], "--request-body-timeout-s"),
+    (["serve", "--response-send-timeout-s", "-1"], "--response-send-timeout-s"),
 ])
 def test_a_deadline_that_is_not_a_positive_time_stops_serve_before_it_starts(argv, flag):
     done = subprocess.run([sys.executable, "-m", "pdserve.entrypoints.cli", *argv, "--port",
@@ -212,3 +218,33 @@ def test_a_deadline_that_is_not_a_positive_time_stops_serve_before_it_starts(arg
                           check=False)
     assert done.returncode == 2, done.stderr
     assert f"{flag} must be a positive number of seconds" in done.stderr
+
+
+def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(cluster):
+    """A stream's client that takes no bytes for ``send_timeout_s`` while the router has
+    more to send: the connection is aborted, the request ends on the workers, and the
+    router goes on serving."""
+    metrics = HTTPServerMetrics()
+    timeouts = HTTPTimeouts(header_timeout_s=5, body_timeout_s=5, send_timeout_s=0.3)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 200, "n": 4, "logprobs": 5,
+                       "temperature": 1.0, "ignore_eos": True, "stream": True}).encode()
+    with second_port(cluster, timeouts, metrics, send_buffer_bytes=4096) as port, \
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
+        sock.settimeout(LIMIT_S)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + LIMIT_S
+        while metrics.counts()["send"] == 0:  # the client reads nothing meanwhile
+            assert time.monotonic() < deadline, "the connection was never dropped"
+            time.sleep(0.05)
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while data := sock.recv(65536):
+                received += data
+    assert received.startswith(b"HTTP/1.1 200 ")  # the stream had started...
+    assert b"data: [DONE]" not in received  # ...and was cut
+    assert metrics.counts() == {"header": 0, "body": 0, "send": 1}
+    cluster.wait_all_blocks_free()
+    served(cluster)
