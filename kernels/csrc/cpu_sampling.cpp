@@ -22,6 +22,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -109,47 +110,92 @@ void sample_rows(at::Tensor out, const at::Tensor& logits, const at::Tensor& tem
 // largest logit; top-p keeps l >= the logit of the token whose probability, added to
 // those of every better token, first reaches p: the nucleus (Holtzman et al. 2019,
 // https://arxiv.org/abs/1904.09751), after min-p and top-k and renormalized over what
-// they kept. The last two thresholds are found without sorting the row: a bisection over
-// the order of the fp32 bit patterns (at most 32 passes of a vectorized count, or sum of
-// weights, over the row) finds the largest logit t with count(l >= t) >= k, or
-// mass(l >= t) >= p: torch's sort of 32 rows of 32000 took ~40 ms per step on 2 cores.
+// they kept. The last two thresholds are found without sorting the row, by a bisection
+// over its values (largest_threshold: vectorized passes of a count, or sum of weights):
+// the largest logit t with count(l >= t) >= k, or mass(l >= t) >= p; torch's sort of 32
+// rows of 32000 took ~40 ms per step on 2 cores.
 
-// An fp32's bits mapped to an unsigned that orders as the floats do (-inf lowest).
-inline uint32_t order_key(float f) {
-  const uint32_t bits = std::bit_cast<uint32_t>(f);
-  return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
-}
-inline float from_order_key(uint32_t key) {
-  return std::bit_cast<float>(key & 0x80000000u ? key & 0x7FFFFFFFu : ~key);
-}
-
-// The largest t in [low, high] with enough(t), for a property that, as t falls, never
-// stops holding once it holds; low when it does not hold there either.
-template <typename Enough>
-float largest_threshold(float low, float high, Enough enough) {
-  if (enough(high)) return high;
-  if (!enough(low)) return low;
-  uint32_t lo = order_key(low), hi = order_key(high);
-  while (hi - lo > 1) {  // enough(lo), not enough(hi)
-    const uint32_t mid = lo + (hi - lo) / 2;
-    if (enough(from_order_key(mid))) lo = mid; else hi = mid;
+// What one pass over a row learns about a threshold t: how many logits are >= t and
+// their weight (top-p), the smallest of them and the largest of the others.
+struct Split {
+  int32_t count;  // NOTE: 32-bit lanes (n < 2^31): 16 per AVX-512 compare
+  float mass;
+  float min_at_least;  // +inf when none
+  float max_below;     // -inf when none
+};
+template <bool kWeighted>
+inline Split split_at(const float* __restrict row, const float* __restrict w, int64_t n,
+                      float t) {
+  int32_t count = 0;
+  float mass = 0.0f, lowest = INFINITY, highest = -INFINITY;
+#pragma omp simd reduction(+ : count, mass) reduction(min : lowest) reduction(max : highest)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = row[i];
+    const bool ge = x >= t;
+    count += ge ? 1 : 0;
+    if (kWeighted) mass += ge ? w[i] : 0.0f;
+    lowest = std::min(lowest, ge ? x : INFINITY);
+    highest = std::max(highest, ge ? -INFINITY : x);
   }
-  return from_order_key(lo);
+  return {count, mass, lowest, highest};
 }
 
-// How many of row[0..n) are >= t; the weights w[i] of those that are.
-inline int64_t count_at_least(const float* __restrict row, int64_t n, float t) {
-  int32_t count = 0;  // NOTE: 32-bit lanes (n < 2^31): 16 per AVX-512 compare
-#pragma omp simd reduction(+ : count)
-  for (int64_t i = 0; i < n; ++i) count += row[i] >= t ? 1 : 0;
-  return count;
-}
-inline float mass_at_least(const float* __restrict row, const float* __restrict w, int64_t n,
-                           float t) {
-  float mass = 0.0f;
-#pragma omp simd reduction(+ : mass)
-  for (int64_t i = 0; i < n; ++i) mass += row[i] >= t ? w[i] : 0.0f;
-  return mass;
+// The largest logit t of row[0..n) with measure(l >= t) >= target, where a logit's
+// measure is its weight w[i] (kWeighted: top-p) or 1 (top-k); -inf logits never count.
+// `lowest` is the row's smallest finite logit (where measure(l >= lowest) is the whole
+// measure, `whole`) and `highest` its largest. A bisection over the values, each pass
+// snapping the bounds to the logits found on either side of the midpoint: the search
+// range only ever holds logits, ties end it at once, and a row of random logits takes
+// ~15 passes (a bisection over the 2^32 orders of the fp32 bit patterns took 32). Once
+// at most an eighth of the row lies in the range, its logits (and weights) are gathered
+// into `scratch` and the passes go on over them alone. `low` is returned when even the
+// whole measure falls short (rounding, when p is within an ulp of 1).
+template <bool kWeighted>
+float largest_threshold(const float* row, const float* w, int64_t n, double target,
+                        float lowest, float highest, double whole, float low,
+                        std::vector<float>& scratch) {
+  auto measure = [](const Split& s) {
+    return kWeighted ? static_cast<double>(s.mass) : static_cast<double>(s.count);
+  };
+  if (whole < target) return low;
+  const Split top = split_at<kWeighted>(row, w, n, highest);
+  if (measure(top) >= target) return highest;
+  float lo = lowest, hi = highest;  // logits, with enough(lo) and the answer in [lo, hi]
+  // over the whole row: the count of logits >= lo, and the count and measure of those > hi
+  int64_t count_lo = n, count_above = 0;  // NOTE: count_lo counts -inf logits too
+  double above = 0.0;
+  bool gathered = false;  // searching the logits gathered from the range [lo, hi] alone
+  double extra = 0.0;     // then: the measure of the logits above that range
+  const float* values = row;
+  const float* weights = w;
+  int64_t m = n;
+  for (bool first = true; lo < hi; first = false) {
+    if (!gathered && !first && n >= 2048 && (count_lo - count_above) * 8 <= n) {
+      scratch.resize(kWeighted ? 2 * n : n);
+      float* v = scratch.data();
+      float* cw = kWeighted ? v + n : nullptr;
+      int64_t k = 0;
+      for (int64_t i = 0; i < n; ++i) {  // NOTE: without a branch; one cursor moves
+        const float x = row[i];
+        v[k] = x;
+        if (kWeighted) cw[k] = w[i];
+        k += (x >= lo) & (x <= hi);
+      }
+      values = v, weights = cw, m = k, extra = above, gathered = true;
+    }
+    float mid = lo + (hi - lo) * 0.5f;
+    if (!(mid > lo)) mid = hi;  // adjacent floats
+    const Split s = split_at<kWeighted>(values, weights, m, mid);
+    const double at_least = (gathered ? extra : 0.0) + measure(s);
+    if (at_least >= target) {
+      lo = s.min_at_least;
+      if (!gathered) count_lo = s.count;
+    } else {
+      hi = s.max_below;
+      if (!gathered) count_above = s.count, above = at_least;
+    }
+  }
+  return lo;
 }
 
 // Set the logits of row[0..n) below each filter's threshold to -inf, given the row's
@@ -163,9 +209,17 @@ void filter_row(float* row, int64_t n, float max_logit, float min_p, int64_t top
     for (int64_t i = 0; i < n; ++i) row[i] = row[i] < t ? -INFINITY : row[i];
   };
   if (floor > -INFINITY) mask_below(floor);
+  // the finite logits left: how many, and the smallest
+  auto finite = [&]() {
+    return split_at<false>(row, nullptr, n, -std::numeric_limits<float>::max());
+  };
+  thread_local std::vector<float> scratch;  // NOTE: one row's, reused across calls
   if (top_k > 0 && top_k < n) {
-    const float kth = largest_threshold(
-        floor, max_logit, [&](float t) { return count_at_least(row, n, t) >= top_k; });
+    const Split left = finite();
+    const float kth = largest_threshold<false>(row, nullptr, n, static_cast<double>(top_k),
+                                               left.min_at_least, max_logit,
+                                               static_cast<double>(left.count), floor,
+                                               scratch);
     mask_below(kth);
     floor = std::max(floor, kth);
   }
@@ -179,9 +233,9 @@ void filter_row(float* row, int64_t n, float max_logit, float min_p, int64_t top
       w[i] = weight(row[i], max_logit, 1.0f);
       total += w[i];
     }
-    const float target = top_p * total;
-    mask_below(largest_threshold(
-        floor, max_logit, [&](float t) { return mass_at_least(row, w, n, t) >= target; }));
+    mask_below(largest_threshold<true>(row, w, n, static_cast<double>(top_p) * total,
+                                       finite().min_at_least, max_logit, total, floor,
+                                       scratch));
   }
 }
 
