@@ -171,26 +171,33 @@ def filter_rows_ref(logits: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tens
     logit; top-p, the nucleus (https://arxiv.org/abs/1904.09751) of what is left: the
     logit of the token whose probability, added to every better token's, first reaches
     ``top_p``. Rows whose largest logit is not finite, or that hold a NaN, are returned as
-    they are. Returns a new tensor."""
+    they are. Batched torch ops (a sort per filter in use), on any device: the sampler's
+    path on GPUs and where the C++ kernels are off. Returns a new tensor."""
     out = logits.clone()
-    for r in range(out.shape[0]):
-        row = out[r]
-        top = row.max()
-        if not torch.isfinite(top) or row.isnan().any():
-            continue
-        if min_p[r] > 0:
-            row[row < top + torch.log(min_p[r])] = float("-inf")
-        k = int(top_k[r])
-        if 0 < k < row.numel():
-            row[row < row.topk(k).values[-1]] = float("-inf")
-        if top_p[r] < 1:
-            weights = torch.exp(row - top)  # [vocab], 0 where -inf
-            ordered, order = weights.sort(descending=True)
-            running = ordered.cumsum(0)
-            target = (top_p[r] * weights.sum()).reshape(1)
-            crossing = int(torch.searchsorted(running, target))
-            threshold = row[order[min(crossing, row.numel() - 1)]]
-            row[row < threshold] = float("-inf")
+    if out.numel() == 0:
+        return out
+    vocab = out.shape[1]
+    top = out.amax(dim=-1)  # [rows]
+    usable = torch.isfinite(top) & ~out.isnan().any(dim=-1)
+    neg_inf = float("-inf")
+    # min-p: log(0) = -inf leaves rows with min_p 0 alone
+    floor = top + torch.log(min_p.to(out.dtype))
+    out = out.masked_fill(usable[:, None] & (out < floor[:, None]), neg_inf)
+    k = top_k.to(torch.int64)
+    on = usable & (k > 0) & (k < vocab)
+    if bool(on.any()):
+        ordered = out.sort(dim=-1, descending=True).values
+        kth = ordered.gather(1, (k.clamp(1, vocab) - 1)[:, None])  # [rows, 1]
+        out = out.masked_fill(on[:, None] & (out < kth), neg_inf)
+    on = usable & (top_p < 1)
+    if bool(on.any()):
+        weights = torch.exp(out - top[:, None])  # [rows, vocab], 0 where -inf
+        ordered, order = weights.sort(dim=-1, descending=True)
+        running = ordered.cumsum(dim=-1)
+        target = (top_p.to(out.dtype) * weights.sum(dim=-1))[:, None]
+        crossing = torch.searchsorted(running, target).clamp_max(vocab - 1)  # [rows, 1]
+        threshold = out.gather(1, order.gather(1, crossing))
+        out = out.masked_fill(on[:, None] & (out < threshold), neg_inf)
     return out
 
 

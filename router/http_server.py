@@ -104,27 +104,28 @@ class HTTPServerMetrics:
             registry=self.registry)
         for phase in TIMEOUT_PHASES:
             self._timeouts.labels(phase=phase)
-        self._counts = dict.fromkeys(TIMEOUT_PHASES, 0)
         self._warned_at = -_WARN_EVERY_S
-        self._warned_counts = dict(self._counts)
+        self._warned_counts = self.counts()
 
     def counts(self) -> dict[str, int]:
-        """Expired deadlines so far, by phase."""
-        return dict(self._counts)
+        """Expired deadlines so far, by phase (read from the counter)."""
+        return {phase: int(self.registry.get_sample_value(
+            "pdserve:http_request_timeouts_total", {"phase": phase}) or 0)
+            for phase in TIMEOUT_PHASES}
 
     def request_timed_out(self, phase: str, limit_s: float) -> None:
         """Count one expired ``phase`` deadline of ``limit_s`` seconds; warn in the log
         at most once a minute with what expired since the last warning."""
         self._timeouts.labels(phase=phase).inc()
-        self._counts[phase] += 1
         now = time.monotonic()
         if now - self._warned_at >= _WARN_EVERY_S:
-            new = {p: self._counts[p] - self._warned_counts[p] for p in TIMEOUT_PHASES}
+            counts = self.counts()
+            new = {p: counts[p] - self._warned_counts[p] for p in TIMEOUT_PHASES}
             logger.warning("closed %d connection(s) whose request headers and %d whose "
                            "body did not arrive in time, and %d that took no bytes of "
                            "their response in time (latest: %s, %g s)",
                            new["header"], new["body"], new["send"], phase, limit_s)
-            self._warned_at, self._warned_counts = now, dict(self._counts)
+            self._warned_at, self._warned_counts = now, counts
 
 
 def timed_h11_protocol(timeouts: HTTPTimeouts,
