@@ -32,8 +32,8 @@ def test_bad_cpu_lists_are_refused_naming_the_setting(text):
 
 
 # Runs an engine in a fresh process, on an AsyncEngine's own thread (as the workers do)
-# or through LLM on the main thread, then reads every thread's CPU affinity and CPU ticks;
-# "stepper" is the thread that ran the model.
+# or through LLM on the main thread, then reads every thread's CPU affinity and CPU ticks
+# while they all still run; "stepper" is the thread that ran the model.
 ENGINE_SCRIPT = r"""
 import asyncio, json, os, sys, threading
 import torch
@@ -43,10 +43,24 @@ model, threads, bind, how = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv
 llm = LLM(model, max_model_len=256, num_threads=threads, cpu_omp_threads_bind=bind,
           device="cpu", load_progress=False)
 params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+def read_tasks():
+    tasks = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            status = open(f"/proc/self/task/{tid}/status").read()
+            stat = open(f"/proc/self/task/{tid}/stat").read()
+        except (FileNotFoundError, ProcessLookupError):  # ended meanwhile (ESRCH on read)
+            continue
+        allowed = status.split("Cpus_allowed_list:")[1].split()[0]
+        tasks[tid] = (allowed, sum(int(x) for x in stat.rsplit(")", 1)[1].split()[11:13]))
+    return tasks
+
 if how == "llm":
     out = llm.generate([{"prompt_token_ids": list(range(1, 150))}] * 4, params)
     assert all(len(o.outputs[0].token_ids) == 64 for o in out)
     stepper = threading.get_native_id()
+    tasks = read_tasks()
 else:
     engine = AsyncEngine(llm.engine)
     engine.start()
@@ -57,16 +71,8 @@ else:
         assert all(run[-1].finish_reason == "length" for run in runs), runs
         return await engine.call(lambda e: threading.get_native_id())
     stepper = asyncio.run(main())
+    tasks = read_tasks()  # while the engine thread lives: shutdown joins it
     engine.shutdown()
-tasks = {}
-for tid in os.listdir("/proc/self/task"):
-    try:
-        status = open(f"/proc/self/task/{tid}/status").read()
-        stat = open(f"/proc/self/task/{tid}/stat").read()
-    except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile (ESRCH on read)
-        continue
-    allowed = status.split("Cpus_allowed_list:")[1].split()[0]
-    tasks[tid] = (allowed, sum(int(x) for x in stat.rsplit(")", 1)[1].split()[11:13]))
 print("RESULT " + json.dumps({"stepper": str(stepper), "main": str(os.getpid()), "tasks": tasks}))
 """
 
