@@ -110,10 +110,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-threshold", type=int, default=None,
                         help="prompts shorter than this many tokens skip the prefill pool")
     from pdserve.cluster.auth import add_cluster_auth_args
-    from pdserve.router.flags import add_api_auth_args, add_http_args, add_lifecycle_args
+    from pdserve.router.flags import (
+        add_api_auth_args,
+        add_grpc_args,
+        add_http_args,
+        add_lifecycle_args,
+    )
 
     add_lifecycle_args(parser)
     add_http_args(parser)
+    add_grpc_args(parser)
     add_api_auth_args(parser)
     add_cluster_auth_args(parser, generated=True)
 
@@ -240,10 +246,15 @@ class _ServeRun:
             pool_engine_config(EngineConfig("<model>"), getattr(args, f"{role}_engine_args"),
                                role)
         self.planner_config = planner_config_from_args(args) if args.autoscale else None
-        from pdserve.router.flags import http_timeouts_from_args, lifecycle_kwargs
+        from pdserve.router.flags import (
+            grpc_limits_from_args,
+            http_timeouts_from_args,
+            lifecycle_kwargs,
+        )
 
         lifecycle_kwargs(args)  # NOTE: checks the router's flags before anything starts
         self.http_timeouts = http_timeouts_from_args(args)
+        self.grpc_limits = grpc_limits_from_args(args)
         self.models = self._models()
 
     def _models(self) -> list[ModelSpec]:
@@ -294,7 +305,8 @@ class _ServeRun:
                         background=background, http_timeouts=self.http_timeouts)
         try:
             asyncio.run(run_router(Routers(routers), app, args.host, http_sock, grpc_sock,
-                                   f"(Redis {redact_url(redis_url)})", self._on_serving))
+                                   f"(Redis {redact_url(redis_url)})", self._on_serving,
+                                   grpc_limits=self.grpc_limits))
         except KeyboardInterrupt:
             if not self.announced:
                 raise
@@ -623,7 +635,8 @@ def _stop_group(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
 
 async def run_router(router, app, host: str, http_sock: socket.socket,
                      grpc_sock: socket.socket | None, note: str = "",
-                     on_serving: Callable[[], None] | None = None) -> None:
+                     on_serving: Callable[[], None] | None = None, *,
+                     grpc_limits=None) -> None:
     """Serve ``app`` (HTTP) on the listening ``http_sock`` and, with a ``grpc_sock``, the
     gRPC API of ``router`` (a ``Router``, or ``Routers`` for several models) on its port,
     on one event loop until SIGINT/SIGTERM.
@@ -631,7 +644,9 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
     Prints ``pdserve serving ...`` and calls ``on_serving()`` once both accept
     connections. ``grpc_sock`` only holds the port: it is closed right before the gRPC
     server binds the same port (grpc cannot take a bound socket). The gRPC API accepts
-    the HTTP app's API keys (``app.state.api_auth``, from ``build_app``).
+    the HTTP app's API keys (``app.state.api_auth``, from ``build_app``), is bounded by
+    ``grpc_limits`` (a ``GRPCLimits``; its defaults when None), and counts its expired
+    deadlines in ``app.state.grpc_metrics`` (on ``/metrics``).
     """
     import uvicorn
 
@@ -656,7 +671,9 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
             grpc_port = grpc_sock.getsockname()[1]
             grpc_sock.close()
             grpc_server, grpc_port = await start_grpc_server(
-                routers, host, grpc_port, api_auth=getattr(app.state, "api_auth", None))
+                routers, host, grpc_port, api_auth=getattr(app.state, "api_auth", None),
+                limits=grpc_limits,
+                metrics=app.state.grpc_metrics)
             grpc_note = f", gRPC {_address(host, grpc_port)}"
         names = ", ".join(r.served_model_name for r in routers)
         line = (f"pdserve serving {names} on "

@@ -37,6 +37,11 @@ LIFECYCLE_FIELDS = ("migration_limit", "max_waiting_requests", "prefill_max_infl
 DEFAULT_REQUEST_HEADER_TIMEOUT_S = 10.0
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 60.0
 DEFAULT_RESPONSE_SEND_TIMEOUT_S = 60.0  # a client that takes no bytes of its response
+# the router's gRPC API (router/grpc_server.py): streams one connection may run at once
+# (nginx's http2_max_concurrent_streams is 128, Go's 250), and seconds a connection may
+# stay open without one before the router closes it (clients reconnect by themselves)
+DEFAULT_GRPC_MAX_CONCURRENT_STREAMS = 100
+DEFAULT_GRPC_MAX_CONNECTION_IDLE_S = 300.0
 # vLLM's --tool-call-parser names (router/tool_parsers.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
@@ -87,12 +92,14 @@ def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
 
 def add_http_args(parser: argparse.ArgumentParser) -> None:
     """The HTTP server's deadlines on the client's side of an exchange
-    (``router/http_server.py``; read back by ``http_timeouts_from_args``)."""
+    (``router/http_server.py``; read back by ``http_timeouts_from_args``); the gRPC server
+    takes the header and send deadlines too (``grpc_limits_from_args``)."""
     parser.add_argument("--request-header-timeout-s", type=float,
                         default=DEFAULT_REQUEST_HEADER_TIMEOUT_S,
                         help="seconds a request's line and headers may take to arrive "
                              "(from the connection's opening, or the previous response's "
-                             "end); past it the connection is closed (%(default)s)")
+                             "end), and a gRPC connection's HTTP/2 preface; past it the "
+                             "connection is closed (%(default)s)")
     parser.add_argument("--request-body-timeout-s", type=float,
                         default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
                         help="seconds a request's body may take to arrive after its "
@@ -101,7 +108,37 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_RESPONSE_SEND_TIMEOUT_S,
                         help="seconds a client may take no bytes of a response while "
                              "the router has more to send; past it the connection is "
-                             "dropped and the request cancelled (%(default)s)")
+                             "dropped (a gRPC stream ends with DEADLINE_EXCEEDED) and "
+                             "the request cancelled (%(default)s)")
+
+
+def add_grpc_args(parser: argparse.ArgumentParser) -> None:
+    """The gRPC server's limits per connection (``router/grpc_server.py``; read back with
+    ``add_http_args``'s deadlines by ``grpc_limits_from_args``)."""
+    parser.add_argument("--grpc-max-concurrent-streams", type=int,
+                        default=DEFAULT_GRPC_MAX_CONCURRENT_STREAMS,
+                        help="RPCs one gRPC connection may run at once (HTTP/2 "
+                             "SETTINGS_MAX_CONCURRENT_STREAMS); a client queues the "
+                             "rest (%(default)s)")
+    parser.add_argument("--grpc-max-connection-idle-s", type=float,
+                        default=DEFAULT_GRPC_MAX_CONNECTION_IDLE_S,
+                        help="seconds a gRPC connection may stay open with no RPC before "
+                             "the router closes it (GOAWAY; clients reconnect) "
+                             "(%(default)s)")
+
+
+def grpc_limits_from_args(args: argparse.Namespace):
+    """``GRPCLimits`` from ``add_grpc_args``'s and ``add_http_args``'s flags.
+
+    Raises:
+        ValueError: a limit out of range (names the flag).
+    """
+    from pdserve.router.grpc_server import GRPCLimits
+
+    return GRPCLimits(handshake_timeout_s=args.request_header_timeout_s,
+                      send_timeout_s=args.response_send_timeout_s,
+                      max_concurrent_streams=args.grpc_max_concurrent_streams,
+                      max_connection_idle_s=args.grpc_max_connection_idle_s)
 
 
 def http_timeouts_from_args(args: argparse.Namespace):

@@ -9,6 +9,18 @@ input (the message names the field and the limit; the bounds are the HTTP API's,
 UTF-8); NOT_FOUND for an unknown model; UNAVAILABLE when no worker of a needed role is
 live; INTERNAL, saying only "internal error" (the stack goes to the log), for a bug or a
 worker's failure.
+
+A client's side of a connection is bounded as the HTTP API's is (``router/http_server.py``;
+``GRPCLimits``): its HTTP/2 preface must arrive within the header deadline; one connection
+runs at most ``max_concurrent_streams`` RPCs at once (its client queues the rest); a
+connection with no RPC for ``max_connection_idle_s`` is closed (GOAWAY: a client
+reconnects when it next calls); and a ``Generate`` whose client takes none of its response
+messages for ``send_timeout_s`` while the router has more to send (HTTP/2 flow control
+holds them back once the client's window is full) ends with DEADLINE_EXCEEDED, and its
+request is cancelled on the workers, instead of its tokens piling up in the router.
+``pdserve:grpc_response_send_timeouts_total`` counts those. A completion that fits in the
+client's window is sent whole whether or not the client reads it: grpc holds those bytes,
+bounded by ``max_tokens``, until the client reads or leaves.
 """
 
 from __future__ import annotations
@@ -16,17 +28,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import sys
+import time
 import uuid
 from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
+from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.cluster.wire import logprob_to_proto, sampling_params_from_proto
 from pdserve.engine.structured_output import check_spec
 from pdserve.engine.tokenizer import encode_prompt
 from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.router.auth import ApiKeyAuth, ApiKeyInterceptor
+from pdserve.router.flags import (
+    DEFAULT_GRPC_MAX_CONCURRENT_STREAMS,
+    DEFAULT_GRPC_MAX_CONNECTION_IDLE_S,
+    DEFAULT_REQUEST_HEADER_TIMEOUT_S,
+    DEFAULT_RESPONSE_SEND_TIMEOUT_S,
+)
 from pdserve.router.limits import MAX_STOP_TOKEN_IDS, check_stop_strings, check_text
 from pdserve.router.protocol import INTERNAL_ERROR, RequestError
 from pdserve.router.routers import Routers
@@ -37,14 +59,110 @@ logger = logging.getLogger(__name__)
 _END, _ABORTED = object(), object()  # the end of a Generate's chunks; an Abort
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
            503: grpc.StatusCode.UNAVAILABLE}
+_WARN_EVERY_S = 60.0  # at most one warning a minute about clients that stopped reading
+
+
+@dataclass(frozen=True, slots=True)
+class GRPCLimits:
+    """What one client connection may hold (module docstring).
+
+    Attributes:
+        handshake_timeout_s: seconds from a connection's opening to its HTTP/2 preface
+            (``--request-header-timeout-s``).
+        send_timeout_s: seconds a ``Generate`` may wait to hand its client one response
+            message (``--response-send-timeout-s``).
+        max_concurrent_streams: RPCs one connection runs at once
+            (``--grpc-max-concurrent-streams``, HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS).
+        max_connection_idle_s: seconds a connection may stay open with no RPC
+            (``--grpc-max-connection-idle-s``).
+
+    Raises:
+        ValueError: a time that is not a positive finite number of seconds, or a stream
+            count below 1 (the message names the flag).
+    """
+
+    handshake_timeout_s: float = DEFAULT_REQUEST_HEADER_TIMEOUT_S
+    send_timeout_s: float = DEFAULT_RESPONSE_SEND_TIMEOUT_S
+    max_concurrent_streams: int = DEFAULT_GRPC_MAX_CONCURRENT_STREAMS
+    max_connection_idle_s: float = DEFAULT_GRPC_MAX_CONNECTION_IDLE_S
+
+    def __post_init__(self) -> None:
+        for name, flag in (("handshake_timeout_s", "--request-header-timeout-s"),
+                           ("send_timeout_s", "--response-send-timeout-s"),
+                           ("max_connection_idle_s", "--grpc-max-connection-idle-s")):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ValueError(f"{flag} must be a positive number of seconds, not {value!r}")
+        streams = self.max_concurrent_streams
+        if isinstance(streams, bool) or not isinstance(streams, int) or not \
+                1 <= streams <= 2**31 - 1:
+            raise ValueError("--grpc-max-concurrent-streams must be an integer in "
+                             f"[1, {2**31 - 1}], not {streams!r}")
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """grpc channel arguments for ``grpc.aio.server`` (milliseconds, rounded up)."""
+        return [("grpc.server_handshake_timeout_ms", math.ceil(self.handshake_timeout_s * 1e3)),
+                ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+                ("grpc.max_connection_idle_ms", math.ceil(self.max_connection_idle_s * 1e3))]
+
+
+class GRPCServerMetrics:
+    """Metrics of the gRPC server itself: ``pdserve:grpc_response_send_timeouts_total``,
+    the ``Generate`` streams ended because their client took no response message within
+    ``GRPCLimits.send_timeout_s``.
+
+    Args:
+        registry: where the counter is registered (``pdserve serve`` passes the HTTP
+            server's, which ``/metrics`` shows); a new one by default.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._send_timeouts = Counter(
+            "pdserve:grpc_response_send_timeouts", "Generate streams ended because their "
+            "client took no response message within --response-send-timeout-s",
+            registry=self.registry)
+        self._warned_at = -_WARN_EVERY_S
+        self._warned_count = 0
+
+    @property
+    def send_timeouts(self) -> int:
+        """Streams ended so far (read from the counter)."""
+        return int(self.registry.get_sample_value(
+            "pdserve:grpc_response_send_timeouts_total") or 0)
+
+    def send_timed_out(self, limit_s: float) -> None:
+        """Count one stream ended after ``limit_s`` seconds; warn in the log at most once
+        a minute with how many ended since the last warning."""
+        self._send_timeouts.inc()
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_S:
+            count = self.send_timeouts
+            logger.warning("ended %d gRPC stream(s) whose client took no response message "
+                           "within %g s", count - self._warned_count, limit_s)
+            self._warned_at, self._warned_count = now, count
+
+
+if sys.version_info >= (3, 11):
+    async def _write_within(context, message, timeout_s: float) -> None:
+        """``context.write(message)``; TimeoutError past ``timeout_s`` seconds."""
+        async with asyncio.timeout(timeout_s):
+            await context.write(message)
+else:  # NOTE: wait_for runs the write in a task of its own: a little more per message
+    async def _write_within(context, message, timeout_s: float) -> None:
+        """``context.write(message)``; TimeoutError past ``timeout_s`` seconds."""
+        await asyncio.wait_for(context.write(message), timeout_s)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Serves ``pdserve.v1.Router`` over ``router``, or several routers (``Routers``, one
     per model; a request's ``model`` picks one, the first when it names none)."""
 
-    def __init__(self, router: Router | Routers) -> None:
+    def __init__(self, router: Router | Routers, limits: GRPCLimits | None = None,
+                 metrics: GRPCServerMetrics | None = None) -> None:
         self.routers = router if isinstance(router, Routers) else Routers([router])
+        self.limits = limits or GRPCLimits()
+        self.metrics = metrics or GRPCServerMetrics()
         # request id -> (the task running it, the queue its Generate reads)
         self._running: dict[str, tuple[asyncio.Task, asyncio.Queue]] = {}
 
@@ -75,9 +193,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if chunk is _END:
                     return
                 if chunk is _ABORTED:  # ends cleanly, as vLLM's abort does
-                    yield router_pb2.GenerateResponse(
+                    await self._send(context, router_pb2.GenerateResponse(
                         request_id=request_id, finish_reason="abort",
-                        usage=_usage(prompt, num_tokens, num_cached))
+                        usage=_usage(prompt, num_tokens, num_cached)))
                     return
                 if isinstance(chunk, RequestError):
                     await context.abort(*_status(chunk))
@@ -92,10 +210,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     finish_reason=chunk.finish_reason or "")
                 if chunk.finish_reason:
                     response.usage.CopyFrom(_usage(prompt, num_tokens, num_cached))
-                yield response
+                await self._send(context, response)
         finally:
             self._running.pop(request_id, None)
             pump.cancel()  # the client left (or it ended): nothing keeps running
+
+    async def _send(self, context, response) -> None:
+        """Hand ``response`` to the client; past ``limits.send_timeout_s`` (it took none
+        of what was sent before), end the RPC with DEADLINE_EXCEEDED."""
+        limit = self.limits.send_timeout_s
+        try:
+            await _write_within(context, response, limit)
+        except asyncio.TimeoutError:
+            self.metrics.send_timed_out(limit)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the client took no response message within {limit:g} s "
+                                "(--response-send-timeout-s)")
 
     async def _pump(self, router: Router, request: GenerateRequest,
                     chunks: asyncio.Queue) -> None:
@@ -264,18 +394,22 @@ def _add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> N
 
 
 async def start_grpc_server(router: Router | Routers, host: str, port: int, *,
-                            api_auth: ApiKeyAuth | None = None
+                            api_auth: ApiKeyAuth | None = None,
+                            limits: GRPCLimits | None = None,
+                            metrics: GRPCServerMetrics | None = None
                             ) -> tuple[grpc.aio.Server, int]:
     """Start the router's gRPC server on ``host:port`` (0: a free port); returns it and
     the bound port. With ``api_auth``, a call needs the metadata ``authorization:
-    Bearer <key>`` (UNAUTHENTICATED otherwise; ``router/auth.py``). Raises RuntimeError
-    when the port cannot be bound."""
+    Bearer <key>`` (UNAUTHENTICATED otherwise; ``router/auth.py``). ``limits`` (default
+    ``GRPCLimits()``) bound what a client connection holds, counted in ``metrics``.
+    Raises RuntimeError when the port cannot be bound."""
+    limits = limits or GRPCLimits()
     # NOTE: no SO_REUSEPORT (grpc's default), so no other process can bind the port too
     # and take a share of the connections
     server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0)],
+        options=[("grpc.so_reuseport", 0), *limits.server_options()],
         interceptors=None if api_auth is None else [ApiKeyInterceptor(api_auth)])
-    _add_router_servicer(RouterServicer(router), server)
+    _add_router_servicer(RouterServicer(router, limits, metrics), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind the router's gRPC server to {host}:{port}")

@@ -33,6 +33,7 @@ from pdserve import __version__ as pdserve_version
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
 from pdserve.router.auth import ApiKeyAuth, ApiKeyMiddleware
 from pdserve.router.detokenizer import fast_decoder
+from pdserve.router.grpc_server import GRPCServerMetrics
 from pdserve.router.history import ReplyTokens
 from pdserve.router.http_guard import (
     MAX_BODY_BYTES,
@@ -113,6 +114,7 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
     ``http_timeouts`` (default ``HTTPTimeouts()``) bound how long a request may take to
     arrive; kept as ``app.state.http_timeouts`` beside ``app.state.http_metrics`` for the
     server that ``router/http_server.py``'s ``uvicorn_config`` makes for the app.
+    ``app.state.grpc_metrics`` (shown on ``/metrics``) is for a gRPC server beside it.
 
     Raises:
         ValueError: no router, or two serving the same model name.
@@ -142,6 +144,9 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
     app.state.api_auth = api_auth
     app.state.http_timeouts = http_timeouts or HTTPTimeouts()
     app.state.http_metrics = http_metrics = HTTPServerMetrics()
+    # NOTE: on /metrics with the HTTP server's, from the start: a gRPC server started
+    # beside the app (entrypoints/serve.py's run_router) counts in it
+    app.state.grpc_metrics = GRPCServerMetrics(http_metrics.registry)
     if api_auth is not None:  # NOTE: added last, so it runs first: before anything else
         app.add_middleware(ApiKeyMiddleware, auth=api_auth)
     # The tokenizers are loaded when the routers start: a cache is made on first use.
