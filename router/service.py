@@ -20,7 +20,8 @@ Failure is a path (STYLE.md 13). Each attempt that fails is followed by another,
   the same still-leased KV (at most twice); one that fails later, or a pull that fails
   (FAILED_PRECONDITION), is followed by a migration: another decode worker gets the
   prompt and the tokens generated so far (``resume_token_ids``), prefills them locally
-  and goes on. Per-position seeds make the continuation the same tokens;
+  and goes on. Per-position seeds make the continuation the same tokens, up to
+  rounding (``docs/architecture.md``, Lifecycle and failure);
 - RESOURCE_EXHAUSTED (no free blocks) leaves that worker out; INVALID_ARGUMENT is the
   client's error (400) and is never retried.
 

@@ -90,6 +90,18 @@ class Cluster:
     def expected_tokens(self, prompt: list[int], params: SamplingParams) -> list[int]:
         return self.oracle.generate([prompt], params)[0].outputs[0].token_ids
 
+    def resumed_tokens(self, prompt: list[int], params: SamplingParams,
+                       generated: list[int]) -> list[int]:
+        """The whole output of a request migrated after ``generated``: those tokens,
+        then what the engine samples once it has recomputed prompt and tokens in one
+        prefill, as the decode worker the request moves to does."""
+        engine = self.oracle.engine
+        engine.add_request("resumed", prompt, params, resume_token_ids=generated)
+        tokens = list(generated)
+        while engine.has_unfinished_requests():
+            tokens += [t for output in engine.step() for t in output.new_token_ids]
+        return tokens
+
     def expected_text(self, prompt: str, params: SamplingParams) -> str:
         return self.oracle.generate([prompt], params)[0].outputs[0].text
 
@@ -422,17 +434,24 @@ def test_a_chats_turns_go_to_the_decode_worker_holding_its_history(cluster):
     assert chosen == [chosen[0]] * 3, chosen
 
 
-def run_streams_and_kill(cluster: Cluster, role: str, num_streams: int, max_tokens: int
-                         ) -> tuple[list, list]:
-    """Start ``num_streams`` gRPC streams (half greedy, half seeded) on prompts long
-    enough to be disaggregated; kill -9 the first ``role`` worker seen holding requests.
-    Returns (results, expected)."""
+def streams(cluster: Cluster, num_streams: int, max_tokens: int
+            ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """``run_streams_and_kill``'s prompts and sampling parameters."""
     prompts = [encode_prompt(cluster.tokenizer, SENTENCES[i % 5] + f" number {i}")
                for i in range(num_streams)]
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
               if i % 2 == 0 else SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i,
                                                 max_tokens=max_tokens, ignore_eos=True)
               for i in range(num_streams)]
+    return prompts, params
+
+
+def run_streams_and_kill(cluster: Cluster, role: str, num_streams: int, max_tokens: int
+                         ) -> tuple[list, list]:
+    """Start ``num_streams`` gRPC streams (half greedy, half seeded) on prompts long
+    enough to be disaggregated; kill -9 the first ``role`` worker seen holding requests.
+    Returns (results, expected)."""
+    prompts, params = streams(cluster, num_streams, max_tokens)
     candidates = [info for info in cluster.launcher.infos() if info.role == role]
     stub_cls = prefill_pb2_grpc.PrefillWorkerStub if role == "prefill" else \
         decode_pb2_grpc.DecodeWorkerStub
@@ -542,14 +561,32 @@ def test_redis_outage_under_load_and_prefix_routing_after(cluster):
     assert re.search(r"pdserve:registry_available\{[^}]*\} 1\.0", metrics)
 
 
-def test_kill_a_decode_worker_mid_stream(cluster):
+MIGRATION_LOG = re.compile(r"migration of (\S+) after (\d+) tokens")
+
+
+def test_kill_a_decode_worker_mid_stream(cluster, caplog):
     """40 concurrent streams; one of the two decode workers is killed -9 once busy. All
-    40 complete with exactly ``max_tokens`` tokens, the seeded ones equal to an
-    undisturbed run (per-position seeds), through migrations."""
+    40 complete with exactly ``max_tokens`` tokens through migrations, each equal to an
+    undisturbed run (per-position seeds) or, for a request migrated after k tokens, to
+    what the engine samples after recomputing those k in one prefill: a recomputed KV
+    cache rounds differently from the decode steps that first made it (~5e-7 in a
+    logprob), so a seeded draw that falls that close to the boundary between two tokens
+    can go the other way (2 of 160 resumptions in the offline engine on this model)."""
     before = cluster.router.metrics.request_migrations._value.get()
+    caplog.set_level("WARNING", logger="pdserve.router.service")
     results, expected = run_streams_and_kill(cluster, "decode", 40, 48)
-    assert results == expected
-    assert cluster.router.metrics.request_migrations._value.get() > before
+    # request id -> tokens it had when it last moved
+    migrated = {m[1]: int(m[2]) for r in caplog.records
+                if (m := MIGRATION_LOG.match(r.getMessage()))}
+    assert 0 < len(migrated) <= cluster.router.metrics.request_migrations._value.get() - before
+    prompts, params = streams(cluster, 40, 48)
+    for i, (result, want) in enumerate(zip(results, expected)):
+        if result == want:
+            continue
+        k = migrated.get(f"decode-kill-{i}")
+        assert k is not None, (i, result, want)  # not migrated: nothing may differ
+        assert result == (cluster.resumed_tokens(prompts[i], params[i], want[0][:k]),
+                          "length"), (i, k, result, want)
     wait_pool(cluster, 2, 2)
     states = asyncio.run(wait_clean(cluster, timeout_s=LEASE_S + 15))
     assert all(map(is_clean, states)), summary(states)
