@@ -41,16 +41,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """``EngineConfig`` keyword arguments from parsed engine flags (model resolved)."""
     from pdserve.engine.demo_model import ensure_demo_model
 
-    return dict(
-        served_model_name=args.served_model_name, dtype=args.dtype,
-        max_model_len=args.max_model_len, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed, device=args.device,
-        num_threads=args.num_threads,
-        cpu_omp_threads_bind=args.cpu_omp_threads_bind, model=args.model or str(ensure_demo_model()))
+    return {
+        "served_model_name": args.served_model_name, "dtype": args.dtype,
+        "max_model_len": args.max_model_len, "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "num_gpu_blocks_override": args.num_gpu_blocks_override,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "seed": args.seed,
+        "device": args.device, "num_threads": args.num_threads,
+        "cpu_omp_threads_bind": args.cpu_omp_threads_bind,
+        "model": args.model or str(ensure_demo_model()),
+    }
 
 
 __all__ = ["add_engine_args", "engine_kwargs"]

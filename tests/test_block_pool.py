@@ -110,7 +110,7 @@ def test_full_hit_still_computes_last_token():
     assert kv.allocate_slots(first, 8)
     kv.free(first)
     again = make_request("b", list(range(8)))
-    hits, num_hit = kv.get_computed_blocks(again)
+    _, num_hit = kv.get_computed_blocks(again)
     assert num_hit == 4  # at most num_tokens - 1 = 7 tokens, so one full block
 
 

@@ -46,8 +46,8 @@ def cluster(tiny_checkpoints):
     launcher = None
     try:
         launcher = RayLauncher(num_cpus=2)
-        common = dict(engine=engine_config(tiny_checkpoints["llama"]), redis_url=redis.url,
-                      kv_transfer_timeout_s=10.0, lease_s=5.0, auth=TEST_AUTH)
+        common = {"engine": engine_config(tiny_checkpoints["llama"]), "redis_url": redis.url,
+                  "kv_transfer_timeout_s": 10.0, "lease_s": 5.0, "auth": TEST_AUTH}
         prefill = launcher.launch(WorkerConfig("prefill", **common), 2, workers_on_node=4)
         decode = launcher.launch(WorkerConfig("decode", **common), 2, workers_on_node=4)
         yield launcher, prefill, decode

@@ -41,8 +41,8 @@ def oracle(tiny_checkpoints):
 # preempt: 24 blocks of 16 cannot hold all 8 sequences (they need 37), so the scheduler
 # must preempt and recompute.
 SETTINGS = {
-    "chunked_prefill": dict(max_num_batched_tokens=24),
-    "preemption": dict(num_gpu_blocks_override=24, max_num_batched_tokens=256),
+    "chunked_prefill": {"max_num_batched_tokens": 24},
+    "preemption": {"num_gpu_blocks_override": 24, "max_num_batched_tokens": 256},
 }
 
 

@@ -43,7 +43,7 @@ def iterate_weights(files: list[Path], dtype: torch.dtype, progress: bool = True
     total = sum(len(h.keys()) for h in handles)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for handle in handles:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 tensor = handle.get_tensor(name)
                 yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
                 bar.update(1)
