@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 
 import h11
+import uvicorn
 from prometheus_client import CollectorRegistry, Counter
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -52,6 +53,15 @@ from pdserve.router.flags import (
 from pdserve.router.protocol import error_response
 
 logger = logging.getLogger(__name__)
+
+# NOTE: TimedH11Protocol overrides these, and reads the instance's ``conn`` (h11) and
+# ``cycle``; checked with uvicorn 0.29 and 0.54 (pyproject's bounds)
+_OVERRIDDEN = ("connection_made", "data_received", "on_response_complete",
+               "handle_websocket_upgrade", "connection_lost", "pause_writing",
+               "resume_writing")
+if _missing := [name for name in _OVERRIDDEN if not callable(getattr(H11Protocol, name, None))]:
+    raise ImportError(f"uvicorn {uvicorn.__version__}'s H11Protocol has no {_missing}: "
+                      "pdserve's router needs uvicorn >=0.29,<1")
 
 TIMEOUT_PHASES = ("header", "body", "send")
 _WARN_EVERY_S = 60.0  # at most one warning a minute about expired deadlines
