@@ -40,7 +40,7 @@ DEFAULT_RESPONSE_SEND_TIMEOUT_S = 60.0  # a client that takes no bytes of its re
 # the router's gRPC API (router/grpc_server.py): streams one connection may run at once
 # (nginx's http2_max_concurrent_streams is 128, Go's 250), and seconds a connection may
 # stay open without one before the router closes it (clients reconnect by themselves)
-DEFAULT_GRPC_MAX_CONCURRENT_STREAMS = 100
+DEFAULT_GRPC_MAX_CONCURRENT_STREAMS = 256
 DEFAULT_GRPC_MAX_CONNECTION_IDLE_S = 300.0
 # vLLM's --tool-call-parser names (router/tool_parsers.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
