@@ -342,9 +342,10 @@ class LLMEngine:
         names another). ``resume_token_ids``: a request migrated from another worker
         goes on after the tokens it already generated, computing prompt and those tokens
         as one prefill (as recompute after preemption does); per-position seeds make its
-        continuation the one it would have had, up to rounding: that prefill's KV cache
-        can differ in the last bit from the decode steps' that first computed it, and a
-        seeded draw that close to the boundary between two tokens can go the other way.
+        continuation the one it would have had, up to rounding: prefill attention sums
+        in another order than the decode steps that first computed those tokens' KV, and
+        a draw (or an argmax) within rounding of the boundary between two tokens goes the
+        other way (docs/architecture.md, Lifecycle and failure).
         """
         request = self.make_request(request_id, prompt_token_ids, sampling_params, cache_salt,
                                     resume_token_ids)
