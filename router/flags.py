@@ -46,6 +46,14 @@ DEFAULT_GRPC_MAX_CONNECTION_IDLE_S = 300.0
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
+def check_seconds(value, flag: str) -> None:
+    """Raise ValueError naming ``flag`` unless ``value`` is a positive finite number of
+    seconds (the HTTP and gRPC servers' deadlines)."""
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and
+                                       0 < value < float("inf")):
+        raise ValueError(f"{flag} must be a positive number of seconds, not {value!r}")
+
+
 def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
     """Admission control, migration, prefill routing and tool-calling flags
     (``RouterConfig``'s fields of those names)."""

@@ -48,6 +48,7 @@ from pdserve.router.flags import (
     DEFAULT_GRPC_MAX_CONNECTION_IDLE_S,
     DEFAULT_REQUEST_HEADER_TIMEOUT_S,
     DEFAULT_RESPONSE_SEND_TIMEOUT_S,
+    check_seconds,
 )
 from pdserve.router.limits import MAX_STOP_TOKEN_IDS, check_stop_strings, check_text
 from pdserve.router.protocol import INTERNAL_ERROR, RequestError
@@ -87,12 +88,9 @@ class GRPCLimits:
     max_connection_idle_s: float = DEFAULT_GRPC_MAX_CONNECTION_IDLE_S
 
     def __post_init__(self) -> None:
-        for name, flag in (("handshake_timeout_s", "--request-header-timeout-s"),
-                           ("send_timeout_s", "--response-send-timeout-s"),
-                           ("max_connection_idle_s", "--grpc-max-connection-idle-s")):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
-                raise ValueError(f"{flag} must be a positive number of seconds, not {value!r}")
+        check_seconds(self.handshake_timeout_s, "--request-header-timeout-s")
+        check_seconds(self.send_timeout_s, "--response-send-timeout-s")
+        check_seconds(self.max_connection_idle_s, "--grpc-max-connection-idle-s")
         streams = self.max_concurrent_streams
         if isinstance(streams, bool) or not isinstance(streams, int) or not \
                 1 <= streams <= 2**31 - 1:
@@ -100,10 +98,14 @@ class GRPCLimits:
                              f"[1, {2**31 - 1}], not {streams!r}")
 
     def server_options(self) -> list[tuple[str, int]]:
-        """grpc channel arguments for ``grpc.aio.server`` (milliseconds, rounded up)."""
-        return [("grpc.server_handshake_timeout_ms", math.ceil(self.handshake_timeout_s * 1e3)),
+        """grpc channel arguments for ``grpc.aio.server`` (milliseconds, rounded up, at
+        most grpc's int range: about 24.8 days)."""
+        def ms(seconds: float) -> int:
+            return min(math.ceil(seconds * 1e3), 2**31 - 1)
+
+        return [("grpc.server_handshake_timeout_ms", ms(self.handshake_timeout_s)),
                 ("grpc.max_concurrent_streams", self.max_concurrent_streams),
-                ("grpc.max_connection_idle_ms", math.ceil(self.max_connection_idle_s * 1e3))]
+                ("grpc.max_connection_idle_ms", ms(self.max_connection_idle_s))]
 
 
 class GRPCServerMetrics:

@@ -49,6 +49,7 @@ from pdserve.router.flags import (
     DEFAULT_REQUEST_BODY_TIMEOUT_S,
     DEFAULT_REQUEST_HEADER_TIMEOUT_S,
     DEFAULT_RESPONSE_SEND_TIMEOUT_S,
+    check_seconds,
 )
 from pdserve.router.protocol import error_response
 
@@ -88,12 +89,9 @@ class HTTPTimeouts:
     send_timeout_s: float = DEFAULT_RESPONSE_SEND_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        for name, flag in (("header_timeout_s", "--request-header-timeout-s"),
-                           ("body_timeout_s", "--request-body-timeout-s"),
-                           ("send_timeout_s", "--response-send-timeout-s")):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
-                raise ValueError(f"{flag} must be a positive number of seconds, not {value!r}")
+        check_seconds(self.header_timeout_s, "--request-header-timeout-s")
+        check_seconds(self.body_timeout_s, "--request-body-timeout-s")
+        check_seconds(self.send_timeout_s, "--response-send-timeout-s")
 
 
 class HTTPServerMetrics:
