@@ -243,8 +243,6 @@ def uvicorn_config(app, **kwargs):
     """A ``uvicorn.Config`` serving ``app`` (from ``build_app``) with its request deadlines
     (``app.state.http_timeouts``) counted in its ``app.state.http_metrics``; ``kwargs``
     go to ``uvicorn.Config`` (host, port, log_level...)."""
-    import uvicorn
-
     return uvicorn.Config(app, http=timed_h11_protocol(app.state.http_timeouts,
                                                        app.state.http_metrics), **kwargs)
 
@@ -252,6 +250,4 @@ def uvicorn_config(app, **kwargs):
 def serve_app(app, **kwargs) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, as ``uvicorn.run`` does, with
     ``uvicorn_config(app, **kwargs)``."""
-    import uvicorn
-
     uvicorn.Server(uvicorn_config(app, **kwargs)).run()

@@ -269,16 +269,39 @@ def test_mismatched_kv_handle_is_refused_and_nothing_leaks(tiny_checkpoints, red
 
 
 def test_ready_file_appears_whole(tmp_path):
-    """A launcher polls for the ready file and reads it at once: it must never see it empty
-    or half-written, and a rewrite leaves no partial file behind."""
+    """A launcher polls for the ready file and reads it at once: a reader polling while it
+    is written (and rewritten) never sees it empty or half-written, and no partial file
+    is left behind. (An ``open(path, "w")`` then a write fails this: the reader catches
+    the truncated file.)"""
     import json
+    import threading
 
     from pdserve.entrypoints.worker_main import write_ready_file
 
     path = tmp_path / "decode.ready.json"
-    info = {"worker_id": "decode-x", "grpc_address": "127.0.0.1:1234", "pad": "x" * 1_000_000}
-    write_ready_file(path, info)
-    assert json.loads(path.read_text()) == info
-    write_ready_file(path, {"worker_id": "decode-y"})
-    assert json.loads(path.read_text()) == {"worker_id": "decode-y"}
+    infos = [{"worker_id": f"decode-{i}", "pad": "x" * 200_000} for i in range(40)]
+    torn: list[str] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            try:
+                text = path.read_text()
+            except FileNotFoundError:
+                continue
+            try:
+                json.loads(text)
+            except ValueError:
+                torn.append(text[:40])
+
+    reader = threading.Thread(target=poll, daemon=True)
+    reader.start()
+    try:
+        for info in infos:
+            write_ready_file(path, info)
+    finally:
+        done.set()
+        reader.join(10)
+    assert not torn, f"{len(torn)} reads saw a partial file: {torn[:3]}"
+    assert json.loads(path.read_text()) == infos[-1]
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
