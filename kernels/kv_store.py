@@ -44,7 +44,9 @@ def store_kv_ref(
             written in place (values cast to the cache dtype). The kernels need each
             block packed (any block stride); the reference takes any strides.
         slot_mapping: ``[num_tokens]`` int32/int64, flat slot
-            ``block_id * block_size + offset`` per token; ``-1`` marks padding, skipped.
+            ``block_id * block_size + offset`` per token, distinct (the kernels write
+            tokens in parallel: of two tokens with one slot, either may win); ``-1``
+            marks padding, skipped.
 
     Raises:
         IndexError: a slot is ``>= num_blocks * block_size``.

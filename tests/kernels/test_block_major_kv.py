@@ -69,12 +69,14 @@ def test_the_block_major_view_has_the_contract_shape_and_strides():
 
 
 def store_inputs(dtype, device, num_tokens=6):
-    """K and V as views of a fused QKV projection, and slots across blocks (-1: padding)."""
+    """K and V as views of a fused QKV projection, and distinct slots across blocks (-1:
+    padding). NOTE: distinct, as a step's are: two tokens writing one slot would race on
+    a GPU, where the kernel's programs run in no fixed order."""
     qkv = torch.randn(num_tokens, 3 * KV_HEADS, HEAD_DIM,
                       generator=torch.Generator().manual_seed(3)).to(dtype).to(device)
     key, value = qkv[:, KV_HEADS:2 * KV_HEADS], qkv[:, 2 * KV_HEADS:]
     last = 5 * BLOCK_SIZE - 1
-    slots = torch.tensor([BLOCK_SIZE + 3, -1, 0, last, 2 * BLOCK_SIZE - 1, 9][:num_tokens],
+    slots = torch.tensor([BLOCK_SIZE + 3, -1, 0, last, 3 * BLOCK_SIZE + 2, 9][:num_tokens],
                          device=device)
     return key, value, slots
 
