@@ -219,9 +219,12 @@ class LLMEngine:
         if eos_token_ids is None:
             eos_token_ids = checkpoint_eos_token_ids(config.model, self.tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids)
+        sized_by_share = (self.device.type == "cuda" and config.num_gpu_blocks_override is None
+                          and config.kv_cache_memory_bytes is None)
+        gpu_free_bytes = self._check_gpu_share() if sized_by_share else 0
         self.model_runner = ModelRunner(self.model_config, config.block_size, self.device,
                                         config.seed, config.load_progress)
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = self._num_kv_blocks(gpu_free_bytes)
         self.model_runner.allocate_kv_cache(self.num_blocks)
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, config.block_size,
@@ -244,7 +247,9 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.model_config.max_model_len
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, gpu_free_bytes: int) -> int:
+        """Blocks of the KV cache; ``gpu_free_bytes``: the GPU's free memory before this
+        engine loaded anything (CUDA only)."""
         cfg, mc = self.config, self.model_config
         block_bytes = kv_cache_block_bytes(mc, cfg.block_size)
         min_blocks = cdiv(mc.max_model_len, cfg.block_size)
@@ -253,8 +258,7 @@ class LLMEngine:
         elif cfg.kv_cache_memory_bytes is not None:
             num_blocks = cfg.kv_cache_memory_bytes // block_bytes
         elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            num_blocks = int(total * cfg.gpu_memory_utilization - (total - free)) // block_bytes
+            num_blocks = self._num_gpu_blocks(block_bytes, gpu_free_bytes)
         else:
             useful = cfg.max_num_seqs * min_blocks
             num_blocks = min(_CPU_KV_CACHE_BYTES // block_bytes, useful)
@@ -265,6 +269,43 @@ class LLMEngine:
                 "kv_cache_memory_bytes / gpu_memory_utilization / num_gpu_blocks_override or "
                 "lower max_model_len")
         return int(num_blocks)
+
+    def _check_gpu_share(self) -> int:
+        """The GPU's free bytes now, before this engine loads anything.
+
+        Raises:
+            ValueError: less is free than this engine's share (``gpu_memory_utilization``
+                of the whole GPU), naming the setting, as vLLM refuses to start.
+        """
+        free, total = torch.cuda.mem_get_info(self.device)
+        share = self.config.gpu_memory_utilization
+        if free < share * total:
+            raise ValueError(
+                f"gpu_memory_utilization={share} asks for {share * total / 2**30:.2f} GiB of "
+                f"{torch.cuda.get_device_name(self.device)}'s {total / 2**30:.2f} GiB, but "
+                f"only {free / 2**30:.2f} GiB are free (other processes hold the rest): "
+                "lower gpu_memory_utilization or free the GPU")
+        return free
+
+    def _num_gpu_blocks(self, block_bytes: int, free_at_start: int) -> int:
+        """KV blocks that fit in this engine's share of the GPU, ``gpu_memory_utilization``
+        of its whole memory (vLLM's meaning: two engines on one GPU take 0.45 each), beside
+        what this engine uses otherwise: the memory it took since ``free_at_start`` (its
+        weights, library workspaces) and the activations of its largest step, measured by a
+        profile run."""
+        cfg = self.config
+        activation_bytes = self.model_runner.profile_activation_bytes(
+            self._token_budget(), cfg.max_num_seqs, self.model_config.max_model_len)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = max(free_at_start - free, 0) + activation_bytes
+        budget = int(total * cfg.gpu_memory_utilization) - used
+        logger.info("GPU memory: %.2f GiB of %.2f GiB for this engine "
+                    "(gpu_memory_utilization=%s); weights and workspaces %.2f GiB, a step's "
+                    "activations %.2f GiB, the KV cache %.2f GiB", total * cfg.gpu_memory_utilization
+                    / 2**30, total / 2**30, cfg.gpu_memory_utilization,
+                    (used - activation_bytes) / 2**30, activation_bytes / 2**30,
+                    max(budget, 0) / 2**30)
+        return max(budget, 0) // block_bytes
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The structured output compiler of this engine's tokenizer, made on the first

@@ -72,7 +72,8 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = True
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device=device).to(config.dtype)
+    # NOTE: cast on meta first, so the device never holds an fp32 copy of the weights
+    model = model.to(config.dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # The RoPE tables are fp32 buffers computed at init, lost by the meta build: remake them.
