@@ -7,12 +7,20 @@ Payloads go over NCCL when both ends are on distinct CUDA devices, else over glo
 NOTE: a gloo wait that times out closes the whole pair (gloo signals the timeout to
 every pending operation), so a group that saw any error is aborted and never reused;
 the next transfer makes a new one under a new generation (see ``receiver.py``).
+
+NOTE: an NCCL ``Work.wait`` does not block the host (it only orders the caller's CUDA
+stream after NCCL's), so NCCL payloads are waited for by polling ``is_completed`` up to
+the transfer's deadline, and a group whose op is past it is aborted like a gloo one. The
+NCCL group's own timeout is longer than any transfer's, and its watchdog is told not to
+end the process on an error (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` unless the operator set
+it): a failed pair costs one pull, never the worker.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -30,10 +38,15 @@ def _timedelta(seconds: float) -> datetime.timedelta:
 
 
 def describe_device(device: torch.device) -> str:
-    """``"cpu"`` or ``"cuda:<uuid>"``: what the peer needs to pick a backend."""
+    """``"cpu"`` or ``"cuda:<uuid>[@<NCCL_HOSTID>]"``: what the peer needs to pick a
+    backend. Two ends on distinct devices, as NCCL tells them apart, use NCCL: NCCL
+    refuses two ranks on one GPU ("Duplicate GPU detected") unless their ``NCCL_HOSTID``
+    differ, which makes it treat them as two hosts (its network transport)."""
     if device.type != "cuda":
         return "cpu"
-    return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
+    name = f"cuda:{torch.cuda.get_device_properties(device).uuid}"
+    host_id = os.environ.get("NCCL_HOSTID")
+    return f"{name}@{host_id}" if host_id else name
 
 
 def _wait(work, deadline: float, what: str) -> None:
@@ -49,6 +62,35 @@ def _wait(work, deadline: float, what: str) -> None:
     except KVTransferError:
         raise
     except Exception as exc:  # gloo/NCCL raise RuntimeError or DistError subclasses
+        raise KVTransferError(f"{what}: {exc}") from exc
+
+
+CLOSE_ABORT_WAIT_S = 10.0
+"""Seconds a closing sender or receiver waits for each NCCL group's abort."""
+
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 1e-3
+
+
+def _wait_device(work, deadline: float, what: str) -> None:
+    """Wait for an NCCL send/recv until ``deadline`` (monotonic seconds) by polling its
+    completion (an NCCL ``wait`` returns at once on the host), then order the current
+    CUDA stream after it.
+
+    Raises:
+        KVTransferError: timed out, or the op failed (the peer died, the group aborted).
+    """
+    delay = _POLL_MIN_S
+    try:
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                raise KVTransferError(f"{what}: timed out")
+            time.sleep(delay)
+            delay = min(2 * delay, _POLL_MAX_S)
+        work.wait()  # NOTE: raises the op's error, if it failed
+    except KVTransferError:
+        raise
+    except Exception as exc:
         raise KVTransferError(f"{what}: {exc}") from exc
 
 
@@ -95,6 +137,7 @@ class PairGroup:
         self._next_send_seq = 0
         self._turn = threading.Condition()
         self._next_recv_seq = 0
+        self._nccl_abort: threading.Thread | None = None
         self.broken = False
 
     @property
@@ -156,6 +199,11 @@ class PairGroup:
         works, num_bytes = [], 0
         slot_sends: dict[int, int] = {}  # ring slot -> index in works of its last send
         try:
+            # NOTE: over NCCL the payload is gathered before the header goes: the receiver
+            # posts its NCCL receive on the header, and a receive whose send never comes
+            # holds a kernel on its GPU until the group is aborted
+            gathered = ([source.chunk(c) for c in range(source.num_chunks)]
+                        if self._nccl is not None else None)
             with self._send_lock:  # NOTE: payloads are posted in seq order
                 header = make_header(self._next_send_seq)
                 self._next_send_seq += 1
@@ -166,7 +214,7 @@ class PairGroup:
                     if slot is not None and slot in slot_sends:
                         i = slot_sends.pop(slot)
                         _wait(works[i][1], deadline, f"sending {works[i][0]}")
-                    wire = source.chunk(c)
+                    wire = gathered[c] if gathered is not None else source.chunk(c)
                     works.append((f"chunk {c}", payload_group.send([wire], self.peer, tag)))
                     if slot is not None:
                         slot_sends[slot] = len(works) - 1
@@ -177,12 +225,12 @@ class PairGroup:
             raise KVTransferError(f"posting a send failed: {exc}") from exc
         if self._nccl is not None:  # NOTE: two streams: the header's (gloo) and NCCL's
             _wait(works[0][1], deadline, "sending the header")
+            # NOTE: complete on the GPU before returning: the chunks may be views of
+            # blocks the caller releases once this returns
+            _wait_device(works[-1][1], deadline, "sending the payload")
+            return num_bytes
         # NOTE: the last chunk's send was never waited for a slot (only chunk c - slots is)
         _wait_last(works, deadline, "sending")
-        if self._nccl is not None:
-            # NOTE: NCCL waits only order streams; the chunks may be views of blocks the
-            # caller releases once this returns.
-            torch.cuda.current_stream().synchronize()
         return num_bytes
 
     def post_recv(self, sink: PayloadSink, tag: int,
@@ -257,7 +305,7 @@ class PairGroup:
             header_work = self._post(self._gloo, [header], tag)[0]
             _wait(header_work, deadline, "receiving the header")
             works = self._post_in_turn(sink, tag, check_header(header), deadline)
-            _wait(works[-1], deadline, "receiving the payload")
+            _wait_device(works[-1], deadline, "receiving the payload")
             return
         self.post_more(sink, tag, posted)
         _wait(posted.header_work, deadline, "receiving the header")
@@ -295,19 +343,50 @@ class PairGroup:
         except Exception as exc:
             raise KVTransferError(f"posting receives failed: {exc}") from exc
 
-    def abort(self) -> None:
-        """Mark broken and close the connections; the peer's pending ops then fail."""
+    def abort(self, wait_s: float = 0.0) -> None:
+        """Mark broken and close the connections; the peer's pending ops then fail.
+
+        NCCL's abort runs on a thread of its own, waited for ``wait_s`` seconds at most
+        (0 on a transfer's failure; a few seconds when the process closes its channels,
+        so that it does not exit with the abort still running, which ends a process with
+        SIGABRT)."""
         self.broken = True
         with self._turn:
             self._turn.notify_all()
-        for group in (self._nccl, self._gloo):
-            if group is not None:
-                with contextlib.suppress(RuntimeError):  # best effort on a group already failing
-                    group.abort()
+        _abort_quietly(self._gloo)
+        if self._nccl is not None and self._nccl_abort is None:
+            # NOTE: ncclCommAbort can block for long (its proxy thread waiting on a dead
+            # peer's socket, its frees on a receive kernel still spinning), so it never
+            # runs on a transfer's or the caller's thread
+            self._nccl_abort = threading.Thread(target=_abort_quietly, args=(self._nccl,),
+                                                daemon=True, name="nccl-abort")
+            self._nccl_abort.start()
+        if self._nccl_abort is not None and wait_s > 0:
+            self._nccl_abort.join(wait_s)
+
+
+def _abort_quietly(group) -> None:
+    with contextlib.suppress(RuntimeError):  # best effort on a group already failing
+        group.abort()
+
+
+_NCCL_WATCHDOG_S = 600.0
+"""The NCCL group's own op timeout: past every transfer's deadline, so that pdserve's
+polling (``_wait_device``) times an op out and aborts the group first."""
 
 
 def _make_nccl(pstore: dist.Store, rank: int, device: torch.device, timeout_s: float):
+    # NOTE: read when the group is made; 0 leaves errors to the ops' waits, where the
+    # default (3) would end this process when the peer dies or an op times out
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = _timedelta(timeout_s)
+    opts._timeout = _timedelta(max(timeout_s, _NCCL_WATCHDOG_S))
     with torch.cuda.device(device):
-        return dist.ProcessGroupNCCL(dist.PrefixStore("nccl", pstore), rank, 2, opts)
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", pstore), rank, 2, opts)
+        # NOTE: NCCL makes its communicator at a pair's first op and waits there for the
+        # peer with no timeout of its own: one element now, while both ends are making
+        # the pair, keeps that out of the first transfer
+        probe = torch.zeros(1, device=device)
+        work = (group.send if rank == 0 else group.recv)([probe], 1 - rank, 0)
+        _wait_device(work, time.monotonic() + timeout_s, "connecting NCCL")
+    return group

@@ -75,10 +75,11 @@ class RecvChannel:
             raise self.error
         return self.group
 
-    def fail(self) -> None:
-        """Abort the group: it is never reused (see channel.py)."""
+    def fail(self, wait_s: float = 0.0) -> None:
+        """Abort the group: it is never reused (see channel.py). ``wait_s``: as
+        ``PairGroup.abort``'s."""
         if self.group is not None:
-            self.group.abort()
+            self.group.abort(wait_s)
 
 
 class KVPull(KVTransfer):

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer.channel import PairGroup
+from pdserve.kvtransfer.channel import CLOSE_ABORT_WAIT_S, PairGroup
 from pdserve.kvtransfer.payload import PayloadSink, load_copy_kernels, on_device, plan_chunks
 from pdserve.kvtransfer.protocol import (
     CLAIM_FAILED_PREFIX,
@@ -186,7 +186,7 @@ class KVReceiver:
         for pull in pulls:
             pull._fail(KVTransferError("the KV receiver closed"))
         for channel in channels:
-            channel.fail()
+            channel.fail(wait_s=CLOSE_ABORT_WAIT_S)
         self._threads.close()
         with contextlib.suppress(RuntimeError):  # closing anyway
             self._store.queue_push(CLAIM_QUEUE_KEY, "\n")  # wakes the watcher

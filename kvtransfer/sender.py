@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer.channel import PairGroup
+from pdserve.kvtransfer.channel import CLOSE_ABORT_WAIT_S, PairGroup
 from pdserve.kvtransfer.handle import KVTransfer
 from pdserve.kvtransfer.payload import PayloadSource, load_copy_kernels, on_device
 from pdserve.kvtransfer.protocol import (
@@ -69,7 +69,7 @@ class _Peer:
 
     def close(self) -> None:
         if self.group is not None:
-            self.group.abort()
+            self.group.abort(wait_s=CLOSE_ABORT_WAIT_S)
         self.group, self.group_key, self.store = None, None, None
 
 
