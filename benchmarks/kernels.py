@@ -6,8 +6,10 @@ Times (CUDA events, warmup, median of ``--iters``, L2 flushed before each run):
   batch 1, 16, 64 x context 1k, 8k, with the decode kernel's achieved memory bandwidth
   (bytes of K/V read + query + output, over time) as a fraction of the GPU's measured
   copy bandwidth (a large ``Tensor.copy_``: bytes read + written, over time);
-- prefill attention over a paged prefix vs its reference vs dense causal SDPA;
-- the KV store and block gather / scatter vs their references.
+- prefill attention over a paged prefix vs its reference vs dense causal SDPA, with its
+  TFLOP/s and the fraction of copy bandwidth its fewest bytes (context K/V, query and
+  output once) reach;
+- the KV store and block gather / scatter vs their references, with the same fraction.
 
 Usage: ``python benchmarks/kernels.py [--json results.json]``; the model shape defaults to
 Llama-3-8B's attention (32 query heads, 8 kv heads, head_dim 128, bf16, block size 16).
@@ -139,10 +141,12 @@ def bench_decode(timer: Timer, args, dtype, copy_gbps: float) -> list[dict]:
     return results
 
 
-def bench_prefill(timer: Timer, args, dtype) -> list[dict]:
-    """Chunks of 512 tokens, without and with a 1536-token cached prefix."""
+def bench_prefill(timer: Timer, args, dtype, copy_gbps: float) -> list[dict]:
+    """Chunks of 512 tokens, without and with a 1536-token cached prefix. Bytes: the
+    context's K/V read once, the query read and the output written."""
     results = []
     scale = args.head_dim**-0.5
+    elem = torch.finfo(dtype).bits // 8
     for batch, q_len, prefix in ((4, 512, 0), (4, 512, 1536)):
         context = prefix + q_len
         key_cache, value_cache, block_tables = paged_cache(batch, context, args, dtype)
@@ -166,15 +170,22 @@ def bench_prefill(timer: Timer, args, dtype) -> list[dict]:
         sdpa_ms = timer.try_median_ms(
             partial(F.scaled_dot_product_attention, *dense, scale=scale, enable_gqa=True, **mask))
         flops = 4 * batch * args.num_heads * args.head_dim * q_len * (prefix + (q_len + 1) / 2)
+        io_bytes = (2 * batch * context * args.num_kv_heads * args.head_dim
+                    + 2 * query.numel()) * elem
+        gbps = io_bytes / (triton_ms * 1e-3) / 1e9
         results.append({"kernel": "paged_prefill_attention", "batch": batch, "q_len": q_len,
                         "prefix": prefix, "triton_ms": triton_ms, "reference_ms": ref_ms,
-                        "sdpa_ms": sdpa_ms, "triton_tflops": flops / (triton_ms * 1e-3) / 1e12})
+                        "sdpa_ms": sdpa_ms, "triton_tflops": flops / (triton_ms * 1e-3) / 1e12,
+                        "bytes": io_bytes, "achieved_gbps": gbps,
+                        "fraction_of_copy": gbps / copy_gbps})
         del call, dense, key_cache, value_cache
         torch.cuda.empty_cache()
     return results
 
 
-def bench_store(timer: Timer, args, dtype) -> list[dict]:
+def bench_store(timer: Timer, args, dtype, copy_gbps: float) -> list[dict]:
+    """New K/V rows of 64 and 8192 tokens into random slots. Bytes: the rows read and
+    written once."""
     results = []
     for num_tokens in (64, 8192):
         key_cache, value_cache, _ = paged_cache(1, 2 * num_tokens, args, dtype)
@@ -183,9 +194,13 @@ def bench_store(timer: Timer, args, dtype) -> list[dict]:
         value = torch.randn_like(key)
         slot_mapping = torch.randperm(2 * num_tokens, device="cuda")[:num_tokens]
         call = (key, value, key_cache, value_cache, slot_mapping)
-        results.append({"kernel": "store_kv", "num_tokens": num_tokens,
-                        "triton_ms": timer.median_ms(partial(kv_store.store_kv_triton, *call)),
-                        "reference_ms": timer.median_ms(partial(kv_store.store_kv_ref, *call))})
+        triton_ms = timer.median_ms(partial(kv_store.store_kv_triton, *call))
+        io_bytes = 4 * key.numel() * key.element_size()  # K and V, read + written
+        gbps = io_bytes / (triton_ms * 1e-3) / 1e9
+        results.append({"kernel": "store_kv", "num_tokens": num_tokens, "triton_ms": triton_ms,
+                        "reference_ms": timer.median_ms(partial(kv_store.store_kv_ref, *call)),
+                        "bytes": io_bytes, "achieved_gbps": gbps,
+                        "fraction_of_copy": gbps / copy_gbps})
     return results
 
 
@@ -227,7 +242,7 @@ def report(results: list[dict], copy_gbps: float) -> None:
         if "fraction_of_copy" in r:
             extra = f"{r['achieved_gbps']:.0f} GB/s = {r['fraction_of_copy']:.0%} of copy"
         if "triton_tflops" in r:
-            extra = f"{r['triton_tflops']:.1f} TFLOP/s"
+            extra += f", {r['triton_tflops']:.1f} TFLOP/s"
         print(f"{r['kernel']:>24} {shape:<30} {fmt(r['triton_ms'])} "
               f"{fmt(r.get('reference_ms'))} {fmt(r.get('sdpa_ms'))}  {extra}")
     target = [r for r in results if r["kernel"] == "paged_decode_attention"
@@ -252,8 +267,8 @@ def main() -> int:
           f"head_dim {args.head_dim}, block_size {args.block_size}")
     copy_gbps = copy_bandwidth_gbps(timer)
     results = bench_decode(timer, args, dtype, copy_gbps)
-    results += bench_prefill(timer, args, dtype)
-    results += bench_store(timer, args, dtype)
+    results += bench_prefill(timer, args, dtype, copy_gbps)
+    results += bench_store(timer, args, dtype, copy_gbps)
     results += bench_block_copy(timer, args, dtype, copy_gbps)
     report(results, copy_gbps)
     if args.json:

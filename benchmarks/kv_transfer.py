@@ -29,6 +29,14 @@ two see the same drift in this machine's speed. Printed: GB/s of the median of `
 runs, the ratio of the medians pair / plain, and in brackets the lowest and highest ratio
 of a pair transfer to the plain one just before it. Run:
 ``python benchmarks/kv_transfer.py``.
+
+``--device cuda`` puts both caches on the GPU (both processes on GPU 0: two CUDA
+contexts) and moves the bytes over NCCL, plain and pair alike: each process gets its own
+``NCCL_HOSTID``, without which NCCL refuses two ranks on one GPU, so NCCL takes its
+network transport between them (on one GPU, the pair channel's only NCCL path; between
+two GPUs of a host NCCL would use NVLink or PCIe instead). Plain is then a
+``ProcessGroupNCCL`` send / recv of the cache's leading bytes; times end when the bytes
+are on the GPU (``torch.cuda.synchronize``).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import multiprocessing as mp
+import os
 import statistics
 import time
 
@@ -55,15 +64,35 @@ GEOMETRIES = {  # name: (num_layers, num_kv_heads, head_dim)
 LAYOUTS = ("consecutive", "scattered", "mixed")
 
 
-def make_cache(geometry: str, num_blocks: int, seed: int | None) -> torch.Tensor:
+def make_cache(geometry: str, num_blocks: int, seed: int | None,
+               device: str = "cpu") -> torch.Tensor:
     """``[num_layers, 2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim]`` bf16, laid out
-    as a worker's (``ModelRunner.allocate_kv_cache``): block-major storage on huge pages."""
+    as a worker's (``ModelRunner.allocate_kv_cache``): block-major storage, on huge pages
+    on the CPU."""
     num_layers, num_kv_heads, head_dim = GEOMETRIES[geometry]
-    storage = cpu_zeros_on_huge_pages(
-        (num_blocks, num_layers, 2, BLOCK_SIZE, num_kv_heads, head_dim), DTYPE)
+    shape = (num_blocks, num_layers, 2, BLOCK_SIZE, num_kv_heads, head_dim)
+    if device == "cpu":
+        storage = cpu_zeros_on_huge_pages(shape, DTYPE)
+    else:
+        storage = torch.zeros(shape, dtype=DTYPE, device=device)
     if seed is not None:
-        storage.normal_(generator=torch.Generator().manual_seed(seed))
+        gen = torch.Generator(device=storage.device).manual_seed(seed)
+        storage.normal_(generator=gen)
     return storage.permute(1, 2, 0, 3, 4, 5)
+
+
+def use_device(device: str, rank: int) -> None:
+    """For a CUDA run: this process's own ``NCCL_HOSTID`` (before any NCCL group)."""
+    if device != "cpu":
+        os.environ["NCCL_HOSTID"] = f"pdserve-bench-rank{rank}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        torch.cuda.set_device(0)
+
+
+def finish(device: str) -> None:
+    """Wait for the GPU (an NCCL wait only orders streams)."""
+    if device != "cpu":
+        torch.cuda.synchronize()
 
 
 def leading_bytes(kv_cache: torch.Tensor, num_bytes: int) -> torch.Tensor:
@@ -73,10 +102,17 @@ def leading_bytes(kv_cache: torch.Tensor, num_bytes: int) -> torch.Tensor:
     return storage.reshape(-1).view(torch.uint8)[:num_bytes]
 
 
-def plain_group(address: str, rank: int) -> dist.ProcessGroupGloo:
+def plain_group(address: str, rank: int, device: str = "cpu"):
     host, port = address.split(":")
     store = dist.TCPStore(host, int(port), None, rank == 1, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
+    if device != "cpu":
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("bench/plain", store), rank, 2,
+                                      dist.ProcessGroupNCCL.Options())
+        probe = torch.zeros(1, device=device)  # NOTE: NCCL connects at the first op
+        (group.send if rank == 0 else group.recv)([probe], 1 - rank, 0).wait()
+        torch.cuda.synchronize()
+        return group
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     opts._timeout = datetime.timedelta(seconds=60)
@@ -84,17 +120,19 @@ def plain_group(address: str, rank: int) -> dist.ProcessGroupGloo:
 
 
 def prefill_main(conn, geometry: str, num_blocks: int, plain_address: str,
-                 threads: int) -> None:
+                 threads: int, device: str = "cpu") -> None:
     """The sending process: answers ("pair", rid, decode_id, address, ids, timeout_s,
     ticket) and ("plain", num_bytes) until None."""
     torch.set_num_threads(threads)
-    cache = make_cache(geometry, num_blocks, 1)
+    use_device(device, 0)
+    cache = make_cache(geometry, num_blocks, 1, device)
     sender = KVSender("bench-prefill", cache, timeout_s=120)
-    group = plain_group(plain_address, 0)
+    group = plain_group(plain_address, 0, device)
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
         if cmd[0] == "plain":
             group.send([leading_bytes(cache, cmd[1])], 1, 0).wait()
+            finish(device)
         else:
             sender.send(*cmd[1:])
         conn.send("done")
@@ -106,6 +144,7 @@ def time_plain(conn, group, payload: torch.Tensor) -> float:
     work = group.recv([payload], 0, 0)
     conn.send(("plain", payload.numel()))
     work.wait()
+    finish(payload.device.type)
     elapsed = time.perf_counter() - start
     conn.recv()
     return elapsed
@@ -130,20 +169,21 @@ def block_ids(num_blocks: int, n: int, layout: str, gen: torch.Generator) -> lis
 
 
 def run(geometry: str, reps: int, threads: int,
-        prompt_tokens: tuple[int, ...] = PROMPT_TOKENS) -> list[dict]:
+        prompt_tokens: tuple[int, ...] = PROMPT_TOKENS, device: str = "cpu") -> list[dict]:
     """Time every size (``prompt_tokens``, multiples of ``BLOCK_SIZE``) and layout for one
     geometry; one row per size: GB/s and ratios as ``main`` prints them."""
     torch.set_num_threads(threads)
+    use_device(device, 1)
     num_blocks = max(prompt_tokens) // BLOCK_SIZE + 64
-    cache = make_cache(geometry, num_blocks, None)
+    cache = make_cache(geometry, num_blocks, None, device)
     receiver = KVReceiver("bench-decode", cache, timeout_s=120)
     plain_address = f"127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=prefill_main, daemon=True, args=(
-        child_conn, geometry, num_blocks, plain_address, threads))
+        child_conn, geometry, num_blocks, plain_address, threads, device))
     child.start()
-    group = plain_group(plain_address, 1)
+    group = plain_group(plain_address, 1, device)
     assert conn.recv() == "ready"
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -190,13 +230,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--geometry", choices=GEOMETRIES, action="append",
                         help="KV geometry (repeatable; default: all)")
+    parser.add_argument("--prompt-tokens", type=int, action="append",
+                        help=f"prompt sizes in tokens (repeatable; default {PROMPT_TOKENS})")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the caches live; cuda: both processes on GPU 0, NCCL")
     args = parser.parse_args()
+    if args.device == "cuda":
+        print(f"{torch.cuda.get_device_name()}: both processes on GPU 0, NCCL "
+              "(distinct NCCL_HOSTID: its network transport)")
     print("GB/s: median of the timed runs; ratio: pair / plain of the medians (lowest-highest "
           "of each pair run against the plain run before it)")
     print(f"{'geometry':>10} {'prompt':>6} {'MiB':>5} {'plain':>6}"
           + "".join(f" {layout:>11} {'ratio':>15}" for layout in LAYOUTS))
     for geometry in args.geometry or GEOMETRIES:
-        for r in run(geometry, args.reps, args.threads):
+        for r in run(geometry, args.reps, args.threads,
+                     tuple(args.prompt_tokens or PROMPT_TOKENS), args.device):
             line = (f"{geometry:>10} {r['tokens']:>6} {r['bytes'] / 2**20:>5.0f} "
                     f"{r['plain_gbps']:>6.2f}")
             for layout in LAYOUTS:

@@ -10,6 +10,13 @@ threads are present while the other runs; prints each one's best output tokens p
 second (least time: the run least disturbed by other jobs on the machine), their ratio,
 and the ratio of each repeat's pair; ``--json`` writes the result with every time.
 
+Both engines run on ``--device`` (default: CUDA when there is a GPU, else the CPU). The
+first pdserve run also times W1's decode steps one by one (the steps where every prompt
+decodes) and sets their median against the memory roofline of such a step: the bytes it
+must read (every linear layer's weights once, the LM head's included, and each sequence's
+K and V) over the device's copy bandwidth measured in the same process (a 1 GiB
+``Tensor.copy_``, bytes read + written).
+
     python benchmarks/offline_throughput.py [--num-prompts 32 --input-len 256 --output-len 128]
 """
 
@@ -44,12 +51,87 @@ def write_checkpoint(path: Path, dtype: torch.dtype) -> Path:
     return path
 
 
-def pdserve_runner(model_dir: Path, prompts: list[list[int]], output_len: int, dtype: str):
+def copy_bandwidth_gbps(device: torch.device, num_bytes: int = 2**30) -> float:
+    """The device's copy bandwidth: a ``num_bytes`` tensor copied, bytes read + written
+    per second (best of 5), in GB/s."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        _synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best / 1e9
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_step_probe(llm, prompts: list[list[int]], params) -> dict:
+    """Generate W1 once more, timing each engine step; over the steps where every prompt
+    decodes: the median step seconds and its memory roofline (bytes a step must read over
+    the copy bandwidth)."""
+    engine = llm.engine
+    runner = engine.model_runner
+    config = runner.config
+    scheduled: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        scheduled.append(out.total_num_scheduled_tokens)
+        return out
+
+    step = engine.step
+    times: list[float] = []
+
+    def timed_step():
+        start = time.perf_counter()
+        outputs = step()  # NOTE: ends with the sampled ids on the host: synchronized
+        times.append(time.perf_counter() - start)
+        return outputs
+
+    engine.scheduler.schedule, engine.step = recording_schedule, timed_step
+    try:
+        assert llm.reset_prefix_cache()
+        llm.generate(prompts, params)
+    finally:
+        del engine.scheduler.schedule, engine.step
+    batch = len(prompts)
+    decode = [(i, t) for i, (n, t) in enumerate(zip(scheduled, times)) if n == batch]
+    if not decode:
+        return {}
+    median_s = sorted(t for _, t in decode)[len(decode) // 2]
+    # NOTE: buffers too: the CPU's packed linears hold their weights as buffers
+    tensors = [*runner.model.named_parameters(), *runner.model.named_buffers()]
+    weight_bytes = sum(t.numel() * t.element_size() for name, t in tensors
+                       if "rotary_emb" not in name
+                       and ("embed_tokens" not in name or config.tie_word_embeddings))
+    # NOTE: the middle decode step's contexts: prompt + tokens so far, one new token each
+    middle = len(decode) // 2
+    context = len(prompts[0]) + middle + 1
+    itemsize = torch.empty((), dtype=config.dtype).element_size()
+    kv_bytes = batch * context * config.num_layers * 2 * config.num_kv_heads * \
+        config.head_dim * itemsize
+    gbps = copy_bandwidth_gbps(runner.device)
+    roofline_s = (weight_bytes + kv_bytes) / (gbps * 1e9)
+    return {"decode_steps": len(decode), "median_step_s": median_s, "batch": batch,
+            "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "copy_gbps": gbps,
+            "roofline_s": roofline_s, "step_over_roofline": median_s / roofline_s}
+
+
+def pdserve_runner(model_dir: Path, prompts: list[list[int]], output_len: int, dtype: str,
+                   device: str):
     """Load pdserve's ``LLM`` and warm it up; return a function that generates W1 once
-    and returns its wall seconds."""
+    and returns its wall seconds, and one that runs ``decode_step_probe``."""
     from pdserve.engine import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype=dtype, max_model_len=1024, load_progress=False)
+    llm = LLM(str(model_dir), dtype=dtype, max_model_len=1024, load_progress=False,
+              device=device)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     # Warm up on other tokens, so no benchmark prompt is prefix-cached.
     warmup = [[(t + 1) % 32000 for t in p] for p in prompts[:2]]
@@ -63,17 +145,17 @@ def pdserve_runner(model_dir: Path, prompts: list[list[int]], output_len: int, d
         assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
         return elapsed
 
-    return run
+    return run, lambda: decode_step_probe(llm, prompts, params)
 
 
 def transformers_runner(model_dir: Path, prompts: list[list[int]], output_len: int,
-                        dtype: torch.dtype):
+                        dtype: torch.dtype, device: str):
     """Load the checkpoint with transformers and warm it up; return a function that runs
     static-batch greedy ``generate`` on W1 once and returns its wall seconds."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    ids = torch.tensor(prompts)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
     kwargs = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0,
               "attention_mask": torch.ones_like(ids)}
     with torch.inference_mode():
@@ -85,6 +167,7 @@ def transformers_runner(model_dir: Path, prompts: list[list[int]], output_len: i
             start = time.perf_counter()
             out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len,
                                  **kwargs)
+            _synchronize(out.device)
             elapsed = time.perf_counter() - start
         assert out.shape[1] == ids.shape[1] + output_len
         return elapsed
@@ -93,24 +176,27 @@ def transformers_runner(model_dir: Path, prompts: list[list[int]], output_len: i
 
 
 def _run_in_child(name: str, model_dir: Path, prompts: list[list[int]], output_len: int,
-                  dtype: str, conn) -> None:
-    """Child process: load and warm up one engine, time one W1 run, send the seconds."""
+                  dtype: str, device: str, probe: bool, conn) -> None:
+    """Child process: load and warm up one engine, time one W1 run, send the seconds (and
+    pdserve's ``decode_step_probe`` when ``probe``)."""
     if name == "pdserve":
-        run = pdserve_runner(model_dir, prompts, output_len, dtype)
+        run, probe_steps = pdserve_runner(model_dir, prompts, output_len, dtype, device)
     else:
-        run = transformers_runner(model_dir, prompts, output_len, getattr(torch, dtype))
-    conn.send(run())
+        run = transformers_runner(model_dir, prompts, output_len, getattr(torch, dtype), device)
+    seconds = run()
+    conn.send((seconds, probe_steps() if probe and name == "pdserve" else None))
     conn.close()
 
 
 def timed_run(name: str, model_dir: Path, prompts: list[list[int]], output_len: int,
-              dtype: str) -> float:
+              dtype: str, device: str, probe: bool = False) -> tuple[float, dict | None]:
     """One timed W1 run of ``name`` in a fresh process, so neither engine's memory,
-    threads or caches are there while the other runs; returns its wall seconds."""
+    threads or caches are there while the other runs; returns its wall seconds (and
+    the decode step probe's result when ``probe``)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_run_in_child,
-                       args=(name, model_dir, prompts, output_len, dtype, child))
+    proc = ctx.Process(target=_run_in_child, args=(name, model_dir, prompts, output_len,
+                                                   dtype, device, probe, child))
     proc.start()
     child.close()
     try:
@@ -132,6 +218,8 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=Path(os.environ.get(
         "PDSERVE_CACHE_DIR", Path(tempfile.gettempdir()) / "pdserve-bench")) / "llama-125m")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where both engines run (default: cuda when there is a GPU)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs of each, alternating; the best (least time) of "
                              "each is reported, which filters other jobs' load")
@@ -146,14 +234,19 @@ def main() -> None:
 
     names = ["pdserve"] + ([] if args.skip_transformers else ["transformers"])
     times: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(args.repeats):
+    step_probe = None
+    for repeat in range(args.repeats):
         for name in names:
-            times[name].append(timed_run(name, model_dir, prompts, args.output_len, args.dtype))
+            seconds, probe = timed_run(name, model_dir, prompts, args.output_len, args.dtype,
+                                       args.device, probe=repeat == 0)
+            times[name].append(seconds)
+            step_probe = step_probe or probe
+    machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+               else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                    f"{torch.get_num_threads()} threads")
     result = {"workload": vars(args) | {"model_dir": str(model_dir), "json": None},
-              "machine": f"{platform.processor() or platform.machine()}, "
-                         f"{os.cpu_count()} cores, torch {torch.__version__}, "
-                         f"{torch.get_num_threads()} threads",
-              "seconds": times}
+              "machine": f"{machine}, torch {torch.__version__}",
+              "seconds": times, "decode_step": step_probe}
     for name, runs in times.items():
         best = min(runs)
         result[f"{name}_output_tok_s"] = num_output / best
@@ -165,6 +258,13 @@ def main() -> None:
         result["ratio_per_repeat"] = paired
         print(f"ratio:        {result['ratio']:8.2f}x (best over best; per repeat "
               f"{', '.join(f'{r:.2f}' for r in paired)})")
+    if step_probe:
+        print(f"decode step:  {step_probe['median_step_s'] * 1e3:8.2f} ms median over "
+              f"{step_probe['decode_steps']} steps of {step_probe['batch']} sequences; "
+              f"roofline {step_probe['roofline_s'] * 1e3:.3f} ms ("
+              f"{(step_probe['weight_bytes'] + step_probe['kv_bytes']) / 1e6:.0f} MB at "
+              f"{step_probe['copy_gbps']:.0f} GB/s copy): "
+              f"{step_probe['step_over_roofline']:.1f}x the roofline")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

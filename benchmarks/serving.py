@@ -3,7 +3,8 @@
 Shaped like vLLM's ``benchmarks/benchmark_serving.py``, with the same metric names and
 definitions (docs/architecture.md, Terms):
 
-- TTFT: seconds from sending a request to the first streamed chunk with tokens.
+- TTFT: seconds from sending a request to the first streamed chunk of a token step (its
+  text may be empty, as in vLLM's client: a token whose text is not out yet).
 - TPOT: ``(e2e - TTFT) / (output_tokens - 1)``, the time per output token after the first;
   requests with a single output token have none.
 - ITL: the gaps between successive streamed chunks with tokens, pooled over all requests.
@@ -126,10 +127,13 @@ def build_payload(endpoint: str, model: str, request: RequestInput) -> dict:
     return body
 
 
-def _chunk_text(endpoint: str, choice: dict) -> str:
+def _chunk_text(endpoint: str, choice: dict) -> str | None:
+    """A streamed choice's new text: ``""`` for a token step whose text is not out yet
+    (an incomplete UTF-8 character, or a token that decodes to nothing), None for a chunk
+    that carries no token step (a chat stream's role-only delta)."""
     if endpoint == "chat":
-        return (choice.get("delta") or {}).get("content") or ""
-    return choice.get("text") or ""
+        return (choice.get("delta") or {}).get("content")
+    return choice.get("text")
 
 
 async def send_request(client: httpx.AsyncClient, url: str, endpoint: str, model: str,
@@ -171,8 +175,10 @@ async def _stream(client: httpx.AsyncClient, url: str, endpoint: str, model: str
                 out.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
                 return
             choices = chunk.get("choices") or []
-            text = _chunk_text(endpoint, choices[0]) if choices else ""
-            if text:
+            text = _chunk_text(endpoint, choices[0]) if choices else None
+            # NOTE: as vLLM's client, every chunk of a token step counts, its text empty
+            # or not (random weights often give tokens that decode to nothing)
+            if text is not None:
                 if last_token_time is None:
                     out.ttft = now - start
                 else:
