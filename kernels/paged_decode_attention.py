@@ -6,14 +6,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from pdserve.kernels import cpu_ext
 from pdserve.kernels._triton_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    LOG2E_CONST,
     cdiv,
     check_contiguous,
     check_inner_contiguous,
@@ -24,11 +23,10 @@ from pdserve.kernels._triton_utils import (
     multiprocessor_count,
     next_power_of_2,
     require_triton,
+    soft_cap,
     tl,
     use_triton,
 )
-
-LOG2E = math.log2(math.e)
 
 
 def paged_decode_attention_ref(
@@ -38,6 +36,8 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached context.
 
@@ -50,6 +50,13 @@ def paged_decode_attention_ref(
         seq_lens: ``[num_seqs]`` int32, context length in tokens including the query
             token, whose K/V must already be stored in the cache. Must be >= 1.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        sliding_window: tokens a query sees, itself included (Mistral's and Gemma's local
+            attention, transformers' ``kv_idx > q_idx - sliding_window``): a sequence of
+            ``n`` tokens attends to keys ``max(0, n - sliding_window) .. n - 1``, and
+            block table entries before the window are never read. None: the whole
+            context.
+        softcap: Gemma 2's attention logit soft-capping, ``softcap * tanh(score /
+            softcap)`` on the scaled scores before the softmax. None: off.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (fp32 softmax).
@@ -61,7 +68,8 @@ def paged_decode_attention_ref(
     group = num_heads // num_kv_heads
     blocks_per_seq = -(-int(seq_lens.max()) // block_size)
     ctx_len = blocks_per_seq * block_size  # L: the longest context, rounded up to blocks
-    # Entries past a sequence's blocks may be padding (-1): read block 0 there, masked below.
+    # Entries past a sequence's blocks, or before its window, may be padding (-1): read
+    # block 0 there, masked below.
     block_ids = block_tables[:, :blocks_per_seq].reshape(-1).long().clamp(min=0)
     # Gather whole blocks (one contiguous row each), then put kv heads first: [S, H_kv, L, D].
     k = key_cache.reshape(num_blocks, -1).index_select(0, block_ids)
@@ -71,8 +79,13 @@ def paged_decode_attention_ref(
     # The query heads sharing a kv head form its rows: [S, H_kv, G, D].
     q = query.view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float() * scale  # [S, H_kv, G, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     positions = torch.arange(ctx_len, device=query.device)
-    pad = positions[None, :] >= seq_lens[:, None].to(positions.device)  # [S, L]
+    lens = seq_lens[:, None].to(positions.device)
+    pad = positions[None, :] >= lens  # [S, L]
+    if sliding_window:
+        pad |= positions[None, :] < lens - sliding_window
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
     out = torch.matmul(probs, v.to(query.dtype))  # [S, H_kv, G, D]
@@ -91,8 +104,10 @@ _PROGRAMS_PER_SM = 4
 def _decode_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, lse_ptr,
-    scale_log2,  # softmax scale * log2(e): scores are kept in base 2
+    scale,  # softmax scale (scores are kept in base 2: times log2(e) after the cap)
     split_len,  # context tokens per split
+    window,  # tokens a query sees (WINDOW): keys [seq_len - window, seq_len)
+    softcap,  # SOFTCAP: scores become softcap * tanh(score / softcap)
     stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -103,16 +118,19 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,  # write fp32 partials and their log-sum-exp for the reduce kernel
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: the ``GROUP`` query heads of one kv head of one sequence, over the
-    context tokens ``[split * split_len, (split + 1) * split_len)``."""
+    context tokens ``[split * split_len, (split + 1) * split_len)`` (those in its window)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * split_len
     end = tl.minimum(seq_len, start + split_len)
+    if WINDOW:
+        start = tl.maximum(start, seq_len - window)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
     head = kv_head * GROUP + g  # [GROUP_PAD]
@@ -138,7 +156,10 @@ def _decode_kernel(
         v = tl.load(value_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         k = k.to(q.dtype)  # [BLOCK_N, HEAD_DIM_PAD]
         v = v.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap)
+        scores = scores * LOG2E_CONST
         scores = tl.where(valid[None, :], scores, float("-inf"))  # [GROUP_PAD, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -230,7 +251,9 @@ def _choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
 
 
 def _run_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                num_splits: int, block_n: int | None = None) -> torch.Tensor:
+                num_splits: int, block_n: int | None = None,
+                sliding_window: int | None = None, softcap: float | None = None
+                ) -> torch.Tensor:
     """Launch the decode kernel (and, for ``num_splits > 1``, the reduce kernel)."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -247,6 +270,7 @@ def _run_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
+        WINDOW=bool(sliding_window), SOFTCAP=bool(softcap),
         **dot_options(query.dtype),
     )
     if num_splits == 1:
@@ -261,7 +285,7 @@ def _run_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
     grid = (num_seqs, num_kv_heads, num_splits)
     _decode_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, partial, lse,
-        scale * LOG2E, split_len,
+        scale, split_len, sliding_window or 0, softcap or 0.0,
         query.stride(0), query.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_tables.stride(0), *partial_strides, *lse_strides,
@@ -284,6 +308,8 @@ def paged_decode_attention_triton(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``paged_decode_attention_ref`` in Triton; same contract.
 
@@ -294,7 +320,9 @@ def paged_decode_attention_triton(
     partitioned, each partition writes its normalised output and log-sum-exp, and a reduce
     kernel combines them. Head dims up to 256 (any, powers of two padded by masking),
     any block size, int32/int64 tables. No device sync: the split count comes from the
-    block table's width, not from ``seq_lens``.
+    block table's width, not from ``seq_lens``. A sliding window starts each program's
+    loop at its first key (partitions wholly before it stay empty); soft-capping applies
+    ``softcap * tanh(score / softcap)`` to each tile's scores (tanh from ``exp``).
 
     Raises:
         ValueError: naming the argument whose shape, dtype, device or strides are wrong
@@ -306,7 +334,8 @@ def paged_decode_attention_triton(
     max_context = block_tables.shape[1] * key_cache.shape[1]
     num_splits = _choose_num_splits(query.shape[0], key_cache.shape[2], max_context,
                                     multiprocessor_count(query.device))
-    return _run_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, num_splits)
+    return _run_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, num_splits,
+                       sliding_window=sliding_window, softcap=softcap)
 
 
 def paged_decode_attention_cpu(
@@ -316,6 +345,8 @@ def paged_decode_attention_cpu(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``paged_decode_attention_ref`` as a C++ CPU kernel (``kernels/csrc/cpu_attention.cpp``);
     same contract.
@@ -326,7 +357,9 @@ def paged_decode_attention_cpu(
     blocks and copies them kv-head-major first), for all query heads of a kv head's group
     at once, with an fp32 two-pass softmax; bf16 head dims 64/128/256 use AVX512-BF16
     dot products where the CPU has them. Any head dim up to 512, any block size, int32/int64
-    tables; fp32, bf16 and fp16 (the caches in the query's dtype).
+    tables; fp32, bf16 and fp16 (the caches in the query's dtype). A sliding window starts
+    the task at the block of its first key (the keys before it there masked); soft-capping
+    is applied to the scores before the softmax.
 
     Raises:
         RuntimeError: naming the argument whose shape, dtype or strides are wrong, a
@@ -340,22 +373,23 @@ def paged_decode_attention_cpu(
     out = torch.empty(query.shape, dtype=query.dtype)
     if query.shape[0]:
         torch.ops.pdserve_cpu.paged_decode_attention(
-            out, query, key_cache, value_cache, block_tables, seq_lens.to(torch.int32), scale)
+            out, query, key_cache, value_cache, block_tables, seq_lens.to(torch.int32), scale,
+            sliding_window or 0, softcap or 0.0)
     return out
 
 
-def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
+def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                           sliding_window=None, softcap=None):
     """Dispatching entry point; see ``paged_decode_attention_ref`` for the contract.
 
     CUDA tensors go to ``paged_decode_attention_triton``; CPU tensors to
     ``paged_decode_attention_cpu`` where the C++ CPU kernels are built
     (``pdserve.kernels.cpu_ext``), else to the reference.
     """
+    args = (query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
+            softcap)
     if use_triton(query):
-        return paged_decode_attention_triton(
-            query, key_cache, value_cache, block_tables, seq_lens, scale
-        )
+        return paged_decode_attention_triton(*args)
     if query.device.type == "cpu" and cpu_ext.load():
-        return paged_decode_attention_cpu(query, key_cache, value_cache, block_tables,
-                                          seq_lens, scale)
-    return paged_decode_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        return paged_decode_attention_cpu(*args)
+    return paged_decode_attention_ref(*args)

@@ -7,8 +7,6 @@ paged cache after its ``seq_len - q_len`` earlier (computed or prefix-cached) to
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +14,7 @@ from pdserve.kernels import cpu_ext
 from pdserve.kernels._triton_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    LOG2E_CONST,
     check_contiguous,
     check_inner_contiguous,
     check_shape,
@@ -24,11 +23,10 @@ from pdserve.kernels._triton_utils import (
     jit,
     next_power_of_2,
     require_triton,
+    soft_cap,
     tl,
     use_triton,
 )
-
-LOG2E = math.log2(math.e)
 
 
 def paged_prefill_attention_ref(
@@ -39,6 +37,8 @@ def paged_prefill_attention_ref(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each chunk's queries over its sequence's paged K/V.
 
@@ -52,6 +52,11 @@ def paged_prefill_attention_ref(
             (prefix + chunk), in tokens. Query ``i`` of sequence ``s`` sits at position
             ``seq_lens[s] - q_len + i`` and sees keys ``0 ..`` that position.
         scale: softmax scale.
+        sliding_window: tokens a query sees, itself included (transformers' ``kv_idx >
+            q_idx - sliding_window``); block table entries before the chunk's first
+            window are never read. None: causal over the whole context.
+        softcap: Gemma 2's ``softcap * tanh(score / softcap)`` on the scaled scores
+            before the softmax. None: off.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
@@ -67,7 +72,8 @@ def paged_prefill_attention_ref(
         if q_len == 0:
             continue
         num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = block_tables[s, :num_blocks].long()
+        # Entries before the window may be padding (-1): read block 0 there, masked below.
+        blocks = block_tables[s, :num_blocks].long().clamp(min=0)
         k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]  # [L, H_kv, D]
         v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
         # NOTE: 4-D inputs take torch's CPU flash-attention kernel; 3-D ones the slow math path.
@@ -75,24 +81,46 @@ def paged_prefill_attention_ref(
         k = k.transpose(0, 1).to(q.dtype)[None]  # [1, H_kv, L, D]
         v = v.transpose(0, 1).to(q.dtype)[None]
         gqa = num_heads != num_kv_heads
-        if seq_len == q_len:  # no cached prefix: plain causal attention
+        if seq_len == q_len and not sliding_window and not softcap:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
+                                               enable_gqa=gqa)  # plain causal attention
         else:
-            # Query i (absolute position seq_len - q_len + i) sees keys j <= that position.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
+            # Query i (absolute position seq_len - q_len + i) sees keys j <= that position
+            # (and j > it - sliding_window).
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+            k_pos = torch.arange(seq_len, device=query.device)[None, :]
+            mask = k_pos <= q_pos  # [q_len, L]
+            if sliding_window:
+                mask &= k_pos > q_pos - sliding_window
+            if softcap:
+                o = _capped_attention(q, k, v, mask, scale, softcap)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                   enable_gqa=gqa)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def _capped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, as transformers' eager Gemma 2 computes it:
+    ``q: [1, H, q_len, D]``, ``k, v: [1, H_kv, L, D]``, ``mask: [q_len, L]`` bool ->
+    ``[1, H, q_len, D]``; fp32 softmax, the probabilities in ``q``'s dtype."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [1, H, q_len, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 @jit
 def _prefill_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
     seq_lens_ptr, out_ptr,
-    scale_log2,  # softmax scale * log2(e): scores are kept in base 2
+    scale,  # softmax scale (scores are kept in base 2: times log2(e) after the cap)
+    window,  # WINDOW: a query sees its last `window` keys, itself included
+    softcap,  # SOFTCAP: scores become softcap * tanh(score / softcap)
     num_seqs,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -102,10 +130,12 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: ``BLOCK_Q`` query tokens of one chunk times the ``GROUP`` query heads
-    of one kv head (``BLOCK_Q * GROUP_PAD`` rows), over its causal span of paged keys."""
+    of one kv head (``BLOCK_Q * GROUP_PAD`` rows), over its causal span of paged keys
+    (within the sliding window, with ``WINDOW``)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Find the sequence that owns query tile `tile`: sequence s owns the tiles from
@@ -145,9 +175,13 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bts
-    # Keys past the tile's last query are never seen.
+    # Keys past the tile's last query are never seen, nor (WINDOW) keys before its first
+    # query's window.
     kv_end = tl.minimum(seq_len, prefix_len + (local_tile + 1) * BLOCK_Q)
-    for kv_start in range(0, kv_end, BLOCK_N):
+    kv_begin = 0
+    if WINDOW:
+        kv_begin = tl.maximum(0, prefix_len + local_tile * BLOCK_Q - window + 1)
+    for kv_start in range(kv_begin, kv_end, BLOCK_N):
         pos = kv_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         valid = pos < kv_end
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -159,13 +193,20 @@ def _prefill_kernel(
         v = tl.load(value_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap)
+        scores = scores * LOG2E_CONST
         seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
+        if WINDOW:
+            seen = seen & (pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(seen, scores, float("-inf"))
-        # NOTE: every row sees key 0 in the first tile, so m_new is finite from then on.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        # NOTE: a row that has seen no key yet (a window starting past this tile) keeps
+        # m = -inf; subtracting 0 then gives exp2(-inf) = 0, not NaN
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -216,7 +257,9 @@ def _check_prefill_args(query, key_cache, value_cache, block_tables, cu_seqlens_
 
 
 def _run_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                 block_m: int = 64, block_n: int | None = None) -> torch.Tensor:
+                 block_m: int = 64, block_n: int | None = None,
+                 sliding_window: int | None = None, softcap: float | None = None
+                 ) -> torch.Tensor:
     """Launch the prefill kernel with ``block_m`` (query token, head) rows per program."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -232,12 +275,13 @@ def _run_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_
     grid = (_num_query_tiles(num_tokens, num_seqs, block_q), num_kv_heads)
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * LOG2E, num_seqs,
+        scale, sliding_window or 0, softcap or 0.0, num_seqs,
         query.stride(0), query.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n,
+        WINDOW=bool(sliding_window), SOFTCAP=bool(softcap),
         **dot_options(query.dtype),
     )
     return out
@@ -251,6 +295,8 @@ def paged_prefill_attention_triton(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``paged_prefill_attention_ref`` in Triton; same contract.
 
@@ -259,7 +305,9 @@ def paged_prefill_attention_triton(
     and unified-attention kernels; a tile's rows are (query token, query head) pairs of
     one kv head's group, so each K/V tile serves the whole group. Query tiles are found
     by a binary search over ``cu_seqlens_q`` in the kernel, so launching needs no device
-    sync. Head dims up to 256 (others padded by masking), any block size.
+    sync. Head dims up to 256 (others padded by masking), any block size. With a sliding
+    window a tile's key loop starts at its first query's window, and rows whose window
+    starts in a later key tile stay empty until it; soft-capping as in decode.
 
     Raises:
         ValueError: naming the argument whose shape, dtype, device or strides are wrong
@@ -268,7 +316,7 @@ def paged_prefill_attention_triton(
     """
     _check_prefill_args(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
     return _run_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                        scale)
+                        scale, sliding_window=sliding_window, softcap=softcap)
 
 
 def paged_prefill_attention_cpu(
@@ -279,6 +327,8 @@ def paged_prefill_attention_cpu(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``paged_prefill_attention_ref`` as a C++ kernel for AVX512-BF16 CPUs
     (``kernels/csrc/cpu_prefill_attention.cpp``); same contract, for bf16 tensors and
@@ -290,6 +340,8 @@ def paged_prefill_attention_cpu(
     of the kv head's group, its causal scores, an fp32 two-pass softmax (probabilities
     rounded to bf16, as the reference's attention does) and ``p V`` with fp32 sums.
     Memory per task: the context's K and V (packed) and one score row per query head.
+    With a sliding window the task starts at the block of its first query's first key;
+    soft-capped scores are capped before the softmax.
 
     Raises:
         RuntimeError: naming the argument whose shape, dtype or strides are wrong, a chunk
@@ -303,12 +355,13 @@ def paged_prefill_attention_cpu(
     if query.shape[0]:
         torch.ops.pdserve_cpu.paged_prefill_attention(
             out, query, key_cache, value_cache, block_tables, cu_seqlens_q.to(torch.int32),
-            seq_lens.to(torch.int32), scale)
+            seq_lens.to(torch.int32), scale, sliding_window or 0, softcap or 0.0)
     return out
 
 
 def paged_prefill_attention(
-    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+    sliding_window=None, softcap=None,
 ):
     """Dispatching entry point; see ``paged_prefill_attention_ref`` for the contract.
 
@@ -316,15 +369,11 @@ def paged_prefill_attention(
     64, 128 or 256 to ``paged_prefill_attention_cpu`` where it runs; the rest to the
     reference.
     """
+    args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+            sliding_window, softcap)
     if use_triton(query):
-        return paged_prefill_attention_triton(
-            query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale
-        )
+        return paged_prefill_attention_triton(*args)
     if (query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.bfloat16
             and query.shape[-1] in (64, 128, 256) and cpu_ext.has_prefill_attention()):
-        return paged_prefill_attention_cpu(
-            query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale
-        )
-    return paged_prefill_attention_ref(
-        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale
-    )
+        return paged_prefill_attention_cpu(*args)
+    return paged_prefill_attention_ref(*args)

@@ -6,6 +6,8 @@
 // for the query heads that share each kv head (grouped-query attention):
 //   scores[g][t] = scale * q[g] . K[t]        (pass 1, over the context's blocks)
 //   p[g][t]      = softmax_t(scores[g][t])     (max-subtracted, exp and sums in fp32)
+// over the keys of the sliding window if there is one (Mistral's, Gemma's local layers),
+// the scores soft-capped first where asked (Gemma 2: softcap * tanh(score / softcap)).
 //   out[g]       = sum_t p[g][t] * V[t]        (pass 2)
 // Tasks run on torch's intra-op thread pool (at::parallel_for). fp32 on AVX2 + FMA CPUs
 // takes an intrinsics path (decode_task_avx2_f32). The portable path is
@@ -52,6 +54,13 @@ struct DecodeTask {
   int64_t q_h, o_h, k_b, k_t, k_h, v_b, v_t, v_h;
   int64_t block_size, seq_len, head_dim, group, kv_begin, kv_end;
   float scale;
+  float softcap;   // > 0: Gemma 2's soft-capping of the scores
+  int64_t masked;  // leading tokens of [0, seq_len) outside the sliding window
+
+  // Before the softmax over head h's scores.
+  void cap_and_mask(float* scores_h) const {
+    pdserve::cap_and_mask_scores(scores_h, seq_len, softcap, masked);
+  }
 
   const scalar_t* k_row(int64_t t) const {
     return k + static_cast<int64_t>(table[t / block_size]) * k_b + (t % block_size) * k_t;
@@ -102,7 +111,10 @@ void decode_task_generic(const DecodeTask<scalar_t, index_t>& task, float* score
     }
   }
   std::vector<float> inv_sum(task.num_heads());
-  for (int64_t h = 0; h < task.num_heads(); ++h) inv_sum[h] = softmax_inplace(scores + h * n, n);
+  for (int64_t h = 0; h < task.num_heads(); ++h) {
+    task.cap_and_mask(scores + h * n);
+    inv_sum[h] = softmax_inplace(scores + h * n, n);
+  }
   std::fill(acc, acc + task.num_heads() * d_len, 0.0f);
   for (int64_t t = 0; t < n; ++t) {
     const scalar_t* v_row = task.v_row(t);
@@ -226,7 +238,10 @@ void decode_task_avx2_f32(const DecodeTask<float, index_t>& task, float* scores,
         }
       });
   std::vector<float> inv_sum(task.num_heads());
-  for (int64_t h = 0; h < task.num_heads(); ++h) inv_sum[h] = softmax_inplace(scores + h * n, n);
+  for (int64_t h = 0; h < task.num_heads(); ++h) {
+    task.cap_and_mask(scores + h * n);
+    inv_sum[h] = softmax_inplace(scores + h * n, n);
+  }
 
   // Pass 2: acc[h] += p[h][t] V[t], in token order, four rows at a time (the
   // accumulators in L1).
@@ -317,6 +332,7 @@ void decode_task_avx512_bf16(const DecodeTask<c10::BFloat16, index_t>& task, flo
   // probs.to(bf16)) over the head's own scores: read as 32-bit words, (p[2i], p[2i+1]).
   for (int64_t h = 0; h < task.num_heads(); ++h) {
     float* s = scores + h * n;
+    task.cap_and_mask(s);
     pdserve::softmax_to_bf16_pairs(s, n, reinterpret_cast<uint16_t*>(s));
   }
   // p V, two tokens at a time: rows t and t + 1 of V are interleaved (unpack lo/hi: each
@@ -403,7 +419,7 @@ template <typename scalar_t, typename index_t>
 void decode_attention_kernel(at::Tensor& out, const at::Tensor& query,
                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                             double scale) {
+                             double scale, int64_t window, double softcap) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2), max_blocks = block_tables.size(1);
@@ -417,7 +433,8 @@ void decode_attention_kernel(at::Tensor& out, const at::Tensor& query,
       block_tables.const_data_ptr<index_t>(),
       query.stride(1), out.stride(1), key_cache.stride(0), key_cache.stride(1),
       key_cache.stride(2), value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-      block_size, 0, head_dim, num_heads / num_kv_heads, 0, 0, static_cast<float>(scale)};
+      block_size, 0, head_dim, num_heads / num_kv_heads, 0, 0, static_cast<float>(scale),
+      static_cast<float>(softcap), 0};
 
   at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, row, q;
@@ -433,6 +450,14 @@ void decode_attention_kernel(at::Tensor& out, const at::Tensor& query,
       TORCH_CHECK(task.seq_len >= 1 && task.seq_len <= max_blocks * block_size,
                   "paged_decode_attention: seq_lens[", seq, "] = ", task.seq_len,
                   " is outside [1, max_blocks * block_size = ", max_blocks * block_size, "]");
+      if (window > 0 && task.seq_len > window) {
+        // The window's keys [seq_len - window, seq_len): the task starts at their first
+        // block (earlier entries are never read) and masks the keys before it there.
+        const int64_t skip = (task.seq_len - window) / block_size;
+        task.table += skip;
+        task.seq_len -= skip * block_size;
+        task.masked = task.seq_len - window;
+      }
       for (int64_t b = 0; b < (task.seq_len + block_size - 1) / block_size; ++b) {
         TORCH_CHECK(task.table[b] >= 0 && task.table[b] < num_blocks,
                     "paged_decode_attention: block_tables[", seq, ", ", b, "] = ",
@@ -446,13 +471,13 @@ void decode_attention_kernel(at::Tensor& out, const at::Tensor& query,
 template <typename scalar_t>
 void dispatch_index(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const at::Tensor& block_tables,
-                    const at::Tensor& seq_lens, double scale) {
+                    const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   if (block_tables.scalar_type() == at::kInt) {
     decode_attention_kernel<scalar_t, int32_t>(out, query, key_cache, value_cache,
-                                               block_tables, seq_lens, scale);
+                                               block_tables, seq_lens, scale, window, softcap);
   } else {
     decode_attention_kernel<scalar_t, int64_t>(out, query, key_cache, value_cache,
-                                               block_tables, seq_lens, scale);
+                                               block_tables, seq_lens, scale, window, softcap);
   }
 }
 
@@ -462,7 +487,9 @@ void dispatch_index(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
 void paged_decode_attention(at::Tensor out, const at::Tensor& query,
                             const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale) {
+                            double scale, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0.0,
+              "paged_decode_attention: sliding_window and softcap must be >= 0 (0: off)");
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
               "paged_decode_attention: query must be 3-D and the caches 4-D");
   TORCH_CHECK(query.size(2) <= kMaxHeadDim, "paged_decode_attention: head_dim must be <= ",
@@ -490,15 +517,16 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query,
               " with a contiguous last dim");
   switch (query.scalar_type()) {
     case at::kFloat:
-      dispatch_index<float>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+      dispatch_index<float>(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                            window, softcap);
       break;
     case at::kBFloat16:
       dispatch_index<c10::BFloat16>(out, query, key_cache, value_cache, block_tables,
-                                    seq_lens, scale);
+                                    seq_lens, scale, window, softcap);
       break;
     case at::kHalf:
       dispatch_index<c10::Half>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                scale);
+                                scale, window, softcap);
       break;
     default:
       TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", query.scalar_type());
@@ -584,6 +612,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
-      "Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+      "Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+      "int sliding_window, float softcap) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }

@@ -106,6 +106,17 @@ inline int64_t argmax_of(const float* row, RowMax m) {
 }
 
 // In place: s[t] <- exp(s[t] - max(s)); returns 1 / sum_t of the new s[t].
+// Before a softmax over n scores: Gemma 2's soft-capping (softcap > 0: s = softcap *
+// tanh(s / softcap)), then the first `masked` scores (keys before a sliding window) set
+// to -inf.
+inline void cap_and_mask_scores(float* s, int64_t n, float softcap, int64_t masked) {
+  if (softcap > 0.0f) {
+    const float inv = 1.0f / softcap;
+    for (int64_t t = masked; t < n; ++t) s[t] = softcap * std::tanh(s[t] * inv);
+  }
+  for (int64_t t = 0; t < std::min(masked, n); ++t) s[t] = -INFINITY;
+}
+
 inline float softmax_inplace(float* __restrict__ s, int64_t n) {
   float max_score = -INFINITY;
 #pragma omp simd reduction(max : max_score)

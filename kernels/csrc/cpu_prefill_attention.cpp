@@ -5,7 +5,9 @@
 // One task per (sequence, kv head): its context's K and V rows are read once through
 // the block table and packed for `vdpbf16ps` (K as 16-key tiles of (d, d+1) pairs, V as
 // (t, t+1) pairs), then every query of the chunk, for the group's query heads, takes
-//   scores = scale * q . K[0..pos]    (causal: keys up to the query's position)
+//   scores = scale * q . K[0..pos]    (causal: keys up to the query's position; with a
+//                                      sliding window, its last `window` keys; then
+//                                      soft-capped where asked, Gemma 2)
 //   p      = softmax(scores), rounded to bf16 as the reference's probabilities
 //   out    = p V
 // with fp32 sums, four (query, head) rows at a time so that each K and V load serves
@@ -40,7 +42,16 @@ struct PrefillArgs {
   const uint16_t* v;
   int64_t q_t, q_h, o_t, o_h, k_b, k_t, k_h, v_b, v_t, v_h, block_size, group;
   float scale;
+  int64_t window;  // > 0: a query sees its last `window` keys (itself included)
+  float softcap;   // > 0: scores soft-capped (Gemma 2)
 };
+
+// Blocks of sequence s's table no query of its chunk sees (all before the first query's
+// window): its task starts past them.
+inline int64_t blocks_before_window(int64_t ctx, int64_t q_len, int64_t window,
+                                    int64_t block_size) {
+  return window > 0 ? std::max<int64_t>(0, ctx - q_len - window + 1) / block_size : 0;
+}
 
 // Rows of a task: (query i, query head g) pairs in the order r = i * group + g. The
 // q . K loop takes kRows rows at a time against four 16-key tiles (16 accumulators: each
@@ -163,7 +174,10 @@ void prefill_task(const PrefillArgs& a, const index_t* table, int64_t q_begin, i
     }
     for (int j = 0; j < kRows; ++j) {
       uint16_t* p = reinterpret_cast<uint16_t*>(p_pairs.data() + j * pair_stride);
-      pdserve::softmax_to_bf16_pairs(scores.data() + j * row_stride, n_row[j], p);
+      float* row_scores = scores.data() + j * row_stride;
+      pdserve::cap_and_mask_scores(row_scores, n_row[j], a.softcap,
+                                   a.window > 0 ? std::max<int64_t>(0, n_row[j] - a.window) : 0);
+      pdserve::softmax_to_bf16_pairs(row_scores, n_row[j], p);
       std::fill(p + n_row[j], p + 2 * pairs, uint16_t{0});  // keys past the row's query
     }
     for (int j0 = 0; j0 < kRows; j0 += kPvRows)
@@ -175,7 +189,8 @@ void prefill_task(const PrefillArgs& a, const index_t* table, int64_t q_begin, i
 template <int kChunks, typename index_t>
 void prefill_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const at::Tensor& block_tables,
-                    const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, double scale) {
+                    const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, double scale,
+                    int64_t window, double softcap) {
   const int64_t num_seqs = seq_lens.size(0), num_kv_heads = key_cache.size(2);
   const int64_t block_size = key_cache.size(1), num_blocks = key_cache.size(0);
   const int64_t max_blocks = block_tables.size(1);
@@ -188,7 +203,8 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
                 "paged_prefill_attention: sequence ", s, " has a chunk of ", q_len,
                 " tokens in a context of ", ctx, " (its table holds ", max_blocks * block_size,
                 ")");
-    for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; ++b) {
+    const int64_t skip = blocks_before_window(ctx, q_len, window, block_size);
+    for (int64_t b = skip; b < (ctx + block_size - 1) / block_size; ++b) {
       const int64_t block = tables[s * block_tables.stride(0) + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill_attention: block_tables[",
                   s, ", ", b, "] = ", block, " is outside [0, ", num_blocks, ")");
@@ -204,7 +220,8 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
       query.stride(0), query.stride(1), out.stride(0), out.stride(1),
       key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
       value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-      block_size, query.size(1) / num_kv_heads, static_cast<float>(scale)};
+      block_size, query.size(1) / num_kv_heads, static_cast<float>(scale), window,
+      static_cast<float>(softcap)};
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> k_packed, v_packed, p_pairs;
     std::vector<float> scores;
@@ -212,8 +229,12 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
       const int64_t s = task / num_kv_heads, kv = task % num_kv_heads;
       const int64_t q_len = cu[s + 1] - cu[s];
       if (q_len == 0) continue;
-      prefill_task<kChunks, index_t>(args, tables + s * block_tables.stride(0), cu[s], q_len,
-                                     lens[s], kv, k_packed, v_packed, scores, p_pairs);
+      // NOTE: past the blocks no query sees, positions shift by whole blocks: the
+      // window's bounds (counted back from each query) are the same
+      const int64_t skip = blocks_before_window(lens[s], q_len, window, block_size);
+      prefill_task<kChunks, index_t>(args, tables + s * block_tables.stride(0) + skip, cu[s],
+                                     q_len, lens[s] - skip * block_size, kv, k_packed,
+                                     v_packed, scores, p_pairs);
     }
   });
 }
@@ -221,7 +242,10 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query,
                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                             const at::Tensor& seq_lens, double scale) {
+                             const at::Tensor& seq_lens, double scale, int64_t window,
+                             double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0.0,
+              "paged_prefill_attention: sliding_window and softcap must be >= 0 (0: off)");
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_prefill_attention: query must be 3-D and the caches 4-D of one shape");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
@@ -248,10 +272,10 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query,
 #define PDSERVE_PREFILL(CHUNKS)                                                              \
   return int32_tables ? prefill_kernel<CHUNKS, int32_t>(out, query, key_cache, value_cache,   \
                                                         block_tables, cu_seqlens_q, seq_lens, \
-                                                        scale)                               \
+                                                        scale, window, softcap)              \
                       : prefill_kernel<CHUNKS, int64_t>(out, query, key_cache, value_cache,   \
                                                         block_tables, cu_seqlens_q, seq_lens, \
-                                                        scale)
+                                                        scale, window, softcap)
   switch (query.size(2)) {
     case 64: PDSERVE_PREFILL(2);
     case 128: PDSERVE_PREFILL(4);
@@ -264,7 +288,8 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query,
 constexpr bool kHasKernel = false;
 
 void paged_prefill_attention(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                             int64_t, double) {
   TORCH_CHECK(false, "paged_prefill_attention: this CPU has no AVX512-BF16");
 }
 #endif
@@ -278,7 +303,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, "
-      "float scale) -> ()");
+      "float scale, int sliding_window, float softcap) -> ()");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
   m.def("has_paged_prefill_attention() -> bool", &has_paged_prefill_attention);
 }
