@@ -202,7 +202,7 @@ def _rope_parameters(raw: dict) -> dict[str, Any]:
         rope.setdefault("rope_theta", raw["rope_theta"])
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        where = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+        where = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
         raise UnsupportedModelError(
             f"{where}.rope_type={rope_type!r} is not supported; supported: "
             f"{list(SUPPORTED_ROPE_TYPES)}")
