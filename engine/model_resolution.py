@@ -5,6 +5,7 @@ compute exactly (docs/architecture.md, Models)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.engine.hub import is_local, resolve_model, resolve_tokenizer
@@ -15,22 +16,30 @@ if TYPE_CHECKING:
 
 
 def resolve_model_paths(config: EngineConfig) -> EngineConfig:
-    """``config`` with its ``model`` and ``tokenizer`` as local paths (hub ids downloaded
-    or found in the cache: ``hub.resolve_model``); a model served under its hub id keeps
-    that name (``served_model_name``), as vLLM's does. ``config`` itself when both are
-    local.
+    """``config`` with its ``model`` and ``tokenizer`` as absolute local paths (hub ids
+    downloaded or found in the cache: ``hub.resolve_model``), so a worker whose working
+    folder differs finds them; the model keeps the name it was given (a hub id, a relative
+    path) as its ``served_model_name``, as vLLM's does. ``config`` itself when nothing
+    changes.
 
     Raises: as ``hub.resolve_model``.
     """
     changes: dict[str, str] = {}
-    if not is_local(config.model):
-        changes["model"] = resolve_model(config.model, revision=config.revision,
-                                         download_dir=config.download_dir)
+    model = _absolute(resolve_model(config.model, revision=config.revision,
+                                    download_dir=config.download_dir))
+    if model != config.model:
+        changes["model"] = model
         changes["served_model_name"] = config.served_model_name or config.model
-    if config.tokenizer is not None and not is_local(config.tokenizer):
-        changes["tokenizer"] = resolve_tokenizer(config.tokenizer,
-                                                 download_dir=config.download_dir)
+    if config.tokenizer is not None:
+        tokenizer = _absolute(resolve_tokenizer(config.tokenizer,
+                                                download_dir=config.download_dir))
+        if tokenizer != config.tokenizer:
+            changes["tokenizer"] = tokenizer
     return dataclasses.replace(config, **changes) if changes else config
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().absolute())
 
 
 def check_model(config: EngineConfig) -> ModelConfig:
