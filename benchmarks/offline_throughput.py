@@ -11,6 +11,10 @@ second (least time: the run least disturbed by other jobs on the machine), their
 and the ratio of each repeat's pair; ``--json`` writes the result with every time.
 
     python benchmarks/offline_throughput.py [--num-prompts 32 --input-len 256 --output-len 128]
+
+``--model`` runs W1 on another model instead (a checkpoint folder, a ``.gguf`` file, or a
+hub id in the Hugging Face cache; its vocabulary must hold the 32000 ids W1 draws from):
+transformers loads a GGUF file with ``gguf_file=``, dequantized, in ``--dtype``.
 """
 
 from __future__ import annotations
@@ -72,7 +76,11 @@ def transformers_runner(model_dir: Path, prompts: list[list[int]], output_len: i
     static-batch greedy ``generate`` on W1 once and returns its wall seconds."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if str(model_dir).endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir.parent, gguf_file=model_dir.name, dtype=dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     ids = torch.tensor(prompts)
     kwargs = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0,
               "attention_mask": torch.ones_like(ids)}
@@ -131,6 +139,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--model-dir", type=Path, default=Path(os.environ.get(
         "PDSERVE_CACHE_DIR", Path(tempfile.gettempdir()) / "pdserve-bench")) / "llama-125m")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="run W1 on this model (folder, .gguf file) instead of writing "
+                             "the 125M Llama into --model-dir")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs of each, alternating; the best (least time) of "
@@ -139,7 +150,7 @@ def main() -> None:
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)
-    model_dir = write_checkpoint(args.model_dir, dtype)
+    model_dir = args.model or write_checkpoint(args.model_dir, dtype)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 32000, (args.num_prompts, args.input_len), generator=gen).tolist()
     num_output = args.num_prompts * args.output_len
@@ -149,7 +160,8 @@ def main() -> None:
     for _ in range(args.repeats):
         for name in names:
             times[name].append(timed_run(name, model_dir, prompts, args.output_len, args.dtype))
-    result = {"workload": vars(args) | {"model_dir": str(model_dir), "json": None},
+    result = {"workload": vars(args) | {"model_dir": str(model_dir), "json": None,
+                                        "model": str(args.model)},
               "machine": f"{platform.processor() or platform.machine()}, "
                          f"{os.cpu_count()} cores, torch {torch.__version__}, "
                          f"{torch.get_num_threads()} threads",
