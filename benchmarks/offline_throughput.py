@@ -18,6 +18,10 @@ K and V) over the device's copy bandwidth measured in the same process (a 1 GiB
 ``Tensor.copy_``, bytes read + written).
 
     python benchmarks/offline_throughput.py [--num-prompts 32 --input-len 256 --output-len 128]
+
+``--model`` runs W1 on another model instead (a checkpoint folder, a ``.gguf`` file, or a
+hub id in the Hugging Face cache; its vocabulary must hold the 32000 ids W1 draws from):
+transformers loads a GGUF file with ``gguf_file=``, dequantized, in ``--dtype``.
 """
 
 from __future__ import annotations
@@ -154,7 +158,12 @@ def transformers_runner(model_dir: Path, prompts: list[list[int]], output_len: i
     static-batch greedy ``generate`` on W1 once and returns its wall seconds."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    if str(model_dir).endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir.parent, gguf_file=model_dir.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = model.to(device).eval()
     ids = torch.tensor(prompts, device=device)
     kwargs = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0,
               "attention_mask": torch.ones_like(ids)}
@@ -217,6 +226,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--model-dir", type=Path, default=Path(os.environ.get(
         "PDSERVE_CACHE_DIR", Path(tempfile.gettempdir()) / "pdserve-bench")) / "llama-125m")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="run W1 on this model (folder, .gguf file) instead of writing "
+                             "the 125M Llama into --model-dir")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where both engines run (default: cuda when there is a GPU)")
@@ -227,7 +239,7 @@ def main() -> None:
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)
-    model_dir = write_checkpoint(args.model_dir, dtype)
+    model_dir = args.model or write_checkpoint(args.model_dir, dtype)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 32000, (args.num_prompts, args.input_len), generator=gen).tolist()
     num_output = args.num_prompts * args.output_len
@@ -244,7 +256,8 @@ def main() -> None:
     machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                     f"{torch.get_num_threads()} threads")
-    result = {"workload": vars(args) | {"model_dir": str(model_dir), "json": None},
+    result = {"workload": vars(args) | {"model_dir": str(model_dir), "json": None,
+                                        "model": str(args.model)},
               "machine": f"{machine}, torch {torch.__version__}",
               "seconds": times, "decode_step": step_probe}
     for name, runs in times.items():

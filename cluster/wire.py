@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.generation_config import SAMPLING_DEFAULT_FIELDS, GenerationDefaults
 from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured_output import StructuredOutputSpec
@@ -27,9 +28,9 @@ class KVHandle:
     prefill_grpc_address: str = ""
 
 
-_OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed", "max_tokens", "logprobs")
-_PLAIN = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "min_tokens",
-          "ignore_eos")
+_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+             "max_tokens", "logprobs")
+_PLAIN = ("presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos")
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -69,10 +70,13 @@ def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> Structured
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
-                               vocab_size: int | None = None) -> SamplingParams:
+                               vocab_size: int | None = None,
+                               defaults: GenerationDefaults | None = None) -> SamplingParams:
     """The engine's ``SamplingParams`` of ``msg``. With ``vocab_size`` (the router's gRPC
     API passes it), ``stop_token_ids`` must be in ``[0, vocab_size)``; protobuf itself
-    bounds the int32 and int64 fields.
+    bounds the int32 and int64 fields. ``defaults`` (the router's: the model's generation
+    config) fill the sampling fields ``msg`` leaves absent, as the HTTP API does; the
+    router sends workers every field set.
 
     Raises:
         ValueError: an out-of-range value, the message starting with the field's name
@@ -90,6 +94,9 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
                          f"(size {vocab_size})")
     kwargs = {name: getattr(msg, name) for name in _PLAIN}
     kwargs.update({name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)})
+    if defaults is not None:
+        kwargs.update(defaults.sampling_kwargs(**{
+            name: kwargs.get(name) for name in SAMPLING_DEFAULT_FIELDS}))
     if "max_tokens" not in kwargs:
         kwargs["max_tokens"] = None  # absent: up to max_model_len
     if msg.HasField("structured_output"):

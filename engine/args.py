@@ -10,9 +10,23 @@ import argparse
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine (vLLM's names)."""
-    parser.add_argument("--model", help="local Hugging Face checkpoint folder "
-                        "(default: the demo model, written on first use)")
-    parser.add_argument("--served-model-name", help="model name clients use (default: --model)")
+    parser.add_argument("--model", help="a Hugging Face checkpoint folder, a .gguf file (or "
+                        "a folder holding one), or a Hugging Face hub id (org/name), "
+                        "downloaded once into the cache (default: the demo model, written "
+                        "on first use)")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="model name(s) clients use; the first is the one responses "
+                        "name (default: --model)")
+    parser.add_argument("--tokenizer", help="take the tokenizer from this folder, .gguf "
+                        "file or hub id instead of --model's")
+    parser.add_argument("--revision", help="the hub id's branch, tag or commit (default: main)")
+    parser.add_argument("--download-dir", help="Hugging Face cache for hub ids (default: "
+                        "$HF_HOME/hub)")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                        help="sampling defaults and EOS ids: auto reads the model's "
+                        "generation_config.json, vllm none, FOLDER that folder's")
+    parser.add_argument("--chat-template", help="a Jinja chat template, or a file holding "
+                        "one, instead of the tokenizer's")
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                         help="weights and KV cache dtype; auto: the checkpoint's, except "
@@ -37,12 +51,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "engine has one thread per such CPU; nobind; or a CPU list (0-3)")
 
 
+def served_model_aliases(args: argparse.Namespace) -> tuple[str, ...]:
+    """The names after the first of ``--served-model-name`` (the API accepts and lists
+    them too; responses name the first)."""
+    return tuple((args.served_model_name or [])[1:])
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """``EngineConfig`` keyword arguments from parsed engine flags (model resolved)."""
+    """``EngineConfig`` keyword arguments from parsed engine flags (no ``--model``: the
+    demo model, written on first use; a hub id stays one until the engine or ``pdserve
+    serve`` resolves it). ``served_model_name`` is the first name given."""
     from pdserve.engine.demo_model import ensure_demo_model
 
+    names = args.served_model_name or [None]
     return {
-        "served_model_name": args.served_model_name, "dtype": args.dtype,
+        "served_model_name": names[0], "tokenizer": args.tokenizer,
+        "revision": args.revision, "download_dir": args.download_dir,
+        "generation_config": args.generation_config, "chat_template": args.chat_template,
+        "dtype": args.dtype,
         "max_model_len": args.max_model_len, "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -56,4 +82,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     }
 
 
-__all__ = ["add_engine_args", "engine_kwargs"]
+__all__ = ["add_engine_args", "engine_kwargs", "served_model_aliases"]

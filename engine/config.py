@@ -1,17 +1,18 @@
-"""Model and engine configuration, read from a local Hugging Face checkpoint.
+"""Model and engine configuration, read from a local model.
 
-``ModelConfig.from_pretrained`` reads ``config.json`` directly (both the transformers 4
-``rope_scaling``/``rope_theta`` keys and the transformers 5 ``rope_parameters`` form) and
-refuses anything pdserve would compute differently from transformers.
+``ModelConfig.from_pretrained`` reads the model's ``config.json``-shaped configuration
+from its source (``engine/model_source.py``: a checkpoint folder's ``config.json``, a GGUF
+file's metadata), both the transformers 4 ``rope_scaling``/``rope_theta`` keys and the
+transformers 5 ``rope_parameters`` form, and refuses anything pdserve would compute
+differently from transformers (``UnsupportedModelError``, naming the field) before any
+weight is read.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3ForCausalLM": (False, True),
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "intermediate_size", "vocab_size")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -103,22 +106,38 @@ class ModelConfig:
         cls, model: str | os.PathLike, *, dtype: str | torch.dtype = "auto",
         max_model_len: int | None = None,
     ) -> ModelConfig:
-        """Read and validate ``<model>/config.json``.
+        """Read and validate the configuration of the local model ``model`` (a checkpoint
+        folder or a ``.gguf`` file: ``model_source.open_model``).
 
         Raises:
-            FileNotFoundError: no ``config.json`` in ``model``.
+            FileNotFoundError: no such model, or a folder without ``config.json``.
             UnsupportedModelError: unknown architecture, activation, RoPE type, an
-                active sliding window shorter than ``max_model_len``, or MLP bias.
+                active sliding window shorter than ``max_model_len``, MLP bias, a
+                ``quantization_config``, or a required field missing; the message names
+                the field.
             ValueError: a bad ``dtype`` or ``max_model_len`` outside
                 ``[1, max_position_embeddings]``.
         """
-        path = Path(model)
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{config_file} not found: --model must be a local "
-                                    "Hugging Face checkpoint folder")
-        raw = json.loads(config_file.read_text())
+        from pdserve.engine.model_source import open_model
+
+        source = open_model(model)
+        return cls.from_dict(source.config_dict(), model=str(source.path), dtype=dtype,
+                             max_model_len=max_model_len)
+
+    @classmethod
+    def from_dict(
+        cls, raw: dict[str, Any], *, model: str, dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+    ) -> ModelConfig:
+        """Validate ``raw`` (keyed as ``config.json``) for the model at path ``model``.
+
+        Raises: as ``from_pretrained``.
+        """
         arch = _architecture(raw)
+        _check_quantization(raw)
+        missing = [k for k in _REQUIRED_FIELDS if raw.get(k) is None]
+        if missing:
+            raise UnsupportedModelError(f"the model's config lacks {missing[0]!r}")
         force_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         rope = _rope_parameters(raw)
         max_pos = int(raw.get("max_position_embeddings", 2048))
@@ -131,7 +150,7 @@ class ModelConfig:
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         return cls(
-            model=str(path),
+            model=model,
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
@@ -163,6 +182,17 @@ def _architecture(raw: dict) -> str:
     )
 
 
+def _check_quantization(raw: dict) -> None:
+    """A checkpoint stored quantized (AWQ, GPTQ, FP8, bitsandbytes, ...) names its scheme in
+    ``quantization_config``; pdserve would read its packed tensors as plain weights."""
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise UnsupportedModelError(
+            f"quantization_config (quant_method={method!r}) is not supported: pdserve loads "
+            "unquantized safetensors checkpoints and GGUF files (dequantized at load)")
+
+
 def _rope_parameters(raw: dict) -> dict[str, Any]:
     """Merge transformers 4 (``rope_theta`` + ``rope_scaling``) and 5 (``rope_parameters``)."""
     rope = dict(raw.get("rope_parameters") or {})
@@ -172,9 +202,10 @@ def _rope_parameters(raw: dict) -> dict[str, Any]:
         rope.setdefault("rope_theta", raw["rope_theta"])
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
+        where = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
         raise UnsupportedModelError(
-            f"rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
-        )
+            f"{where}.rope_type={rope_type!r} is not supported; supported: "
+            f"{list(SUPPORTED_ROPE_TYPES)}")
     rope["rope_type"] = rope_type
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1.0 is not supported")

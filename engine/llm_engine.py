@@ -24,12 +24,13 @@ from pdserve.engine.block_pool import KVEvent
 from pdserve.engine.config import ModelConfig, cpu_compute_dtype
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.model_runner import ModelRunner, kv_cache_block_bytes
+from pdserve.engine.model_source import open_model
 from pdserve.engine.request import Logprob, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.structured_output import GrammarCompiler, StructuredOutputSpec
 from pdserve.engine.tokenizer import eos_token_ids as checkpoint_eos_token_ids
-from pdserve.engine.tokenizer import has_tokenizer, load_tokenizer
+from pdserve.engine.tokenizer import load_tokenizer, read_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,16 @@ _CPU_KV_CACHE_BYTES = 4 << 30  # vLLM's VLLM_CPU_KVCACHE_SPACE default: 4 GiB
 @dataclass(slots=True)
 class EngineConfig:
     """Everything an engine needs; flag names follow vLLM's.
+
+    Where the model comes from (``engine/hub.py``, ``engine/model_source.py``): ``model``
+    is a checkpoint folder, a ``.gguf`` file (or a folder holding one), or a hub id
+    downloaded at ``revision`` into ``download_dir`` (default ``$HF_HOME/hub``);
+    ``tokenizer`` another folder or hub id to take the tokenizer from;
+    ``chat_template`` a Jinja template, or a file holding one, replacing the tokenizer's;
+    ``generation_config`` (``auto``, ``vllm`` or a folder,
+    ``engine/generation_config.py``) says whose ``eos_token_id`` ends generation.
+    ``resolve_model_paths`` turns hub ids into local paths (``pdserve serve`` does it once,
+    before its workers start).
 
     Sizes: ``max_model_len``, ``max_num_batched_tokens`` in tokens; ``block_size`` in
     tokens per block; ``kv_cache_memory_bytes`` in bytes. ``device="auto"`` takes CUDA
@@ -62,6 +73,11 @@ class EngineConfig:
 
     model: str
     served_model_name: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    generation_config: str = "auto"
+    chat_template: str | None = None
     dtype: str | torch.dtype = "auto"
     max_model_len: int | None = None
     block_size: int = 16
@@ -178,7 +194,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 class LLMEngine:
-    """Single-process engine over a local checkpoint.
+    """Single-process engine over a local model (a hub id in ``config`` is resolved first).
 
     Args:
         config: the engine settings.
@@ -199,12 +215,17 @@ class LLMEngine:
                  kv_event_callback: Callable[[KVEvent], None] | None = None,
                  eos_token_ids: Sequence[int] | None = None, kv_lease_s: float = 30.0
                  ) -> None:
+        from pdserve.engine.model_resolution import resolve_model_paths
+
+        config = resolve_model_paths(config)
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        self.model_config = ModelConfig.from_pretrained(
-            config.model, dtype=config.dtype, max_model_len=config.max_model_len)
+        self.source = open_model(config.model)
+        self.model_config = ModelConfig.from_dict(
+            self.source.config_dict(), model=str(self.source.path), dtype=config.dtype,
+            max_model_len=config.max_model_len)
         if config.dtype == "auto" and self.device.type == "cpu":
             dtype = cpu_compute_dtype(self.model_config.dtype)
             if dtype != self.model_config.dtype:
@@ -215,15 +236,16 @@ class LLMEngine:
                             _dtype_name(self.model_config.dtype))
                 self.model_config = dataclasses.replace(self.model_config, dtype=dtype)
         self.served_model_name = config.served_model_name or config.model
-        self.tokenizer = load_tokenizer(config.model) if has_tokenizer(config.model) else None
+        self.tokenizer = self._load_tokenizer()
         if eos_token_ids is None:
-            eos_token_ids = checkpoint_eos_token_ids(config.model, self.tokenizer)
+            eos_token_ids = checkpoint_eos_token_ids(config.model, self.tokenizer,
+                                                     config.generation_config)
         self.eos_token_ids = frozenset(eos_token_ids)
         sized_by_share = (self.device.type == "cuda" and config.num_gpu_blocks_override is None
                           and config.kv_cache_memory_bytes is None)
         gpu_free_bytes = self._check_gpu_share() if sized_by_share else 0
         self.model_runner = ModelRunner(self.model_config, config.block_size, self.device,
-                                        config.seed, config.load_progress)
+                                        config.seed, config.load_progress, self.source)
         self.num_blocks = self._num_kv_blocks(gpu_free_bytes)
         self.model_runner.allocate_kv_cache(self.num_blocks)
         self.kv_cache_manager = KVCacheManager(
@@ -237,6 +259,18 @@ class LLMEngine:
         self.iteration_tokens = TokenHistogram()
         self._grammar_compiler: GrammarCompiler | None = None  # made on first use
         self._grammar_compiler_lock = threading.Lock()
+
+    def _load_tokenizer(self):
+        """``--tokenizer``'s tokenizer, else the model's own; None when there is none."""
+        template = read_chat_template(self.config.chat_template)
+        if self.config.tokenizer is not None:
+            return load_tokenizer(self.config.tokenizer, chat_template=template)
+        if not self.source.has_tokenizer():
+            return None
+        tokenizer = self.source.load_tokenizer()
+        if template is not None:
+            tokenizer.chat_template = template
+        return tokenizer
 
     def _token_budget(self) -> int:
         if self.config.max_num_batched_tokens is not None:

@@ -19,6 +19,7 @@ import torch
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.model_source import ModelSource
 from pdserve.engine.models.llama import AttentionMetadata
 from pdserve.engine.models.loader import load_model
 from pdserve.engine.request import Logprob, Request
@@ -89,11 +90,12 @@ class ModelRunner:
     """
 
     def __init__(self, config: ModelConfig, block_size: int, device: torch.device,
-                 seed: int = 0, progress: bool = True) -> None:
+                 seed: int = 0, progress: bool = True, source: ModelSource | None = None
+                 ) -> None:
         self.config = config
         self.device = device
         self.block_size = block_size
-        self.model = load_model(config, device, progress)
+        self.model = load_model(config, device, progress, source)
         if device.type == "cpu":
             cpu_ext.load()  # NOTE: builds the C++ CPU kernels now, not in the first request
         self.kv_cache = torch.empty(0)

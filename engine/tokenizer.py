@@ -3,7 +3,7 @@
 One place for these so the router (which tokenizes every request once, docs/architecture.md, A
 request's path) and the offline ``LLM`` encode the same text to the same token ids. The
 tokenizer itself is transformers' (``AutoTokenizer``), read from the checkpoint folder only,
-never from the hub.
+never from the hub (``engine/hub.py`` downloads a hub id's files first).
 """
 
 from __future__ import annotations
@@ -26,36 +26,90 @@ _ROLE_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
+def _gguf_file(path: Path) -> Path | None:
+    """The GGUF file ``path`` names: itself, or a folder's one ``.gguf`` when the folder has
+    no tokenizer files of its own."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not any((path / n).is_file() for n in TOKENIZER_FILES):
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return None
+
+
 def has_tokenizer(model_path: str | os.PathLike) -> bool:
-    """Whether the checkpoint folder ships tokenizer files (checkpoints written by
-    ``save_pretrained`` on a bare model have none: they take token ids only)."""
-    return any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES)
+    """Whether the local model carries a tokenizer: a folder's tokenizer files, or a GGUF
+    file's ``tokenizer.ggml.*`` metadata (checkpoints written by ``save_pretrained`` on a
+    bare model have none: they take token ids only)."""
+    path = Path(model_path)
+    gguf = _gguf_file(path)
+    if gguf is not None:
+        from gguf import GGUFReader
+
+        return "tokenizer.ggml.tokens" in GGUFReader(str(gguf)).fields
+    return any((path / name).is_file() for name in TOKENIZER_FILES)
 
 
-def load_tokenizer(model_path: str | os.PathLike, *,
-                   trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """Load the tokenizer of the local checkpoint folder ``model_path``.
+def load_tokenizer(model_path: str | os.PathLike, *, trust_remote_code: bool = False,
+                   chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of the local model ``model_path``: a folder of tokenizer files
+    (a checkpoint's, or ``--tokenizer``'s), or a ``.gguf`` file (or a folder holding
+    one), whose metadata transformers builds the tokenizer from.
 
     Goes through ``transformers.AutoTokenizer.from_pretrained(..., local_files_only=True)``,
     so ``tokenizer.json``, ``tokenizer_config.json`` (with its chat template) and
     ``chat_template.jinja`` are read as transformers reads them; nothing is downloaded.
 
     Args:
-        model_path: a folder holding the tokenizer files.
+        model_path: a folder holding the tokenizer files, or a GGUF file.
         trust_remote_code: allow a tokenizer class defined in the checkpoint's own Python
             files (``auto_map``); off by default because it runs that code.
+        chat_template: a Jinja chat template replacing the tokenizer's own
+            (``read_chat_template`` reads ``--chat-template``).
 
     Raises:
-        FileNotFoundError: ``model_path`` is not a folder.
+        FileNotFoundError: ``model_path`` does not exist.
         OSError, ValueError: transformers cannot find or parse the tokenizer files.
     """
     from transformers import AutoTokenizer
 
     path = Path(model_path)
-    if not path.is_dir():
+    gguf = _gguf_file(path)
+    if gguf is not None:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                  local_files_only=True)
+    elif path.is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
+    else:
         raise FileNotFoundError(f"tokenizer folder {path} does not exist")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True,
-                                         trust_remote_code=trust_remote_code)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+_JINJA_CHARS = "{}\n"
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """The chat template ``--chat-template`` gives, as vLLM reads it: the text of the file
+    it names, or the value itself when it is no file and looks like a template (holds
+    ``{``, ``}`` or a newline). None stays None (the tokenizer's own template).
+
+    Raises:
+        ValueError: ``value`` looks like a path (no template characters) but cannot be
+            read, naming ``--chat-template``.
+    """
+    if value is None:
+        return None
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, ValueError) as e:
+        if any(c in value for c in _JINJA_CHARS):
+            return value
+        raise ValueError(f"--chat-template {value!r} looks like a file path, but it cannot "
+                         f"be read: {e}") from e
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
@@ -135,23 +189,27 @@ def _check_messages(messages: Any) -> None:
 
 
 def eos_token_ids(model_path: str | os.PathLike,
-                  tokenizer: PreTrainedTokenizerBase | None = None) -> set[int]:
-    """The ids that end a sequence: the checkpoint's ``eos_token_id`` and the tokenizer's.
+                  tokenizer: PreTrainedTokenizerBase | None = None,
+                  generation_config: str = "auto") -> set[int]:
+    """The ids that end a sequence: the model's ``eos_token_id`` and the tokenizer's.
 
-    The checkpoint's come from ``generation_config.json`` (an int or a list, as Llama 3
-    lists ``<|end_of_text|>`` and ``<|eot_id|>``), or from ``config.json`` when there is no
-    generation config, which is transformers' own fallback. A missing or null value adds
-    nothing; the result may be empty.
+    The model's come from the ``generation_config.json`` that ``--generation-config``
+    names (``engine.generation_config.generation_config_file``: the model's own for
+    ``auto``, none for ``vllm``, a folder's), an int or a list, as Llama 3 lists
+    ``<|end_of_text|>`` and ``<|eot_id|>``; from ``config.json`` when there is no such
+    file, which is transformers' own fallback. A GGUF file's come with its tokenizer. A
+    missing or null value adds nothing; the result may be empty.
 
     Raises:
         ValueError: a config file is not valid JSON, or its ``eos_token_id`` is not an int
-            or a list of ints (each >= 0).
+            or a list of ints (each >= 0); a bad ``generation_config`` mode.
     """
+    from pdserve.engine.generation_config import generation_config_file
+
     path = Path(model_path)
     ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        file = path / name
-        if file.is_file():
+    for file in (generation_config_file(path, generation_config), path / "config.json"):
+        if file is not None and file.is_file():
             ids |= _eos_ids_from_config(file)
             break
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None

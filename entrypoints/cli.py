@@ -2,7 +2,7 @@
 
     pdserve make-demo-model DIR          write the small demo checkpoint
     pdserve generate [--model DIR] --prompt TEXT [--prompt TEXT ...]
-    pdserve serve [--model DIR] [--prefill-workers N] [--decode-workers M] [--port 8000]
+    pdserve serve [MODEL] [--prefill-workers N] [--decode-workers M] [--port 8000]
     pdserve scale [--prefill N] [--decode M] [--model NAME] [--url http://127.0.0.1:8000]
 
 Engine flags follow vLLM's names (``--model``, ``--dtype``, ``--max-model-len``, ...).
@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.entrypoints.serve import add_serve_args, cmd_serve
 
     serve = sub.add_parser("serve", help="run the cluster: workers under Ray, Redis, router")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL",
+                       help="the model, as --model takes it (vLLM's `vllm serve MODEL`)")
     add_engine_args(serve)
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -136,7 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     taken port) prints ``pdserve: error: ...`` and returns 2."""
     from pdserve.entrypoints.serve import StartupError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            parser.error(f"the model is given twice: {tag} and --model {args.model}")
+        args.model = tag
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, StartupError) as exc:

@@ -6,14 +6,18 @@ Start-up runs in phases, each printing one line (``pdserve: ...``) once done:
    uvicorn takes the socket; ``--grpc-port`` is held the same way until the gRPC server
    binds it (it cannot take a socket). A port that is taken ends the command at once,
    status 2, before anything is started;
-2. Redis: ``--redis-url``, or a private ``redis-server`` (entrypoints/redis_server.py);
-3. Ray: joins ``--ray-address`` or starts a local one, bound to 127.0.0.1 unless
+2. the model: a hub id is downloaded into the Hugging Face cache (or found there), once
+   for this node, so the workers get its local folder; then the model is checked as
+   pdserve computes it (``engine/model_resolution.py``), its weights unread. A model
+   pdserve cannot serve exactly ends the command here, status 2, naming the field;
+3. Redis: ``--redis-url``, or a private ``redis-server`` (entrypoints/redis_server.py);
+4. Ray: joins ``--ray-address`` or starts a local one, bound to 127.0.0.1 unless
    ``--host`` or ``--worker-host`` names another address (entrypoints/launcher.py);
-4. the C++ CPU kernels, when the workers run on the CPU and no build is cached: built once
+5. the C++ CPU kernels, when the workers run on the CPU and no build is cached: built once
    here, so the workers load the build instead of each compiling it;
-5. the ``--prefill-workers`` and ``--decode-workers`` Ray actors, all at once, each
+6. the ``--prefill-workers`` and ``--decode-workers`` Ray actors, all at once, each
    reported as it becomes ready;
-6. the OpenAI-compatible router: ``pdserve serving ...`` is printed once it accepts
+7. the OpenAI-compatible router: ``pdserve serving ...`` is printed once it accepts
    connections.
 
 SIGINT or SIGTERM during start-up stops everything started so far and exits with
@@ -264,9 +268,12 @@ class _ServeRun:
             ValueError: a bad ``--models-config``, or one beside ``--model`` or
                 ``--served-model-name``.
         """
+        from pdserve.engine.args import served_model_aliases
+
         engine = self._engine_config()
         if self.args.models_config is None:
-            return [ModelSpec(engine, self.args.prefill_workers, self.args.decode_workers)]
+            return [ModelSpec(engine, self.args.prefill_workers, self.args.decode_workers,
+                              served_model_aliases(self.args))]
         for flag in ("model", "served_model_name"):
             if getattr(self.args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} and --models-config exclude "
@@ -282,6 +289,7 @@ class _ServeRun:
                 bind_listener(args.host, args.grpc_port, "router gRPC, --grpc-port"))
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._resolve_models()
         auth = self.auth
         redis_url = self._start_redis(stack)
         launcher = self._start_ray(stack)
@@ -310,6 +318,28 @@ class _ServeRun:
         except KeyboardInterrupt:
             if not self.announced:
                 raise
+
+    def _resolve_models(self) -> None:
+        """Phase 2: every model's hub ids as local paths (downloaded at most once, here),
+        its chat template read, and the model checked, before any worker starts.
+
+        Raises:
+            FileNotFoundError: no such model or tokenizer (local, cached or on the hub).
+            ValueError: a model pdserve does not compute exactly (UnsupportedModelError,
+                naming the field), or a bad --generation-config / --chat-template.
+        """
+        from pdserve.engine.model_resolution import check_model, resolve_model_paths
+        from pdserve.engine.tokenizer import read_chat_template
+
+        for spec in self.models:
+            asked = spec.engine.model
+            engine = resolve_model_paths(spec.engine)
+            engine.chat_template = read_chat_template(engine.chat_template)
+            check_model(engine)
+            spec.engine = engine
+            where = "" if engine.model == asked else f" (hub id {asked}, revision " \
+                f"{engine.revision or 'main'})"
+            say(f"model {spec.name or asked}: {engine.model}{where}")
 
     def _on_serving(self) -> None:
         self.announced = True
@@ -415,7 +445,9 @@ class _ServeRun:
         engine = spec.engine
         config = RouterConfig(
             model=engine.model, redis_url=redis_url,
-            served_model_name=engine.served_model_name, block_size=engine.block_size,
+            served_model_name=engine.served_model_name, served_model_aliases=spec.aliases,
+            tokenizer=engine.tokenizer, chat_template=engine.chat_template,
+            generation_config=engine.generation_config, block_size=engine.block_size,
             max_model_len=engine.max_model_len, auth=auth, **lifecycle_kwargs(self.args))
         if self.args.local_prefill_threshold is not None:
             config.local_prefill_threshold = self.args.local_prefill_threshold
@@ -454,9 +486,11 @@ def planner_config_from_args(args: argparse.Namespace):
     return config
 
 
-# Flags that must be the same in both pools: the model, the names clients and the
-# prefix index use, and the block size KV moves in.
-SHARED_ENGINE_FLAGS = ("model", "served_model_name", "block_size")
+# Flags that must be the same in both pools: the model and where it comes from, the
+# names clients and the prefix index use, the block size KV moves in, the tokenizer and
+# EOS ids.
+SHARED_ENGINE_FLAGS = ("model", "served_model_name", "block_size", "tokenizer", "revision",
+                       "download_dir", "generation_config", "chat_template")
 
 
 def pool_engine_config(engine, flags: str, role: str):
@@ -509,6 +543,7 @@ class ModelSpec:
     engine: object
     prefill_workers: int
     decode_workers: int
+    aliases: tuple[str, ...] = ()  # further names clients may use (--served-model-name)
 
     @property
     def name(self) -> str:

@@ -22,6 +22,7 @@ from pdserve.cluster.auth import (
     redis_password_from_args,
     redis_url_with_password,
 )
+from pdserve.engine.hub import resolve_model, resolve_tokenizer
 from pdserve.router.flags import (
     add_api_auth_args,
     add_http_args,
@@ -41,10 +42,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--redis-url", required=True,
                         help="Redis of the worker registry and prefix index")
-    parser.add_argument("--model", required=True, help="checkpoint folder (for the tokenizer)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model name in the API and in block hashes (default: --model); "
-                             "must match the workers'")
+    parser.add_argument("--model", required=True,
+                        help="the workers' model, for its tokenizer and configuration: a "
+                             "checkpoint folder, a .gguf file, or a hub id (from the "
+                             "Hugging Face cache, downloaded when missing)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="model name(s) in the API; the first also in block hashes "
+                             "(default: --model); must match the workers'")
+    parser.add_argument("--tokenizer", help="tokenizer folder, .gguf file or hub id "
+                        "(default: --model's); must match the workers'")
+    parser.add_argument("--revision", help="the hub id's branch, tag or commit")
+    parser.add_argument("--download-dir", help="Hugging Face cache (default: $HF_HOME/hub)")
+    parser.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                        help="sampling defaults for requests that leave them unset")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--block-size", type=int, default=16,
@@ -74,11 +85,18 @@ def main(argv: list[str] | None = None) -> None:
         redis_url = redis_url_with_password(args.redis_url, redis_password_from_args(args))
         router_kwargs = lifecycle_kwargs(args)
         http_timeouts = http_timeouts_from_args(args)
-    except ValueError as exc:
+        model = resolve_model(args.model, revision=args.revision,
+                              download_dir=args.download_dir)
+        tokenizer = args.tokenizer and resolve_tokenizer(args.tokenizer,
+                                                         download_dir=args.download_dir)
+    except (ValueError, FileNotFoundError) as exc:
         print(f"python -m pdserve.router: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    names = args.served_model_name or [args.model]
     router = Router(RouterConfig(
-        model=args.model, redis_url=redis_url, served_model_name=args.served_model_name,
+        model=model, redis_url=redis_url, served_model_name=names[0],
+        served_model_aliases=tuple(names[1:]), tokenizer=tokenizer,
+        chat_template=args.chat_template, generation_config=args.generation_config,
         block_size=args.block_size, max_model_len=args.max_model_len,
         local_prefill_threshold=args.local_prefill_threshold, auth=auth, **router_kwargs))
     serve_app(build_app(router, api_auth=api_auth, http_timeouts=http_timeouts),

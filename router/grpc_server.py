@@ -261,7 +261,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def ListModels(self, request, context):
         """Every model served (``max_model_len``: the first model's)."""
         return router_pb2.ListModelsResponse(
-            models=[r.served_model_name for r in self.routers],
+            models=[name for r in self.routers for name in r.served_model_names],
             max_model_len=self.routers.first.max_model_len)
 
     def _to_request(self, request, router: Router) -> GenerateRequest:
@@ -318,7 +318,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got "
                                f"{len(msg.stop_token_ids)}", "stop_token_ids")
         try:
-            params = sampling_params_from_proto(msg, vocab_size=router.vocab_size)
+            params = sampling_params_from_proto(msg, vocab_size=router.vocab_size,
+                                                defaults=router.generation_defaults)
         except ValueError as exc:  # "top_k=-5 is invalid: ..." or "stop_token_ids: ..."
             raise RequestError(str(exc), str(exc).split("=", 1)[0].split(":", 1)[0]) from exc
         if params.structured_output is not None:

@@ -194,11 +194,11 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[_card(r) for r in routers])
+        return ModelList(data=[_card(r, name) for r in routers for name in r.served_model_names])
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
-        return _card(routers.pick(model_id))
+        return _card(routers.pick(model_id), model_id)
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> TokenizeResponse:
@@ -291,8 +291,8 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
     return app
 
 
-def _card(router: Router) -> ModelCard:
-    return ModelCard(id=router.served_model_name, root=router.config.model,
+def _card(router: Router, name: str) -> ModelCard:
+    return ModelCard(id=name, root=router.config.model,
                      max_model_len=router.max_model_len)
 
 
@@ -350,7 +350,7 @@ async def _serve(router: Router, request: CompletionRequest | ChatCompletionRequ
         tools is not None and tools.needs_special_tokens)
     for prompt in prompts:
         params = to_sampling_params(request, max_model_len=router.max_model_len,
-                                    prompt_len=len(prompt))
+                                    prompt_len=len(prompt), defaults=router.generation_defaults)
         if tools is not None and tools.spec is not None:  # tool_choice required / named
             params = dataclasses.replace(params, structured_output=tools.spec)
         for i in range(request.n):

@@ -43,6 +43,7 @@ from pydantic import (
     model_validator,
 )
 
+from pdserve.engine.generation_config import GenerationDefaults
 from pdserve.engine.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from pdserve.engine.structured_output import (
     StructuredOutputSpec,
@@ -183,8 +184,9 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: Text | None = None  # accepted and ignored, as vLLM does
     top_k: Int32 | None = Field(None, ge=-1)  # -1 and 0: off
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    # NOTE: None (unset) takes the model's generation_config.json default, then vLLM's
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: Int32 = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
@@ -909,9 +911,12 @@ def _param_from_loc(loc: Sequence[str | int]) -> str | None:
 
 
 def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
-                       max_model_len: int, prompt_len: int) -> SamplingParams:
+                       max_model_len: int, prompt_len: int,
+                       defaults: GenerationDefaults | None = None) -> SamplingParams:
     """The engine's ``SamplingParams`` for ``request`` whose prompt has ``prompt_len``
-    tokens. ``max_tokens`` defaults to ``max_model_len - prompt_len`` (vLLM's default).
+    tokens. ``max_tokens`` defaults to ``max_model_len - prompt_len`` (vLLM's default);
+    ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` left unset
+    take ``defaults`` (the model's generation config), else vLLM's defaults.
 
     Raises:
         RequestError: the prompt, or prompt plus ``max_tokens``, exceeds ``max_model_len``
@@ -944,11 +949,11 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
             raise RequestError("echo with logprobs is not supported (no prompt logprobs)",
                                "echo")
     try:
+        model_defaults = (defaults or GenerationDefaults()).sampling_kwargs(
+            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+            min_p=request.min_p, repetition_penalty=request.repetition_penalty)
         return SamplingParams(
-            n=request.n, temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p, top_k=request.top_k or 0,
-            min_p=request.min_p, repetition_penalty=request.repetition_penalty,
-            presence_penalty=request.presence_penalty,
+            n=request.n, **model_defaults, presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty, seed=request.seed,
             max_tokens=max_tokens, min_tokens=request.min_tokens,
             stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos,

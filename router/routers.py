@@ -14,22 +14,24 @@ class Routers:
     their health and metrics together.
 
     Raises:
-        ValueError: no router, or two with the same ``served_model_name``.
+        ValueError: no router, or two that share a served model name.
     """
 
     def __init__(self, routers: list[Router]) -> None:
         if not routers:
             raise ValueError("build_app needs at least one router")
-        self.by_name = {r.served_model_name: r for r in routers}
-        if len(self.by_name) != len(routers):
+        self._routers = list(routers)
+        # NOTE: every name of a router picks it (vLLM's several --served-model-name)
+        self.by_name = {name: r for r in routers for name in r.served_model_names}
+        if len(self.by_name) != sum(len(r.served_model_names) for r in routers):
             raise ValueError("two routers serve the same model name")
         self.first = routers[0]
 
     def __iter__(self):
-        return iter(self.by_name.values())
+        return iter(self._routers)
 
     def __len__(self) -> int:
-        return len(self.by_name)
+        return len(self._routers)
 
     def pick(self, model: str | None) -> Router:
         """The router of ``model`` (the first when None).
@@ -49,7 +51,7 @@ class Routers:
         """One router's ``health()``; with several, the worst status and each model's."""
         if len(self) == 1:
             return self.first.health()
-        states = {name: r.health() for name, r in self.by_name.items()}
+        states = {r.served_model_name: r.health() for r in self._routers}
         order = ("ok", "degraded", "unavailable")
         worst = max((s["status"] for s in states.values()), key=order.index)
         return {"status": worst, "models": states}

@@ -33,19 +33,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pdserve.cluster.auth import ClusterAuth
 from pdserve.cluster.prefix_index import PrefixIndex, PrefixIndexUnavailable
 from pdserve.cluster.registry import WorkerRegistry
 from pdserve.engine import structured_output
 from pdserve.engine.block_hash import hash_block_chain, root_block_hash
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.generation_config import GenerationDefaults
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.engine.tokenizer import load_tokenizer, read_chat_template
 from pdserve.router import flags
 from pdserve.router.attempt import AttemptFailed, Progress, WorkerCalls
 from pdserve.router.metrics import RouterMetrics
@@ -96,11 +96,24 @@ class RouterConfig:
     ``auth``: the cluster secret (and mutual TLS) of every call to a worker, and the key
     that registry records must be signed with; None: a cluster without authentication.
     ``redis_url`` may hold the Redis password.
+
+    The model (``engine/model_source.py``): ``model`` is a local checkpoint folder or
+    ``.gguf`` file (``pdserve serve`` resolves hub ids first); ``tokenizer`` another local
+    tokenizer to use (``--tokenizer``), ``chat_template`` a template or a file holding one
+    (``--chat-template``); ``generation_config`` (``auto``, ``vllm`` or a folder) whose
+    sampling defaults fill a request's unset fields. ``served_model_name`` is the name
+    responses give and workers register under (default: ``model``);
+    ``served_model_aliases`` further names requests may use (vLLM's second and later
+    ``--served-model-name``).
     """
 
     model: str
     redis_url: str
     served_model_name: str | None = None
+    served_model_aliases: tuple[str, ...] = ()
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    generation_config: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None
     local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_THRESHOLD
@@ -177,10 +190,21 @@ class Router:
     def __init__(self, config: RouterConfig, tokenizer=None) -> None:
         self.config = config
         self.served_model_name = config.served_model_name or config.model
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-        model_config = json.loads((Path(config.model) / "config.json").read_text())
-        self.max_model_len = config.max_model_len or model_config["max_position_embeddings"]
-        self.vocab_size = int(model_config.get("vocab_size", len(self.tokenizer)))
+        self.served_model_names = (self.served_model_name, *config.served_model_aliases)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(config.tokenizer or config.model,
+                                       chat_template=read_chat_template(config.chat_template))
+        self.tokenizer = tokenizer
+        model_config = ModelConfig.from_pretrained(config.model,
+                                                   max_model_len=config.max_model_len)
+        self.max_model_len = model_config.max_model_len
+        self.vocab_size = model_config.vocab_size
+        self.generation_defaults = GenerationDefaults.load(config.model,
+                                                           config.generation_config)
+        if self.generation_defaults.as_dict():
+            logger.info("%s: requests that leave them unset sample with the model's "
+                        "generation config: %s (--generation-config vllm ignores it)",
+                        self.served_model_name, self.generation_defaults.as_dict())
         self.metrics = RouterMetrics(self.served_model_name)
         self.pool = WorkerPool(WorkerRegistry(config.redis_url, auth=config.auth), config,
                                self.metrics)

@@ -210,7 +210,7 @@ def test_specs_are_checked_and_cross_the_wire():
 
 
 def test_the_grpc_api_checks_the_constraint():
-    router = types.SimpleNamespace(vocab_size=2048)
+    router = types.SimpleNamespace(vocab_size=2048, generation_defaults=None)
     ok = common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(regex=REGEX))
     assert RouterServicer._sampling_params(ok, router).structured_output == \
         StructuredOutputSpec("regex", REGEX)

@@ -1,52 +1,20 @@
-"""Load a local Hugging Face checkpoint (``*.safetensors``, sharded or not) into a model."""
+"""Load a local model's weights into pdserve's model, from whatever source stores them.
+
+The source (``engine/model_source.py``: safetensors, GGUF) yields transformers-named
+tensors in the compute dtype; the model maps them onto its fused parameters
+(``LlamaForCausalLM.load_weights``) and never learns where they came from.
+"""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
-from tqdm.auto import tqdm
 
-from pdserve.engine.config import ModelConfig
+from pdserve.engine.config import ModelConfig, UnsupportedModelError
+from pdserve.engine.model_source import ModelSource, open_model
 from pdserve.engine.models.layers import pack_linears_for_cpu
 from pdserve.engine.models.llama import LlamaForCausalLM
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's weight files: those named by ``model.safetensors.index.json`` if it
-    exists, else every ``*.safetensors`` in the folder.
-
-    Raises:
-        FileNotFoundError: no safetensors weights in ``model_dir``.
-    """
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [model_dir / n for n in names]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    return files
-
-
-def iterate_weights(files: list[Path], dtype: torch.dtype, progress: bool = True
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` cast to ``dtype`` (floating tensors only), with a progress bar
-    counting tensors across all files."""
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    total = sum(len(h.keys()) for h in handles)
-    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
-        for handle in handles:
-            for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                tensor = handle.get_tensor(name)
-                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
-                bar.update(1)
 
 
 def expected_checkpoint_names(model: LlamaForCausalLM) -> set[str]:
@@ -61,37 +29,61 @@ def expected_checkpoint_names(model: LlamaForCausalLM) -> set[str]:
     return names
 
 
-def load_model(config: ModelConfig, device: torch.device, progress: bool = True
-               ) -> LlamaForCausalLM:
-    """Build the model on ``device`` in ``config.dtype`` and load its weights.
+def check_weight_names(source: ModelSource, model: LlamaForCausalLM) -> None:
+    """Compare the source's tensor names with those ``model`` needs, before any is read.
 
     Raises:
-        FileNotFoundError: no weights.
-        ValueError: tensors missing from the checkpoint, or of the wrong shape.
-        KeyError: a checkpoint tensor the model has no place for.
+        UnsupportedModelError: a tensor the model has no place for (naming it).
+        ValueError: tensors the model needs that the source lacks.
+    """
+    expected = expected_checkpoint_names(model)
+    names = set(source.weight_names())
+    if model.config.tie_word_embeddings:  # NOTE: a tied checkpoint may still store lm_head
+        expected.discard("lm_head.weight")
+        names.discard("lm_head.weight")
+    extra = sorted(n for n in names - expected if "rotary_emb" not in n)
+    if extra:
+        raise UnsupportedModelError(
+            f"tensor {extra[0]!r} of {source.path} has no place in {model.config.architecture} "
+            f"as pdserve computes it ({len(extra)} such tensors)")
+    missing = expected - names
+    if missing:
+        raise ValueError(f"checkpoint {source.path} lacks tensors: {sorted(missing)[:8]}")
+
+
+def check_model(config: ModelConfig) -> None:
+    """Check that the weights at ``config.model`` fit pdserve's model of ``config``, by
+    their names alone (no tensor is read; the model is built on the meta device).
+
+    Raises: as ``check_weight_names``.
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
+    check_weight_names(open_model(config.model), model)
+
+
+def load_model(config: ModelConfig, device: torch.device, progress: bool = True,
+               source: ModelSource | None = None) -> LlamaForCausalLM:
+    """Build the model on ``device`` in ``config.dtype`` and load its weights from
+    ``source`` (default: ``model_source.open_model(config.model)``).
+
+    Raises:
+        FileNotFoundError: no weights.
+        UnsupportedModelError: a tensor the model has no place for.
+        ValueError: tensors missing from the checkpoint, or of the wrong shape.
+    """
+    source = source or open_model(config.model)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    check_weight_names(source, model)
     # NOTE: cast on meta first, so the device never holds an fp32 copy of the weights
     model = model.to(config.dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # The RoPE tables are fp32 buffers computed at init, lost by the meta build: remake them.
     model.rotary_emb = type(model.rotary_emb)(config).to(device)
-    expected = expected_checkpoint_names(model)
-    seen: set[str] = set()
-
-    def tracked():
-        for name, tensor in iterate_weights(safetensors_files(Path(config.model)), config.dtype,
-                                            progress):
-            seen.add(name)
-            yield name, tensor
-
     with torch.no_grad():
-        model.load_weights(tracked())
-    missing = expected - seen
-    if missing:
-        raise ValueError(f"checkpoint {config.model} lacks tensors: {sorted(missing)[:8]}")
+        model.load_weights(source.iterate_weights(config.dtype, progress))
     if device.type == "cpu":
         pack_linears_for_cpu(model)
     return model.eval()
