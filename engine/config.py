@@ -17,21 +17,19 @@ from typing import Any
 
 import torch
 
-# architecture -> (q/k/v bias forced on, per-head q/k RMSNorm)
-SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
-    "LlamaForCausalLM": (False, False),
-    "MistralForCausalLM": (False, False),
-    "Qwen2ForCausalLM": (True, False),
-    "Qwen3ForCausalLM": (False, True),
-}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from pdserve.engine.families import (
+    FAMILIES,
+    UnsupportedModelError,
+    architecture,
+    check_fields,
+    gemma_fields,
+    layer_windows,
+    rope_parameters,
+)
+
 _REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size", "vocab_size")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture or a config field is outside what pdserve computes."""
 
 
 def parse_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> torch.dtype:
@@ -74,11 +72,19 @@ def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The decoder-only transformer family pdserve runs (Llama, Mistral, Qwen2, Qwen3).
+    """The decoder-only transformer pdserve runs, as one decoder with switches
+    (``engine/families.py``): Llama (3.1, 3.2), SmolLM, Mistral, Qwen2, Qwen3, Phi-3,
+    Gemma 2 and Gemma 3 (text).
 
-    The four architectures differ only in ``qkv_bias`` (Qwen2) and ``qk_norm`` (Qwen3);
-    ``rope_type`` selects the rotary frequencies (``llama3`` scaling for Llama 3.1).
-    Lengths are in tokens.
+    ``rope_type`` selects the rotary frequencies (``llama3`` for Llama 3.1, ``longrope``
+    for Phi-3); ``local_rope_parameters`` are those of the sliding layers where they
+    differ (Gemma 3). ``layer_windows``: each layer's sliding window (None: full
+    attention). ``hidden_act``: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (GeGLU). The
+    Gemma switches: ``gemma_norm`` (RMSNorm as ``(1 + weight)``, scaled in fp32),
+    ``sandwich_norm`` (norms after attention and around the MLP), ``embed_scale``,
+    ``attn_scale`` (default ``head_dim ** -0.5``), the attention and final logit
+    soft-caps. ``fused_checkpoint``: q/k/v and gate/up stored fused (Phi-3). Lengths are
+    in tokens.
     """
 
     model: str
@@ -100,6 +106,29 @@ class ModelConfig:
     qk_norm: bool = False
     rope_type: str = "default"
     rope_parameters: dict[str, Any] = field(default_factory=dict)
+    local_rope_parameters: dict[str, Any] | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"
+    gemma_norm: bool = False
+    sandwich_norm: bool = False
+    embed_scale: float | None = None
+    attn_scale: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    fused_checkpoint: bool = False
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention's softmax scale."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    @property
+    def kv_free_window(self) -> int | None:
+        """Tokens back from a query beyond which no layer reads K/V: the largest window
+        when every layer slides (their blocks can be freed), else None."""
+        if not self.layer_windows or any(w is None for w in self.layer_windows):
+            return None
+        return max(self.layer_windows)
 
     @classmethod
     def from_pretrained(
@@ -111,10 +140,9 @@ class ModelConfig:
 
         Raises:
             FileNotFoundError: no such model, or a folder without ``config.json``.
-            UnsupportedModelError: unknown architecture, activation, RoPE type, an
-                active sliding window shorter than ``max_model_len``, MLP bias, a
-                ``quantization_config``, or a required field missing; the message names
-                the field.
+            UnsupportedModelError: unknown architecture, activation, RoPE type or layer
+                type, MLP bias, a ``quantization_config``, or a required field missing
+                (``engine/families.py``); the message names the field.
             ValueError: a bad ``dtype`` or ``max_model_len`` outside
                 ``[1, max_position_embeddings]``.
         """
@@ -133,31 +161,38 @@ class ModelConfig:
 
         Raises: as ``from_pretrained``.
         """
-        arch = _architecture(raw)
+        arch = architecture(raw)
         _check_quantization(raw)
         missing = [k for k in _REQUIRED_FIELDS if raw.get(k) is None]
         if missing:
             raise UnsupportedModelError(f"the model's config lacks {missing[0]!r}")
-        force_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-        rope = _rope_parameters(raw)
+        family = FAMILIES[arch]
+        check_fields(raw, arch)
+        if family.gemma and arch == "Gemma3ForCausalLM":
+            rope = rope_parameters(raw, "full_attention")
+            local_rope = rope_parameters(raw, "sliding_attention")
+        else:
+            rope, local_rope = rope_parameters(raw), None
         max_pos = int(raw.get("max_position_embeddings", 2048))
         if max_model_len is None:
             max_model_len = max_pos
         if not 1 <= max_model_len <= max_pos:
             raise ValueError(f"max_model_len={max_model_len} must be in [1, {max_pos}] "
                              "(the checkpoint's max_position_embeddings)")
-        _check_unsupported_fields(raw, max_model_len)
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        num_layers = int(raw["num_hidden_layers"])
+        extra = gemma_fields(raw, hidden, head_dim) if family.gemma else {}
         return cls(
             model=model,
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             intermediate_size=int(raw["intermediate_size"]),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
@@ -165,21 +200,18 @@ class ModelConfig:
             max_model_len=max_model_len,
             dtype=parse_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=force_bias or bool(raw.get("attention_bias", False)),
-            qk_norm=qk_norm,
-            rope_type=rope.get("rope_type", "default"),
+            qkv_bias=family.qkv_bias or bool(raw.get("attention_bias", False)),
+            qk_norm=family.qk_norm,
+            rope_type=rope["rope_type"],
             rope_parameters=rope,
+            local_rope_parameters=local_rope,
+            layer_windows=layer_windows(raw, arch, num_layers),
+            hidden_act="gelu_pytorch_tanh" if family.gemma else "silu",
+            gemma_norm=family.gemma,
+            sandwich_norm=family.gemma,
+            fused_checkpoint=family.fused_checkpoint,
+            **extra,
         )
-
-
-def _architecture(raw: dict) -> str:
-    archs = raw.get("architectures") or []
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    raise UnsupportedModelError(
-        f"architectures={archs} is not supported; pdserve runs {sorted(SUPPORTED_ARCHITECTURES)}"
-    )
 
 
 def _check_quantization(raw: dict) -> None:
@@ -191,40 +223,3 @@ def _check_quantization(raw: dict) -> None:
         raise UnsupportedModelError(
             f"quantization_config (quant_method={method!r}) is not supported: pdserve loads "
             "unquantized safetensors checkpoints and GGUF files (dequantized at load)")
-
-
-def _rope_parameters(raw: dict) -> dict[str, Any]:
-    """Merge transformers 4 (``rope_theta`` + ``rope_scaling``) and 5 (``rope_parameters``)."""
-    rope = dict(raw.get("rope_parameters") or {})
-    if raw.get("rope_scaling"):
-        rope.update(raw["rope_scaling"])
-    if "rope_theta" in raw:
-        rope.setdefault("rope_theta", raw["rope_theta"])
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        where = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
-        raise UnsupportedModelError(
-            f"{where}.rope_type={rope_type!r} is not supported; supported: "
-            f"{list(SUPPORTED_ROPE_TYPES)}")
-    rope["rope_type"] = rope_type
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1.0 is not supported")
-    return rope
-
-
-def _check_unsupported_fields(raw: dict, max_model_len: int) -> None:
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act={act!r} is not supported; supported: ['silu']")
-    if raw.get("mlp_bias"):
-        raise UnsupportedModelError("mlp_bias=true is not supported; supported: mlp_bias=false")
-    window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", raw.get("model_type") == "mistral")
-    layer_types = raw.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        uses_window = uses_window or window is not None
-    if uses_window and window is not None and int(window) < max_model_len:
-        raise UnsupportedModelError(
-            f"sliding_window={window} is shorter than max_model_len={max_model_len}; pdserve "
-            "supports full attention only: pass max_model_len <= sliding_window"
-        )

@@ -31,18 +31,24 @@ class KVCacheManager:
         root_hash: ``h_{-1}`` of the block hash chain (``block_hash.root_block_hash``).
         enable_prefix_caching: reuse blocks across requests by hash.
         kv_event_callback: receives the pool's ``stored`` / ``removed`` events.
+        sliding_window: tokens back from a query beyond which no layer reads K/V (the
+            model's ``kv_free_window``: every layer slides), or None. Blocks wholly before
+            every future query's window are freed as a request runs (``block_ids`` then
+            gives -1 for them: no kernel reads them).
     """
 
     def __init__(self, num_blocks: int, block_size: int, root_hash: bytes,
                  enable_prefix_caching: bool = True,
                  kv_event_callback: Callable[[KVEvent], None] | None = None,
-                 lease_s: float = 30.0) -> None:
+                 lease_s: float = 30.0, sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.root_hash = root_hash
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching, kv_event_callback)
         self.lease_s = lease_s
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # None: a block freed before the request's sliding window (see remove_skipped_blocks)
+        self.req_to_blocks: dict[str, list[KVCacheBlock | None]] = {}
         # Blocks of finished prefill requests kept for a decode worker to pull.
         self.held: dict[str, KVLease] = {}
 
@@ -51,7 +57,30 @@ class KVCacheManager:
         return self.pool.usage
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        """The request's block table; -1 where a block before its window was freed."""
+        return [-1 if b is None else b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def remove_skipped_blocks(self, request: Request) -> None:
+        """Free the request's blocks that no later query sees: with every layer sliding,
+        the blocks wholly before ``num_computed_tokens - sliding_window + 1``, the first
+        key the next query sees (vLLM's sliding-window manager does the same). Freed,
+        hashed blocks stay in the prefix cache like any other. A prefill worker's request
+        (``remote_decode``) keeps all its blocks for the decode worker that pulls them.
+
+        Worked example (``block_size=4``, window 6): after 13 computed tokens the next
+        query (position 13) sees keys 8..13, so blocks 0 and 1 (tokens 0-7) are freed.
+        """
+        if self.sliding_window is None or request.remote_decode:
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        first_seen = max(0, request.num_computed_tokens - self.sliding_window + 1)
+        skipped = min(first_seen // self.block_size, len(blocks))
+        freed = [b for b in blocks[:skipped] if b is not None]
+        if freed:
+            blocks[:skipped] = [None] * skipped
+            self.pool.free_blocks(reversed(freed))
 
     def update_block_hashes(self, request: Request) -> list[bytes]:
         """Hash any newly full blocks of ``request.all_token_ids``; returns all hashes."""
@@ -88,6 +117,7 @@ class KVCacheManager:
         With ``cache=False`` the new blocks are not entered into the prefix cache (their
         KV is still arriving from another worker; ``cache_blocks`` enters them later).
         """
+        self.remove_skipped_blocks(request)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
@@ -114,13 +144,14 @@ class KVCacheManager:
         if num_full == 0:
             return
         hashes = self.update_block_hashes(request)
-        blocks = self.req_to_blocks[request.request_id]
-        self.pool.cache_full_blocks(blocks[:num_full], hashes[:num_full])
+        pairs = [(b, h) for b, h in zip(self.req_to_blocks[request.request_id][:num_full],
+                                        hashes[:num_full]) if b is not None]
+        self.pool.cache_full_blocks([b for b, _ in pairs], [h for _, h in pairs])
 
     def free(self, request: Request) -> None:
         """Release every block the request holds (tail first, so its prefix stays longest)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(reversed([b for b in blocks if b is not None]))
 
     def hold(self, request: Request) -> None:
         """Move a finished request's blocks under a lease of ``lease_s`` seconds: they stay

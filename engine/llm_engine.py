@@ -251,7 +251,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, config.block_size,
             root_block_hash(self.served_model_name, config.block_size),
-            config.enable_prefix_caching, kv_event_callback, lease_s=kv_lease_s)
+            config.enable_prefix_caching, kv_event_callback, lease_s=kv_lease_s,
+            sliding_window=self.model_config.kv_free_window)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self._token_budget(),
                             self.model_config.max_model_len),
@@ -572,7 +573,7 @@ class LLMEngine:
         owners = set(self.scheduler.requests) | set(self.scheduler.waiting_for_kv)
         kv = self.kv_cache_manager
         owned = {block.block_id for request_id, blocks in kv.req_to_blocks.items()
-                 if request_id in owners for block in blocks}
+                 if request_id in owners for block in blocks if block is not None}
         owned.update(block.block_id for lease in kv.held.values() for block in lease.blocks)
         num_in_use = self.num_blocks - kv.pool.num_free_blocks
         return num_in_use - len(owned)

@@ -100,6 +100,9 @@ class ModelRunner:
             cpu_ext.load()  # NOTE: builds the C++ CPU kernels now, not in the first request
         self.kv_cache = torch.empty(0)
         self.sampler = Sampler(seed)
+        # LongRoPE (Phi-3): sequences past this length take the long factors
+        self._longrope_original = (int(config.rope_parameters["original_max_position_embeddings"])
+                                   if config.rope_type == "longrope" else None)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache for ``num_blocks`` blocks (bytes: ``num_blocks *
@@ -223,6 +226,7 @@ class ModelRunner:
             prefill_block_tables=self._to_device(block_table[num_decodes:]),
             prefill_cu_seqlens_q=self._to_device((cu[num_decodes:] - cu[num_decodes]).astype(np.int32)),
             prefill_seq_lens=self._to_device(seq_lens[num_decodes:]),
+            rope_long=self._rope_long(requests, seq_lens, req_index),
         )
         return StepInputs(
             input_ids=self._to_device(input_ids),
@@ -231,6 +235,17 @@ class ModelRunner:
             logits_indices=self._to_device(cu[1:][samples] - 1),
             sampling_requests=[r for r, s in zip(requests, samples) if s],
         )
+
+    def _rope_long(self, requests: list[Request], seq_lens: np.ndarray,
+                   req_index: np.ndarray) -> torch.Tensor | None:
+        """LongRoPE only: ``[T]`` bool, each token's sequence is past the original context
+        (its prompt, or its length after this step, as transformers decides per forward
+        pass over a whole sequence: an unchunked prompt and each decode step agree)."""
+        if self._longrope_original is None:
+            return None
+        prompt_lens = np.array([r.num_prompt_tokens for r in requests], dtype=np.int64)
+        long = np.maximum(prompt_lens, seq_lens) > self._longrope_original  # [N]
+        return self._to_device(long[req_index])
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))

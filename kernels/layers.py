@@ -45,6 +45,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_ref(x, weight, eps)
 
 
+def gemma_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm (transformers' ``Gemma2RMSNorm``): ``x: [..., hidden]`` float,
+    ``weight: [hidden]`` -> ``(x.float() * rsqrt(mean(x**2) + eps) * (1 + weight.float()))``
+    cast to ``x``'s dtype at the end. Plain PyTorch on every device."""
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * inv_rms * (1.0 + weight.float())).to(x.dtype)
+
+
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual = x + residual`` (in ``x``'s dtype), then ``rms_norm(residual)``.
@@ -103,6 +112,14 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     ``[tokens, 2 * d]`` -> ``silu(gate) * up`` ``[tokens, d]``."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU's gate (Shazeer 2020), Gemma's MLP: ``x = [gate | up]`` ``[tokens, 2 * d]`` ->
+    ``gelu_tanh(gate) * up`` ``[tokens, d]`` (the tanh approximation, transformers'
+    ``gelu_pytorch_tanh``). Plain PyTorch on every device."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.kernels import cpu_ext
-from pdserve.kernels.layers import fused_add_rms_norm, rms_norm
+from pdserve.kernels.layers import fused_add_rms_norm, gemma_rms_norm_ref, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -39,17 +39,34 @@ class RMSNorm(nn.Module):
         return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, params: dict, max_position_embeddings: int,
+                  long: bool = False) -> tuple[torch.Tensor, float]:
     """Rotary inverse frequencies ``[head_dim // 2]`` fp32 (RoFormer,
-    https://arxiv.org/abs/2104.09864), with ``linear`` or Llama 3.1's ``llama3`` scaling.
+    https://arxiv.org/abs/2104.09864) and the factor on cos and sin, for ``params`` (a
+    ``ModelConfig.rope_parameters``): ``default``; ``linear`` scaling; Llama 3.1's
+    ``llama3``; Phi-3's ``longrope`` (LongRoPE, https://arxiv.org/abs/2402.13753: per
+    frequency ``short_factor`` or, with ``long``, ``long_factor``, and cos and sin times
+    ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))``), each as transformers
+    computes it.
     """
-    dim, base = config.head_dim, config.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    params = config.rope_parameters
-    if config.rope_type == "linear":
-        return inv_freq / float(params["factor"])
-    if config.rope_type != "llama3":
-        return inv_freq
+    base = float(params.get("rope_theta", 10000.0))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "longrope":
+        original = int(params["original_max_position_embeddings"])
+        factor = params.get("factor") or max_position_embeddings / original
+        scaling = params.get("attention_factor")
+        if scaling is None:
+            scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor)
+                                                          / math.log(original))
+        ext = torch.tensor(params["long_factor" if long else "short_factor"],
+                           dtype=torch.float32)
+        return 1.0 / (ext * base ** exponents), float(scaling)
+    inv_freq = 1.0 / (base ** exponents)
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"]), 1.0
+    if rope_type != "llama3":
+        return inv_freq, 1.0
     factor = float(params["factor"])
     low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
     old_len = float(params["original_max_position_embeddings"])
@@ -58,28 +75,52 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     smooth = (old_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(is_medium, smoothed, scaled)
+    return torch.where(is_medium, smoothed, scaled), 1.0
 
 
 class RotaryEmbedding(nn.Module):
     """Applies RoPE (rotate-half layout, as transformers' Llama) to q and k.
 
-    Holds a ``[max_position_embeddings, head_dim]`` fp32 cos and sin table.
+    Holds a ``[max_position_embeddings, head_dim]`` fp32 cos and sin table for ``params``
+    (default: the model's ``rope_parameters``); for ``longrope`` two, the short factors'
+    then the long factors' (``[2 * max_position_embeddings, head_dim]``): position ``p``
+    with the long factors is row ``max_position_embeddings + p``.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, params: dict | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(config)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [P, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        params = config.rope_parameters if params is None else params
+        self.num_positions = config.max_position_embeddings
+        variants = [False, True] if params.get("rope_type") == "longrope" else [False]
+        cos, sin = [], []
+        positions = torch.arange(self.num_positions, dtype=torch.float32)
+        for long in variants:
+            inv_freq, scaling = rope_inv_freq(config.head_dim, params, self.num_positions, long)
+            freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+            emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+            cos.append(emb.cos() * scaling)
+            sin.append(emb.sin() * scaling)
+        self.register_buffer("cos", torch.cat(cos), persistent=False)
+        self.register_buffer("sin", torch.cat(sin), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's ``[T, D]`` cos and sin in ``dtype``, gathered once for all layers."""
+        """The step's ``[T, D]`` cos and sin in ``dtype``, gathered once for all layers
+        (``positions`` past ``max_position_embeddings`` take the long factors)."""
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``(x * rsqrt(mean(x**2) + eps) * (1 + weight))`` in fp32, cast to
+    ``x``'s dtype once at the end (Llama's casts before the weight). ``x: [..., dim]``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm_ref(x, self.weight, self.eps)
 
 
 class PackedLinear(nn.Module):

@@ -1,11 +1,16 @@
-"""The Llama family (Llama, Llama 3.1, Mistral, Qwen2, Qwen3) as one model.
+"""Every family pdserve runs as one decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, and with
+the layer of ``gemma.py``, Gemma 2 and 3).
 
-The architectures differ only by config flags: ``qkv_bias`` (Qwen2), ``qk_norm``
-(Qwen3's per-head RMSNorm on q and k before RoPE), ``rope_type`` and tied embeddings.
-The model works on a flat batch of tokens from many sequences (no padding) and reads and
-writes the paged KV cache through ``AttentionMetadata``; it knows nothing of scheduling.
-q/k/v and gate/up projections are fused for fewer, larger matmuls; ``load_weights`` maps
-transformers' parameter names onto them.
+The architectures differ only by config switches (``ModelConfig``, ``engine/families.py``):
+``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3, Gemma 3: per-head RMSNorm on q and k before
+RoPE), ``rope_type`` (``longrope`` for Phi-3) and per-layer RoPE (Gemma 3's local
+layers), per-layer sliding windows, the activation (SwiGLU or GeGLU), the attention
+scale and soft-caps, the embedding scale, tied embeddings, and Gemma's sandwich norms
+(``gemma.GemmaDecoderLayer``). The model works on a flat batch of tokens from many
+sequences (no padding) and reads and writes the paged KV cache through
+``AttentionMetadata``; it knows nothing of scheduling. q/k/v and gate/up projections are
+fused for fewer, larger matmuls; ``load_weights`` maps transformers' parameter names onto
+them (Phi-3's checkpoints store them fused already).
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.layers import RMSNorm, RotaryEmbedding
+from pdserve.engine.models.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from pdserve.kernels.kv_store import store_kv
-from pdserve.kernels.layers import rotary_embedding, silu_and_mul
+from pdserve.kernels.layers import gelu_tanh_and_mul_ref, rotary_embedding, silu_and_mul
 from pdserve.kernels.paged_decode_attention import paged_decode_attention
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
 
@@ -39,6 +44,10 @@ class AttentionMetadata:
         prefill_block_tables: ``[num_prefill_seqs, max_blocks]`` int32.
         prefill_cu_seqlens_q: ``[num_prefill_seqs + 1]`` int32 chunk offsets.
         prefill_seq_lens: ``[num_prefill_seqs]`` int32 context lengths incl. the chunk.
+        rope_long: ``[num_tokens]`` bool, LongRoPE models only (Phi-3): the token takes
+            the long factors, its sequence being past ``original_max_position_embeddings``
+            (the longer of its prompt and its length after this step, as transformers
+            decides for a whole forward pass). None elsewhere.
     """
 
     slot_mapping: torch.Tensor
@@ -48,23 +57,35 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor
     prefill_cu_seqlens_q: torch.Tensor
     prefill_seq_lens: torch.Tensor
+    rope_long: torch.Tensor | None = None
+
+
+def make_norm(config: ModelConfig, dim: int) -> nn.Module:
+    """The family's RMSNorm over ``dim``: Gemma's or Llama's."""
+    return (GemmaRMSNorm if config.gemma_norm else RMSNorm)(dim, config.rms_norm_eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Layer ``layer``'s self-attention: fused q/k/v, optional q/k norm, RoPE, the KV
+    store and paged attention (within the layer's sliding window, soft-capped where the
+    family does), the output projection."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.softmax_scale
+        self.sliding_window = config.layer_windows[layer] if config.layer_windows else None
+        self.softcap = config.attn_logit_softcapping
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = make_norm(config, config.head_dim)
+            self.k_norm = make_norm(config, config.head_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -81,39 +102,46 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
+        options = (self.scale, self.sliding_window, self.softcap)
         if nd == num_tokens:
             out = paged_decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
-                                         meta.decode_seq_lens, self.scale)
+                                         meta.decode_seq_lens, *options)
         elif nd == 0:
             out = paged_prefill_attention(q, key_cache, value_cache, meta.prefill_block_tables,
                                           meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
-                                          self.scale)
+                                          *options)
         else:
             out = torch.cat([
                 paged_decode_attention(q[:nd], key_cache, value_cache, meta.decode_block_tables,
-                                       meta.decode_seq_lens, self.scale),
+                                       meta.decode_seq_lens, *options),
                 paged_prefill_attention(q[nd:], key_cache, value_cache,
                                         meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                                        meta.prefill_seq_lens, self.scale),
+                                        meta.prefill_seq_lens, *options),
             ])
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
+    """The gated MLP: SwiGLU, or GeGLU (Gemma's ``gelu_pytorch_tanh``)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_and_mul = (gelu_tanh_and_mul_ref if config.hidden_act == "gelu_pytorch_tanh"
+                            else silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Pre-norm decoder layer (Llama's), the residual adds fused into the norms."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -134,13 +162,16 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        from pdserve.engine.models.gemma import GemmaDecoderLayer
+
+        layer_class = GemmaDecoderLayer if config.sandwich_norm else DecoderLayer
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_layers))
+        self.norm = make_norm(config, config.hidden_size)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM over a flat token batch.
+    """Causal LM over a flat token batch, for every family (``ModelConfig``).
 
     ``forward(input_ids [T] int64, positions [T] int64, kv_cache [L, 2, num_blocks,
     block_size, H_kv, D], meta)`` returns hidden states ``[T, hidden]``;
@@ -152,6 +183,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.rotary_emb = RotaryEmbedding(config)
+        # NOTE: Gemma 3's sliding layers rotate with a base of their own
+        self.local_rotary_emb = (RotaryEmbedding(config, config.local_rope_parameters)
+                                 if config.local_rope_parameters else None)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -159,14 +193,26 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if self.config.embed_scale is not None:  # NOTE: the scale rounded to x's dtype first
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        if meta.rope_long is not None:  # LongRoPE: the long factors' rows follow the short's
+            positions = positions + meta.rope_long * self.rotary_emb.num_positions
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
+        local_rope = (self.local_rotary_emb.cos_sin(positions, x.dtype)
+                      if self.local_rotary_emb is not None else rope)
+        windows = self.config.layer_windows or (None,) * len(self.model.layers)
         residual = None
-        for layer, layer_cache in zip(self.model.layers, kv_cache):
-            x, residual = layer(x, residual, rope, layer_cache, meta)
-        return x if residual is None else self.model.norm(x, residual)[0]
+        for layer, layer_cache, window in zip(self.model.layers, kv_cache, windows):
+            x, residual = layer(x, residual, rope if window is None else local_rope,
+                                layer_cache, meta)
+        return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)  # [N, vocab]
+        cap = self.config.final_logit_softcapping
+        if cap:  # Gemma 2: in the model's dtype, as transformers
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy transformers-named tensors into the fused parameters.

@@ -11,18 +11,19 @@ import torch
 
 from pdserve.engine.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.model_source import ModelSource, open_model
-from pdserve.engine.models.layers import pack_linears_for_cpu
+from pdserve.engine.models.layers import RotaryEmbedding, pack_linears_for_cpu
 from pdserve.engine.models.llama import LlamaForCausalLM
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def expected_checkpoint_names(model: LlamaForCausalLM) -> set[str]:
-    """The transformers parameter names a complete checkpoint provides for ``model``."""
+    """The transformers parameter names a complete checkpoint provides for ``model``
+    (its fused projections split, but where the family stores them fused: Phi-3)."""
     names = set()
     for name, _ in model.named_parameters():
         fused = next((f for f in _FUSED if f".{f}." in name), None)
-        if fused is None:
+        if fused is None or model.config.fused_checkpoint:
             names.add(name)
         else:
             names.update(name.replace(fused, shard) for shard in _FUSED[fused])
@@ -81,7 +82,9 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = True,
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # The RoPE tables are fp32 buffers computed at init, lost by the meta build: remake them.
-    model.rotary_emb = type(model.rotary_emb)(config).to(device)
+    model.rotary_emb = RotaryEmbedding(config).to(device)
+    if model.local_rotary_emb is not None:
+        model.local_rotary_emb = RotaryEmbedding(config, config.local_rope_parameters).to(device)
     with torch.no_grad():
         model.load_weights(source.iterate_weights(config.dtype, progress))
     if device.type == "cpu":
