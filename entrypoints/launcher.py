@@ -31,6 +31,8 @@ from pdserve.cluster.worker_config import WorkerConfig, default_num_threads
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0
+PREPARE_TIMEOUT_S = 3600.0
+"""Seconds every node has to download (or find) a model before its workers start."""
 WAIT_SLICE_S = 0.5  # the longest one blocking Ray call of wait_ready keeps a signal waiting
 
 
@@ -179,6 +181,46 @@ class RayLauncher:
         self._actor_cls = ray.remote(WorkerActor)
         self.has_gpus = ray.cluster_resources().get("GPU", 0) > 0
 
+    def prepare_model(self, model: str, expected: str, *, revision: str | None = None,
+                      download_dir: str | None = None, demo: bool = False,
+                      timeout_s: float = PREPARE_TIMEOUT_S) -> int:
+        """Make ``model`` local on every other alive node, once per node, before any worker
+        starts there (this node resolved it already, to ``expected``): a hub id is found
+        in, or downloaded into, that node's Hugging Face cache; a local path is checked;
+        the demo model (``demo``) is written where it is missing. Returns the nodes it is
+        ready on, this one included.
+
+        Raises:
+            FileNotFoundError: a node cannot have it (not on the hub, offline and not in its
+                cache, no such path there), naming the node.
+            RuntimeError: a node resolved it to another path than ``expected`` (give every
+                node the same ``HF_HOME`` or ``--download-dir``), or did not answer within
+                ``timeout_s``.
+        """
+        ray = self.ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = ray.get_runtime_context().get_node_id()
+        nodes = [n for n in ray.nodes() if n["Alive"] and n["NodeID"] != here]
+        task = ray.remote(num_cpus=0, max_retries=0)(_prepare_model_here)
+        refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            n["NodeID"], soft=False)).remote(model, revision, download_dir,
+                                             expected if demo else None) for n in nodes]
+        try:
+            paths = ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise RuntimeError(f"--model {model}: a node did not have it within "
+                               f"{timeout_s:.0f} s") from exc
+        except ray.exceptions.RayTaskError as exc:
+            raise FileNotFoundError(f"--model {model} on another node: "
+                                    f"{str(exc.cause or exc).splitlines()[0]}") from exc
+        for node, path in zip(nodes, paths):
+            if path != expected:
+                raise RuntimeError(
+                    f"--model {model} is {path} on node {node['NodeManagerAddress']} but "
+                    f"{expected} here: give every node the same HF_HOME or --download-dir")
+        return len(nodes) + 1
+
     def launch(self, config: WorkerConfig, count: int, workers_on_node: int) -> list[WorkerInfo]:
         """Start ``count`` actors of ``config.role`` and wait until all serve
         (``start``, then ``wait_ready``)."""
@@ -285,6 +327,22 @@ class RayLauncher:
             self.ray.kill(actor, no_restart=True)
         except Exception:  # NOTE: already dead, or Ray is going down
             logger.debug("could not kill a worker actor", exc_info=True)
+
+
+def _prepare_model_here(model: str, revision: str | None, download_dir: str | None,
+                        demo_path: str | None) -> str:
+    """On one node: the absolute local path of ``model`` there (``hub.resolve_model``), or
+    the demo model written at ``demo_path``."""
+    from pathlib import Path
+
+    if demo_path is not None:
+        from pdserve.engine.demo_model import ensure_demo_model
+
+        return str(ensure_demo_model(demo_path))
+    from pdserve.engine.hub import resolve_model
+
+    return str(Path(resolve_model(model, revision=revision, download_dir=download_dir))
+               .expanduser().absolute())
 
 
 def _check_single_node_mode() -> None:

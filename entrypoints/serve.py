@@ -293,6 +293,7 @@ class _ServeRun:
         auth = self.auth
         redis_url = self._start_redis(stack)
         launcher = self._start_ray(stack)
+        self._prepare_models(launcher)
         if any(self._workers_on_cpu(spec.engine, launcher) for spec in self.models):
             build_cpu_kernels(self.interrupts)
         # NOTE: every model's workers share the node's cores
@@ -331,6 +332,7 @@ class _ServeRun:
         from pdserve.engine.model_resolution import check_model, resolve_model_paths
         from pdserve.engine.tokenizer import read_chat_template
 
+        self.asked_models = [spec.engine.model for spec in self.models]
         for spec in self.models:
             asked = spec.engine.model
             engine = resolve_model_paths(spec.engine)
@@ -340,6 +342,21 @@ class _ServeRun:
             where = "" if engine.model == asked else f" (hub id {asked}, revision " \
                 f"{engine.revision or 'main'})"
             say(f"model {spec.name or asked}: {engine.model}{where}")
+
+    def _prepare_models(self, launcher) -> None:
+        """Phase 4: every model local on every Ray node (a hub id downloaded once per
+        node), before any worker starts.
+
+        Raises: as ``RayLauncher.prepare_model``.
+        """
+        for spec, asked in zip(self.models, self.asked_models):
+            engine = spec.engine
+            nodes = launcher.prepare_model(asked, engine.model, revision=engine.revision,
+                                           download_dir=engine.download_dir,
+                                           demo=self.args.model is None and
+                                           not self.args.models_config)
+            if nodes > 1:
+                say(f"model {spec.name}: on all {nodes} Ray nodes")
 
     def _on_serving(self) -> None:
         self.announced = True

@@ -158,9 +158,13 @@ def test_max_tokens_capped_by_max_model_len(tiny_checkpoints):
 
 def test_unsupported_checkpoints_are_refused(tmp_path):
     path = write_tiny_checkpoint(tmp_path / "m", "mistral", sliding_window=64)
-    with pytest.raises(UnsupportedModelError, match="sliding_window=64"):
-        ModelConfig.from_pretrained(path, max_model_len=128)
-    assert ModelConfig.from_pretrained(path, max_model_len=64).max_model_len == 64
+    # a window shorter than max_model_len is computed (tests/test_families.py)
+    assert ModelConfig.from_pretrained(path, max_model_len=128).layer_windows == (64, 64)
+    config = json.loads((path / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention", "chunked_attention"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="layer_types='chunked_attention'"):
+        ModelConfig.from_pretrained(path)
     config = json.loads((path / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(config))

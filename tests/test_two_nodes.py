@@ -81,6 +81,8 @@ def test_workers_spread_over_both_nodes_and_serve_across_them(two_nodes, tmp_pat
         with serve_process(tmp_path_factory, flags, env=RAY_ENV) as serve:
             nodes = dict(READY.findall(serve.log.read_text()))
             assert set(nodes) == {"prefill", "decode"}, serve.log.read_text()[-2000:]
+            # the model was made local on each node before its workers started
+            assert "on all 2 Ray nodes" in serve.log.read_text()
             placements.append(nodes)
             if nodes["prefill"] == nodes["decode"]:
                 continue
