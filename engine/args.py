@@ -31,6 +31,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                         help="weights and KV cache dtype; auto: the checkpoint's, except "
                         "float32 on an x86 CPU without AVX-512 (no bf16/fp16 arithmetic)")
+    parser.add_argument("--quantization", "-q", default=None,
+                        choices=["gguf", "int8", "int4"],
+                        help="weight quantization (vLLM's flag): int8 (per output channel) "
+                        "or int4 (groups of 32) quantize a float checkpoint's linears at "
+                        "load, round to nearest; a GGUF file keeps its quantized tensors "
+                        "whatever is given")
     parser.add_argument("--max-model-len", type=int, help="tokens per sequence (prompt + output)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -68,7 +74,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "served_model_name": names[0], "tokenizer": args.tokenizer,
         "revision": args.revision, "download_dir": args.download_dir,
         "generation_config": args.generation_config, "chat_template": args.chat_template,
-        "dtype": args.dtype,
+        "dtype": args.dtype, "quantization": args.quantization,
         "max_model_len": args.max_model_len, "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,

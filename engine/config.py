@@ -116,6 +116,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     fused_checkpoint: bool = False
+    quantization: str | None = None  # --quantization: engine/models/quantization.py
 
     @property
     def softmax_scale(self) -> float:

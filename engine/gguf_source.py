@@ -10,10 +10,13 @@ GGUF loader does (``transformers/modeling_gguf_pytorch_utils.py``,
   embeddings are tied when the file has no ``output.weight``;
 - tokenizer: transformers builds it from the metadata
   (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``);
-- weights: each tensor dequantized with ``gguf.dequantize`` to float32, then cast to the
-  compute dtype. llama.cpp's converter permutes the rows of ``attn_q`` and ``attn_k``
+- weights: a linear layer's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K blocks stay quantized
+  (``engine/gguf_quant.py``: repacked without loss into pdserve's int8 / int4 formats,
+  computed by the quantized linear kernels); every other tensor (F32, F16, BF16, norms,
+  the embedding table) is dequantized with ``gguf.dequantize`` to float32, then cast to
+  the compute dtype. llama.cpp's converter permutes the rows of ``attn_q`` and ``attn_k``
   (its rotary embedding pairs neighbouring dims, transformers' pairs the two halves of a
-  head); ``unpermute_rows`` undoes it.
+  head); ``unpermute_rows`` undoes it, for quantized rows too.
 
 Only the ``llama`` architecture is read for now, and only what pdserve computes exactly
 as transformers does: anything else is refused when the file is opened, naming the
@@ -30,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pdserve.engine.config import UnsupportedModelError
+from pdserve.engine.gguf_quant import KEPT_TYPES, permute_rows, quant_weight
+from pdserve.kernels.quant_linear import QuantWeight
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
@@ -209,11 +214,52 @@ class GGUFFile:
             return unpermute_rows(weight, heads)
         return weight
 
+    def _kept_quantized(self, tensor: ReaderTensor) -> bool:
+        """Whether ``tensor`` reaches the model quantized: a linear layer's weight (the
+        embedding table too where it doubles as the tied LM head) in a quantized type
+        (``engine/gguf_quant.py``); everything else is dequantized."""
+        if tensor.tensor_type.name not in KEPT_TYPES:
+            return False
+        return tensor.name != "token_embd.weight" or self._config["tie_word_embeddings"]
+
+    def quantized_weight_names(self) -> set[str]:
+        """transformers' names of the weights this file gives quantized (``lm_head.weight``
+        for a quantized embedding table that the LM head shares)."""
+        names = set()
+        for tensor in self.reader.tensors:
+            if self._kept_quantized(tensor):
+                name = hf_tensor_name(tensor.name)
+                names.add("lm_head.weight" if name == "model.embed_tokens.weight" else name)
+        return names
+
+    def quant_weight(self, tensor: ReaderTensor) -> QuantWeight:
+        """A quantized tensor's blocks as a ``QuantWeight`` (no loss), q and k rows in
+        transformers' order."""
+        n, k = (int(d) for d in reversed(tensor.shape))
+        weight = quant_weight(tensor.data, tensor.tensor_type.name, n, k)
+        if ".attn_q." in tensor.name:
+            heads = self._config["num_attention_heads"]
+        elif ".attn_k." in tensor.name:
+            heads = self._config.get("num_key_value_heads", self._config["num_attention_heads"])
+        else:
+            return weight
+        return permute_rows(weight, lambda rows: unpermute_rows(rows, heads))
+
     def iterate_weights(self, dtype: torch.dtype, progress: bool = True
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor dequantized (float32), then cast to ``dtype``, one at a time."""
+                        ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+        """Every tensor, one at a time: a linear's quantized blocks as a ``QuantWeight``
+        (``quantized_weight_names``), the others dequantized (float32) and cast to
+        ``dtype``; a quantized embedding table that the LM head shares comes twice,
+        dequantized as the embedding and quantized as the head."""
         from tqdm.auto import tqdm
 
-        for tensor in tqdm(self.reader.tensors, desc="Dequantizing GGUF weights",
+        for tensor in tqdm(self.reader.tensors, desc="Reading GGUF weights",
                            unit="tensor", disable=not progress):
-            yield hf_tensor_name(tensor.name), self.dequantize(tensor).to(dtype)
+            name = hf_tensor_name(tensor.name)
+            if not self._kept_quantized(tensor):
+                yield name, self.dequantize(tensor).to(dtype)
+            elif name == "model.embed_tokens.weight":
+                yield name, self.dequantize(tensor).to(dtype)
+                yield "lm_head.weight", self.quant_weight(tensor)
+            else:
+                yield name, self.quant_weight(tensor)

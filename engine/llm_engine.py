@@ -25,6 +25,7 @@ from pdserve.engine.config import ModelConfig, cpu_compute_dtype
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.model_runner import ModelRunner, kv_cache_block_bytes
 from pdserve.engine.model_source import open_model
+from pdserve.engine.models.quantization import check_quantization
 from pdserve.engine.request import Logprob, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -79,6 +80,7 @@ class EngineConfig:
     generation_config: str = "auto"
     chat_template: str | None = None
     dtype: str | torch.dtype = "auto"
+    quantization: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
     max_num_seqs: int = 256
@@ -223,9 +225,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.source = open_model(config.model)
-        self.model_config = ModelConfig.from_dict(
+        check_quantization(config.quantization, is_gguf=hasattr(self.source,
+                                                                "quantized_weight_names"))
+        self.model_config = dataclasses.replace(ModelConfig.from_dict(
             self.source.config_dict(), model=str(self.source.path), dtype=config.dtype,
-            max_model_len=config.max_model_len)
+            max_model_len=config.max_model_len), quantization=config.quantization)
         if config.dtype == "auto" and self.device.type == "cpu":
             dtype = cpu_compute_dtype(self.model_config.dtype)
             if dtype != self.model_config.dtype:

@@ -51,10 +51,11 @@ def random_k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -
     return blocks.reshape(rows, -1)
 
 
-def write_tiny_gguf(path: Path, qtype: str = "F32", *, seed: int = 0, tied: bool = False,
+def write_tiny_gguf(path: Path, qtype="F32", *, seed: int = 0, tied: bool = False,
                     arch: str = "llama", metadata: dict | None = None,
                     extra_tensors: dict[str, np.ndarray] | None = None, **config) -> Path:
-    """A tiny random llama written to ``path`` with every 2-D weight in ``qtype``.
+    """A tiny random llama written to ``path`` with every 2-D weight in ``qtype`` (a type
+    name, or a function of the GGUF tensor name giving one).
 
     ``metadata`` adds ``{key: value}`` (ints as uint32, floats as float32, str as
     string); ``extra_tensors`` adds F32 tensors under GGUF names; ``config`` overrides
@@ -78,7 +79,8 @@ def write_tiny_gguf(path: Path, qtype: str = "F32", *, seed: int = 0, tied: bool
             weight = permute_rows(weight, heads)
         elif ".k_proj." in name:
             weight = permute_rows(weight, kv_heads)
-        _add_tensor(writer, gguf_name(name), weight, qtype, rng)
+        kind = qtype(gguf_name(name)) if callable(qtype) else qtype
+        _add_tensor(writer, gguf_name(name), weight, kind, rng)
     for name, weight in (extra_tensors or {}).items():
         writer.add_tensor(name, weight.astype(np.float32))
     writer.write_header_to_file()

@@ -23,10 +23,12 @@ from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding
+from pdserve.engine.models.quantization import install_quantized
 from pdserve.kernels.kv_store import store_kv
 from pdserve.kernels.layers import gelu_tanh_and_mul_ref, rotary_embedding, silu_and_mul
 from pdserve.kernels.paged_decode_attention import paged_decode_attention
 from pdserve.kernels.paged_prefill_attention import paged_prefill_attention
+from pdserve.kernels.quant_linear import QuantWeight
 
 
 @dataclass(slots=True)
@@ -214,8 +216,11 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy transformers-named tensors into the fused parameters.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]
+                     ) -> set[str]:
+        """Copy transformers-named tensors into the fused parameters; quantized weights
+        (``QuantWeight``: a GGUF file's) replace their linear, shards of a fused one
+        stacked (``quantization.install_quantized``).
 
         Returns the names of the parameters that were written.
 
@@ -230,22 +235,33 @@ class LlamaForCausalLM(nn.Module):
                   "v_proj": ("qkv_proj", q + kv, kv), "gate_proj": ("gate_up_proj", 0, inter),
                   "up_proj": ("gate_up_proj", inter, inter)}
         loaded: set[str] = set()
+        # linears whose float weight was dropped (drop_quantized_weights): all their shards
+        # go to install_quantized, float ones too
+        replaced = {f"{n}.weight" for n, m in self.named_modules()
+                    if isinstance(m, nn.Linear) and m.weight is None}
+        quantized: dict[str, list[tuple[int, QuantWeight | torch.Tensor]]] = {}
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
+            tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
+            if tied_head and not isinstance(tensor, QuantWeight):
+                continue  # NOTE: a quantized tied head gets its own linear
             target, start, size = name, 0, None
             for shard, (fused, offset, length) in shards.items():
                 if f".{shard}." in name:
                     target, start, size = name.replace(shard, fused), offset, length
-            if target not in params:
+            if target not in params and target not in replaced and not tied_head:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in "
                                f"{self.config.architecture}")
-            dest = params[target].data if size is None else params[target].data[start:start + size]
-            if dest.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
-                                 f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            if isinstance(tensor, QuantWeight) or target in replaced:
+                quantized.setdefault(target, []).append((start, tensor))
+            else:
+                dest = params[target].data if size is None else \
+                    params[target].data[start:start + size]
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                                     f"expected {tuple(dest.shape)}")
+                dest.copy_(tensor)
             loaded.add(target)
+        install_quantized(self, quantized, self.model.embed_tokens.weight.device)
         return loaded

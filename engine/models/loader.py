@@ -13,6 +13,11 @@ from pdserve.engine.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.model_source import ModelSource, open_model
 from pdserve.engine.models.layers import RotaryEmbedding, pack_linears_for_cpu
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.quantization import (
+    RTN_SCHEMES,
+    drop_quantized_weights,
+    quantize_linears,
+)
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -77,9 +82,11 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = True,
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     check_weight_names(source, model)
+    quantized = quantized_targets(source)
+    drop_quantized_weights(model, quantized)
     # NOTE: cast on meta first, so the device never holds an fp32 copy of the weights
     model = model.to(config.dtype).to_empty(device=device)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and "lm_head.weight" not in quantized:
         model.lm_head.weight = model.model.embed_tokens.weight
     # The RoPE tables are fp32 buffers computed at init, lost by the meta build: remake them.
     model.rotary_emb = RotaryEmbedding(config).to(device)
@@ -87,6 +94,21 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = True,
         model.local_rotary_emb = RotaryEmbedding(config, config.local_rope_parameters).to(device)
     with torch.no_grad():
         model.load_weights(source.iterate_weights(config.dtype, progress))
+        if config.quantization in RTN_SCHEMES:
+            quantize_linears(model, config.quantization, device)
     if device.type == "cpu":
         pack_linears_for_cpu(model)
     return model.eval()
+
+
+def quantized_targets(source: ModelSource) -> set[str]:
+    """The model's linears (``"<module path>.weight"``, fused names) that ``source`` gives
+    quantized weights for, at least for one shard (a GGUF file's: ``engine/gguf_quant.py``)."""
+    names = getattr(source, "quantized_weight_names", lambda: set())()
+    targets = set()
+    for name in names:
+        for fused, parts in _FUSED.items():
+            for part in parts:
+                name = name.replace(f".{part}.", f".{fused}.")
+        targets.add(name)
+    return targets

@@ -1,0 +1,382 @@
+// Weight-only quantized linear layers on the CPU (W8A16, W4A16): y = x W^T (+ b) with W
+// stored as int8 or unsigned int4 values in groups along K, each group with a scale and
+// (int4, or int8 with a min) a min: W[n][k] = q[n][k] * scale[n][g] + min[n][g]
+// (pdserve/kernels/quant_linear.py). Built on first use by pdserve/kernels/cpu_ext.py.
+//
+// The weight is packed once, at load, into panels of 32 output features, as the bf16/fp32
+// packed linear's (cpu_gemm_avx512.cpp, after GotoBLAS: Goto and van de Geijn, ACM TOMS
+// 34(3), 2008): panel p holds, for each k (int8) or pair of k's (int4: the even k in each
+// byte's low nibble), the 32 features' values in order, and its groups' scales and mins as
+// [groups][32]. A work item is (a block of rows of x, one panel); its K runs in slices of
+// whole groups that fit 16 KiB, so the slice stays in L1 while the row tiles pass over it.
+// Inside a tile each k's 32 values are widened to fp32 and multiplied by their group's
+// scale once (two zmm), then every row of the tile takes one FMA per zmm: the dequantizing
+// is paid once per k and panel, not per row. The min enters once per group and row, as
+// min[n][g] * sum(x[r][k], k in g), from the rows' group sums computed once per call.
+//
+// On AVX-512 the tile is intrinsics; elsewhere (AVX2 and others) a portable loop over the
+// panel's 32 features, written for the compiler's vectorizer (`omp simd`).
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "cpu_common.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define PDSERVE_QUANT_AVX512 1
+#endif
+
+namespace {
+
+using pdserve::Elem;
+using pdserve::load_as_float;
+
+constexpr int64_t kPanel = 32;       // output features per panel
+constexpr int kTileRows = 8;         // rows of x per register tile
+constexpr int64_t kBlockM = 64;      // rows of x per work item
+constexpr int64_t kSliceBytes = 16384;  // a slice of a panel's values, in L1
+
+// What one call needs to know of the packed weight.
+struct QuantPanels {
+  const uint8_t* q;        // [panels, K * bits / 8, 32]
+  const void* scale;       // [panels, groups, 32], fp32 or fp16
+  const void* min;         // same, or null
+  bool half_scales;
+  int64_t bits, k, group, groups, panels;
+
+  int64_t panel_bytes() const { return k * bits / 8 * kPanel; }
+  // K per slice: whole groups within kSliceBytes, or one part of a group larger than that.
+  int64_t slice_k() const {
+    const int64_t fit = kSliceBytes * 8 / (bits * kPanel);
+    return group >= fit ? fit - fit % 2 : fit / group * group;
+  }
+};
+
+// 32 scales (or mins) of group g of panel p, as fp32, into out.
+inline void load_group(const QuantPanels& w, const void* base, int64_t p, int64_t g, float* out) {
+  const int64_t at = (p * w.groups + g) * kPanel;
+  if (w.half_scales) {
+    const auto* h = static_cast<const c10::Half*>(base) + at;
+    for (int j = 0; j < kPanel; ++j) out[j] = static_cast<float>(h[j]);
+  } else {
+    std::memcpy(out, static_cast<const float*>(base) + at, kPanel * sizeof(float));
+  }
+}
+
+// Per row of x and group: the sum of the row's values in the group (for the mins).
+void group_sums(const float* a, int64_t lda, int64_t m, const QuantPanels& w, float* out) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < w.groups; ++g) {
+      float s = 0.0f;
+      const float* x = a + r * lda + g * w.group;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < w.group; ++i) s += x[i];
+      out[r * w.groups + g] = s;
+    }
+}
+
+// Tile arguments: rows [r0, r0 + rows) of x (fp32, lda apart), K [k0, k0 + kc) of panel p,
+// accumulating into acc (rows x 32 fp32, the item's partial sums).
+struct TileArgs {
+  const float* a;
+  int64_t lda;
+  const float* xsum;  // [m, groups] of the item's rows, or null
+  int64_t rows, p, k0, kc;
+  float* acc;
+};
+
+#ifdef PDSERVE_QUANT_AVX512
+
+// k's 32 values (int8) as two fp32 vectors times the group's scales.
+inline void dequant8(const uint8_t* row, __m512 s0, __m512 s1, __m512& w0, __m512& w1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))), s0);
+  w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))),
+                     s1);
+}
+
+// The 32 bytes of a pair of k's (int4): the even k's values (low nibbles) and the odd's.
+inline void dequant4(const uint8_t* row, __m512 s0, __m512 s1, __m512& e0, __m512& e1,
+                     __m512& o0, __m512& o1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(v, nib);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+  auto widen = [](__m128i x) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x)); };
+  e0 = _mm512_mul_ps(widen(_mm256_castsi256_si128(lo)), s0);
+  e1 = _mm512_mul_ps(widen(_mm256_extracti128_si256(lo, 1)), s1);
+  o0 = _mm512_mul_ps(widen(_mm256_castsi256_si128(hi)), s0);
+  o1 = _mm512_mul_ps(widen(_mm256_extracti128_si256(hi, 1)), s1);
+}
+
+// Group g's 32 scales (or mins) of panel p as two fp32 vectors.
+inline void load_group(const QuantPanels& w, const void* base, int64_t p, int64_t g,
+                       __m512& v0, __m512& v1) {
+  const int64_t at = (p * w.groups + g) * kPanel;
+  if (w.half_scales) {
+    const auto* h = static_cast<const uint16_t*>(base) + at;
+    v0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+    v1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 16)));
+  } else {
+    v0 = _mm512_loadu_ps(static_cast<const float*>(base) + at);
+    v1 = _mm512_loadu_ps(static_cast<const float*>(base) + at + 16);
+  }
+}
+
+template <int kRows>
+void tile(const QuantPanels& w, const TileArgs& t) {
+  __m512 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) {
+    acc[r][0] = _mm512_loadu_ps(t.acc + r * kPanel);
+    acc[r][1] = _mm512_loadu_ps(t.acc + r * kPanel + 16);
+  }
+  const uint8_t* panel = w.q + t.p * w.panel_bytes();
+  for (int64_t k = t.k0; k < t.k0 + t.kc;) {
+    const int64_t g = k / w.group, end = std::min(t.k0 + t.kc, (g + 1) * w.group);
+    __m512 s0, s1;
+    load_group(w, w.scale, t.p, g, s0, s1);
+    if (w.bits == 8) {
+      for (; k < end; ++k) {
+        __m512 w0, w1;
+        dequant8(panel + k * kPanel, s0, s1, w0, w1);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 x = _mm512_set1_ps(t.a[r * t.lda + k]);
+          acc[r][0] = _mm512_fmadd_ps(x, w0, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(x, w1, acc[r][1]);
+        }
+      }
+    } else {
+      for (; k < end; k += 2) {
+        __m512 e0, e1, o0, o1;
+        dequant4(panel + k / 2 * kPanel, s0, s1, e0, e1, o0, o1);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 x0 = _mm512_set1_ps(t.a[r * t.lda + k]);
+          const __m512 x1 = _mm512_set1_ps(t.a[r * t.lda + k + 1]);
+          acc[r][0] = _mm512_fmadd_ps(x1, o0, _mm512_fmadd_ps(x0, e0, acc[r][0]));
+          acc[r][1] = _mm512_fmadd_ps(x1, o1, _mm512_fmadd_ps(x0, e1, acc[r][1]));
+        }
+      }
+    }
+    if (w.min != nullptr && end == (g + 1) * w.group) {  // NOTE: once, where the group ends
+      __m512 m0, m1;
+      load_group(w, w.min, t.p, g, m0, m1);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 xs = _mm512_set1_ps(t.xsum[r * w.groups + g]);
+        acc[r][0] = _mm512_fmadd_ps(xs, m0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xs, m1, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    _mm512_storeu_ps(t.acc + r * kPanel, acc[r][0]);
+    _mm512_storeu_ps(t.acc + r * kPanel + 16, acc[r][1]);
+  }
+}
+
+template <int kRows = kTileRows>
+void tile_rows(const QuantPanels& w, const TileArgs& t) {
+  if constexpr (kRows > 0) {
+    if (t.rows == kRows) return tile<kRows>(w, t);
+    tile_rows<kRows - 1>(w, t);
+  }
+}
+
+#else
+
+// Portable: the 32 features of a panel in the inner loop, for the vectorizer.
+void tile_rows(const QuantPanels& w, const TileArgs& t) {
+  const uint8_t* panel = w.q + t.p * w.panel_bytes();
+  alignas(64) float s[kPanel], mn[kPanel], v[kPanel];
+  for (int64_t k = t.k0; k < t.k0 + t.kc;) {
+    const int64_t g = k / w.group, end = std::min(t.k0 + t.kc, (g + 1) * w.group);
+    load_group(w, w.scale, t.p, g, s);
+    for (; k < end; ++k) {
+      if (w.bits == 8) {
+        const auto* q = reinterpret_cast<const int8_t*>(panel + k * kPanel);
+#pragma omp simd
+        for (int j = 0; j < kPanel; ++j) v[j] = static_cast<float>(q[j]) * s[j];
+      } else {
+        const uint8_t* q = panel + k / 2 * kPanel;
+        const int shift = (k % 2) * 4;
+#pragma omp simd
+        for (int j = 0; j < kPanel; ++j) v[j] = static_cast<float>((q[j] >> shift) & 0xF) * s[j];
+      }
+      for (int64_t r = 0; r < t.rows; ++r) {
+        const float x = t.a[r * t.lda + k];
+        float* acc = t.acc + r * kPanel;
+#pragma omp simd
+        for (int j = 0; j < kPanel; ++j) acc[j] += x * v[j];
+      }
+    }
+    if (w.min != nullptr && end == (g + 1) * w.group) {
+      load_group(w, w.min, t.p, g, mn);
+      for (int64_t r = 0; r < t.rows; ++r) {
+        const float xs = t.xsum[r * w.groups + g];
+        float* acc = t.acc + r * kPanel;
+#pragma omp simd
+        for (int j = 0; j < kPanel; ++j) acc[j] += xs * mn[j];
+      }
+    }
+  }
+}
+
+#endif
+
+// Rows [0, m) of x times panel p into y's columns [32p, 32p + cols), in y's dtype.
+template <typename Out>
+void run_item(const QuantPanels& w, const float* a, int64_t lda, const float* xsum, int64_t m,
+              int64_t p, const float* bias, Out* y, int64_t n) {
+  alignas(64) float acc[kBlockM * kPanel];
+  std::fill(acc, acc + m * kPanel, 0.0f);
+  const int64_t kc = w.slice_k();
+  for (int64_t k0 = 0; k0 < w.k; k0 += kc) {
+    for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+      const TileArgs t{a + r0 * lda, lda, xsum ? xsum + r0 * w.groups : nullptr,
+                       std::min<int64_t>(kTileRows, m - r0), p, k0, std::min(kc, w.k - k0),
+                       acc + r0 * kPanel};
+      tile_rows(w, t);
+    }
+  }
+  const int64_t n0 = p * kPanel, cols = std::min(kPanel, n - n0);
+  auto* out = reinterpret_cast<typename Elem<Out>::raw*>(y);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < cols; ++j)
+      out[r * n + n0 + j] = Elem<Out>::narrow(acc[r * kPanel + j] + (bias ? bias[n0 + j] : 0.0f));
+}
+
+// Work items (row block, panel) from one atomic counter on torch's intra-op threads.
+template <typename Out>
+void run(const QuantPanels& w, const float* a, int64_t lda, const float* xsum, int64_t m,
+         const float* bias, Out* y, int64_t n) {
+  const int64_t blocks = (m + kBlockM - 1) / kBlockM, items = blocks * w.panels;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t block = i / w.panels, p = i % w.panels, r0 = block * kBlockM;
+      run_item(w, a + r0 * lda, lda, xsum ? xsum + r0 * w.groups : nullptr,
+               std::min(kBlockM, m - r0), p, bias, y + r0 * n, n);
+    }
+  });
+}
+
+bool is_scale_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf; }
+
+// q [N, K] int8 or [N, K / 2] uint8 (int4, two per byte), scale and min [N, K / group]
+// -> (panels [P, K * bits / 8, 32] uint8, scales [P, groups, 32], mins or an empty tensor),
+// the features past N zero (scale 0).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_quant_weight(
+    const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& min,
+    int64_t bits, int64_t group) {
+  TORCH_CHECK(bits == 8 || bits == 4, "pack_quant_weight: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(q.dim() == 2 && q.device().is_cpu() &&
+                  q.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
+              "pack_quant_weight: q must be a 2-D CPU ", bits == 8 ? "int8" : "uint8",
+              " tensor, got ", q.sizes(), " ", q.scalar_type());
+  const int64_t n = q.size(0), k = q.size(1) * 8 / bits;
+  TORCH_CHECK(group > 0 && group % 2 == 0 && k % group == 0,
+              "pack_quant_weight: group_size ", group, " must be even and divide K = ", k);
+  const int64_t groups = k / group, panels = (n + kPanel - 1) / kPanel, row = k * bits / 8;
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == n && scale.size(1) == groups &&
+                  is_scale_dtype(scale.scalar_type()),
+              "pack_quant_weight: scale must be fp32/fp16 [", n, ", ", groups, "], got ",
+              scale.sizes(), " ", scale.scalar_type());
+  const bool has_min = min.has_value() && min->defined();
+  TORCH_CHECK(bits == 8 || has_min, "pack_quant_weight: a 4-bit weight needs its min");
+  TORCH_CHECK(!has_min || (min->sizes() == scale.sizes() &&
+                           min->scalar_type() == scale.scalar_type()),
+              "pack_quant_weight: min must match scale's shape and dtype");
+  TORCH_CHECK(!has_min || group <= 1024,
+              "pack_quant_weight: a weight with mins needs group_size <= 1024, got ", group);
+  at::Tensor qc = q.contiguous();
+  at::Tensor packed = at::zeros({panels, row, kPanel}, q.options().dtype(at::kByte));
+  auto pack_groups = [&](const at::Tensor& t) {
+    at::Tensor out = at::zeros({panels * kPanel, groups}, t.options());
+    out.narrow(0, 0, n).copy_(t);
+    return out.view({panels, kPanel, groups}).transpose(1, 2).contiguous();
+  };
+  const auto* src = reinterpret_cast<const uint8_t*>(qc.const_data_ptr());
+  auto* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < n; ++j)
+        for (int64_t i = 0; i < row; ++i)
+          dst[(p * row + i) * kPanel + j] = src[(p * kPanel + j) * row + i];
+  });
+  return {packed, pack_groups(scale), has_min ? pack_groups(*min) : at::Tensor()};
+}
+
+// y [M, N] = x [M, K] W^T + bias, x and y bf16, fp16 or fp32; W packed by pack_quant_weight.
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins,
+                        const std::optional<at::Tensor>& bias, int64_t bits, int64_t group,
+                        int64_t out_features) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte && (bits == 8 || bits == 4),
+              "linear_quant: packed must come from pack_quant_weight, got ", packed.sizes());
+  const int64_t k = packed.size(1) * 8 / bits, panels = packed.size(0), n = out_features;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.device().is_cpu(),
+              "linear_quant: x must be a 2-D CPU tensor [tokens, ", k, "], got ", x.sizes());
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "linear_quant: out_features ",
+              n, " does not fit ", panels, " panels of ", kPanel);
+  TORCH_CHECK(group > 0 && k % group == 0 && scales.dim() == 3 && scales.size(0) == panels &&
+                  scales.size(1) == k / group && scales.is_contiguous() &&
+                  is_scale_dtype(scales.scalar_type()),
+              "linear_quant: scales must come from pack_quant_weight with group_size ", group);
+  const bool has_min = mins.has_value() && mins->defined() && mins->numel() > 0;
+  TORCH_CHECK(!has_min || (mins->sizes() == scales.sizes() && mins->is_contiguous() &&
+                           mins->scalar_type() == scales.scalar_type()),
+              "linear_quant: mins must match the scales");
+  const QuantPanels w{packed.data_ptr<uint8_t>(), scales.const_data_ptr(),
+                      has_min ? mins->const_data_ptr() : nullptr,
+                      scales.scalar_type() == at::kHalf, bits, k, group, k / group, panels};
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_quant: bias must be [", n, "]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  // x as fp32 rows, padded so that rows a multiple of 1 KiB apart do not alias in L1
+  at::Tensor a = at::empty({m, k + 16}, x.options().dtype(at::kFloat));
+  at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_quant", [&] {
+    const auto* src = xc.const_data_ptr<scalar_t>();
+    for (int64_t r = 0; r < m; ++r)
+      load_as_float(src + r * xc.stride(0), a.data_ptr<float>() + r * a.stride(0), k);
+  });
+  at::Tensor xsum;
+  if (has_min) {
+    xsum = at::empty({m, k / group}, a.options());
+    group_sums(a.const_data_ptr<float>(), a.stride(0), m, w, xsum.data_ptr<float>());
+  }
+  const float* b = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
+  const float* xs = has_min ? xsum.const_data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_quant", [&] {
+    run(w, a.const_data_ptr<float>(), a.stride(0), xs, m, b, y.data_ptr<scalar_t>(), n);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("pack_quant_weight(Tensor q, Tensor scale, Tensor? min, int bits, int group_size) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.impl("pack_quant_weight", c10::DispatchKey::CPU, &pack_quant_weight);
+  m.def("linear_quant(Tensor x, Tensor packed, Tensor scales, Tensor? mins, Tensor? bias, "
+        "int bits, int group_size, int out_features) -> Tensor");
+  m.impl("linear_quant", c10::DispatchKey::CPU, &linear_quant);
+}

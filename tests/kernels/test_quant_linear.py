@@ -1,0 +1,133 @@
+"""Weight-only quantized linears (W8A16, W4A16): round-to-nearest quantization, GGUF's
+blocks repacked without loss, and the C++ and Triton kernels against the
+dequantize-then-matmul reference, on odd shapes and across group, tile and row-block
+boundaries."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from triton_interpreter import device_params  # NOTE: before pdserve.kernels
+
+from pdserve.engine.gguf_quant import KEPT_TYPES, quant_weight
+from pdserve.kernels import cpu_ext
+from pdserve.kernels import quant_linear as ql
+from pdserve.kernels._triton_utils import HAS_TRITON
+
+DEVICES = device_params()
+CPU_KERNELS = pytest.mark.skipif(
+    os.environ.get("PDSERVE_REQUIRE_CPU_KERNELS") != "1" and not cpu_ext.load(),
+    reason="the C++ CPU kernels did not build here (no g++/ninja?)")
+
+
+def randn(*shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group", [16, 32, 96])
+def test_rtn_rounds_each_weight_to_its_nearest_level(bits, group):
+    w = randn(7, 96) * 3
+    qw = ql.quantize_rtn(w, bits, group)
+    err = (ql.dequantize(qw) - w).abs().view(7, -1, group)
+    step = qw.scale.float()[:, :, None]
+    assert torch.all(err <= step / 2 + 1e-6)
+    values = qw.q.float() if bits == 8 else ql.unpack_int4(qw.q).float()
+    assert values.min() >= (-128 if bits == 8 else 0) and values.max() <= (127 if bits == 8 else 15)
+    assert torch.equal(ql.unpack_int4(ql.pack_int4(torch.arange(16).repeat(3, 2))),
+                       torch.arange(16, dtype=torch.uint8).repeat(3, 2))
+
+
+def test_rtn_per_channel_and_zero_rows():
+    w = randn(4, 64)
+    w[2] = 0
+    qw = ql.quantize_rtn(w, 8)
+    assert qw.group_size == 64 and qw.scale.shape == (4, 1) and qw.min is None
+    assert not ql.dequantize(qw)[2].any()
+
+
+def test_a_bad_format_is_refused_naming_it():
+    with pytest.raises(ValueError, match="group_size"):
+        ql.quantize_rtn(randn(4, 64), 8, 48)
+    with pytest.raises(ValueError, match="min"):
+        ql.QuantWeight(torch.zeros(2, 8, dtype=torch.uint8), torch.ones(2, 1), None, 4, 16, 16)
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Valid random GGUF blocks of ``kind`` for a ``[rows, cols]`` tensor (finite fp16
+    scales)."""
+    import gguf
+
+    if kind in ("Q8_0", "Q4_0", "Q4_1"):
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
+                                    gguf.GGMLQuantizationType[kind])
+    from gguf_files import random_k_blocks
+
+    return random_k_blocks(kind, rows, cols, rng)
+
+
+@pytest.mark.parametrize("kind", KEPT_TYPES)
+def test_gguf_blocks_are_repacked_without_loss(kind):
+    """Each kept type's ``quant_weight`` dequantizes to gguf's own values, bit for bit."""
+    import gguf
+
+    rng = np.random.default_rng(3)
+    rows, cols = 6, 512
+    data = random_blocks(kind, rows, cols, rng)
+    weight = quant_weight(data, kind, rows, cols)
+    expected = gguf.dequantize(data, gguf.GGMLQuantizationType[kind]).reshape(rows, cols)
+    assert np.array_equal(ql.dequantize(weight).numpy(), expected)
+
+
+# (bits, out_features, in_features, group (None: per channel), rows of x, min for int8)
+CASES = [(8, 33, 96, None, 1, False), (8, 70, 128, 32, 13, False), (8, 40, 64, 16, 9, True),
+         (4, 33, 64, 32, 1, False), (4, 100, 256, 128, 20, False), (4, 65, 512, 32, 70, False),
+         (8, 64, 2048, None, 3, False), (4, 64, 2048, 32, 8, False)]
+
+
+def make_weight(bits, n, k, group, with_min, scale_dtype):
+    w = ql.quantize_rtn(randn(n, k, seed=1), bits, group, scale_dtype)
+    if with_min:  # an int8 weight with mins (GGUF Q5_K's form)
+        w = ql.QuantWeight(w.q, w.scale, (randn(n, k // w.group_size, seed=2) / 10).to(
+            scale_dtype), 8, w.group_size, k)
+    return w
+
+
+@CPU_KERNELS
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES)
+def test_cpu_kernel_equals_the_reference(case, dtype, scale_dtype):
+    bits, n, k, group, m, with_min = case
+    w = make_weight(bits, n, k, group, with_min, scale_dtype)
+    x, bias = randn(m, k, seed=3).to(dtype), randn(n, seed=4).to(dtype)
+    packed = ql.pack_for_cpu(w)
+    for b in (bias, None):
+        actual = ql.linear_quant_cpu(x, packed, w.bits, w.group_size, n, b)
+        expected = ql.linear_quant_ref(x, w, b)
+        tol = 1e-4 * k ** 0.5 if dtype == torch.float32 else 2e-2 * expected.abs().amax().item()
+        torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=1e-2)
+
+
+@CPU_KERNELS
+def test_cpu_kernel_names_a_bad_argument():
+    w = ql.quantize_rtn(randn(8, 64), 8, 32)
+    packed = ql.pack_for_cpu(w)
+    with pytest.raises(RuntimeError, match="in_features|tokens"):
+        ql.linear_quant_cpu(randn(2, 32), packed, 8, 32, 8)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3], (4, 20, 96, 32, 5, False)])
+def test_triton_kernel_equals_the_reference(case, device):
+    from pdserve.kernels.quant_linear_triton import linear_quant_triton
+
+    bits, n, k, group, m, with_min = case
+    w = make_weight(bits, n, k, group, with_min, torch.float16).to(device)
+    x, bias = randn(m, k, seed=3).to(device), randn(n, seed=4).to(device)
+    torch.testing.assert_close(linear_quant_triton(x, w, bias).cpu(),
+                               ql.linear_quant_ref(x, w, bias).cpu(), atol=1e-4, rtol=1e-4)
