@@ -33,9 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "float32 on an x86 CPU without AVX-512 (no bf16/fp16 arithmetic)")
     parser.add_argument("--quantization", "-q", default=None,
                         choices=["gguf", "int8", "int4"],
-                        help="weight quantization (vLLM's flag): int8 (per output channel) "
-                        "or int4 (groups of 32) quantize a float checkpoint's linears at "
-                        "load, round to nearest; a GGUF file keeps its quantized tensors "
+                        help="weight quantization (vLLM's flag): int8 (as GGUF Q8_0) or int4 "
+                        "(as Q4_1), in groups of 32, quantize a float checkpoint's linears "
+                        "at load, round to nearest; a GGUF file keeps its quantized tensors "
                         "whatever is given")
     parser.add_argument("--max-model-len", type=int, help="tokens per sequence (prompt + output)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

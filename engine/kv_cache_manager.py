@@ -96,8 +96,8 @@ class KVCacheManager:
         At most ``num_tokens - 1`` tokens count as hits, so the last token is always
         computed (its logits give the next token). Returns (blocks, number of tokens).
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # NOTE: prompt_logprobs needs every prompt position computed
         hashes = self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []

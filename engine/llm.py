@@ -142,6 +142,9 @@ class LLM:
                 completion.logprobs.append(_logprob_dict(lp))
                 completion.cumulative_logprob += lp.logprob
         output.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None and output.prompt_logprobs is None:
+            output.prompt_logprobs = [None if lp is None else _logprob_dict(lp)
+                                      for lp in delta.prompt_logprobs]
         if delta.finished:
             completion.finish_reason = delta.finish_reason
             completion.stop_reason = delta.stop_reason

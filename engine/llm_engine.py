@@ -146,6 +146,7 @@ class EngineOutput:
     stop_reason: int | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    prompt_logprobs: list[Logprob | None] | None = None  # on the first output, if asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -554,11 +555,12 @@ class LLMEngine:
         outputs = []
         for request in self.scheduler.update_from_output(out, sampled):
             _, logprob = sampled[request.request_id]
+            first = request.num_output_tokens == 1 and request.prompt_logprobs
             outputs.append(EngineOutput(
                 request.request_id, [request.output_token_ids[-1]],
                 [logprob] if logprob is not None else [], request.status.finished,
                 request.status.finish_reason, request.stop_reason, request.num_prompt_tokens,
-                request.num_cached_tokens))
+                request.num_cached_tokens, list(request.prompt_logprobs) if first else None))
         return outputs
 
     def num_free_blocks(self) -> int:

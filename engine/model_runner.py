@@ -23,7 +23,7 @@ from pdserve.engine.model_source import ModelSource
 from pdserve.engine.models.llama import AttentionMetadata
 from pdserve.engine.models.loader import load_model
 from pdserve.engine.request import Logprob, Request
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, token_logprob
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.layers import filter_rows
@@ -74,6 +74,8 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [N_sample] int64, last token of each sampling request
     sampling_requests: list[Request]
+    # (request, first row in the batch, rows): prompt chunks whose logprobs are asked for
+    prompt_chunks: list[tuple[Request, int, int]]
 
 
 class ModelRunner:
@@ -190,11 +192,33 @@ class ModelRunner:
         whose prompt (or recompute) is complete after this step."""
         inputs = self.prepare_inputs(out, kv)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        self._prompt_logprobs(hidden, inputs)
         if not inputs.sampling_requests:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, vocab] fp32
         sampled = self.sampler.sample(logits, inputs.sampling_requests)
         return {r.request_id: s for r, s in zip(inputs.sampling_requests, sampled)}
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> None:
+        """For each request that asked for ``prompt_logprobs`` and computes prompt tokens
+        this step: append, per computed position p with a prompt token after it, that
+        token's log-probability (and the top ones) to ``request.prompt_logprobs``."""
+        for request, first, count in inputs.prompt_chunks:
+            if not request.prompt_logprobs:
+                request.prompt_logprobs.append(None)  # the first prompt token
+            # positions p in [begin, end) predict prompt tokens p + 1; those recorded before
+            # (a request recomputed after preemption) are skipped
+            begin = max(request.num_computed_tokens, len(request.prompt_logprobs) - 1)
+            end = min(request.num_computed_tokens + count, request.num_prompt_tokens - 1)
+            if end <= begin:
+                continue
+            rows = first + begin - request.num_computed_tokens
+            logits = self.model.compute_logits(hidden[rows:rows + end - begin])
+            raw = torch.log_softmax(logits, dim=-1)  # [end - begin, vocab]
+            targets = request.all_token_ids[begin + 1:end + 1]
+            num_top = request.sampling_params.prompt_logprobs
+            request.prompt_logprobs.extend(token_logprob(raw, i, t, num_top)
+                                           for i, t in enumerate(targets))
 
     def prepare_inputs(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
         pairs = sorted(zip(out.requests, out.num_scheduled_tokens), key=lambda p: p[1] > 1)
@@ -234,6 +258,10 @@ class ModelRunner:
             meta=meta,
             logits_indices=self._to_device(cu[1:][samples] - 1),
             sampling_requests=[r for r, s in zip(requests, samples) if s],
+            prompt_chunks=[(r, int(c), int(n)) for r, c, n, s in zip(requests, cu[:-1], num_new,
+                                                                     starts)
+                           if r.sampling_params.prompt_logprobs is not None
+                           and s < r.num_prompt_tokens],
         )
 
     def _rope_long(self, requests: list[Request], seq_lens: np.ndarray,

@@ -34,7 +34,9 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A prompt and its completions; ``num_cached_tokens`` counts prefix-cache hits."""
+    """A prompt and its completions; ``num_cached_tokens`` counts prefix-cache hits;
+    ``prompt_logprobs[i]`` maps token id -> ``TokenLogprob`` for prompt position ``i`` (the
+    prompt's token and the top alternatives; None for the first), when asked for."""
 
     request_id: str
     prompt: str | None
@@ -42,3 +44,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, TokenLogprob] | None] | None = None

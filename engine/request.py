@@ -76,6 +76,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Logprob] = field(default_factory=list)
+    # prompt_logprobs asked for: entry i for prompt token i (None for the first)
+    prompt_logprobs: list[Logprob | None] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

@@ -68,7 +68,7 @@ class Sampler:
         else:
             tokens = self._draw(logits, requests)
         token_list = tokens.tolist()
-        return [(t, _logprob(raw_logprobs, i, t, p.logprobs))
+        return [(t, token_logprob(raw_logprobs, i, t, p.logprobs))
                 for i, (t, p) in enumerate(zip(token_list, params))]
 
     def _draw(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -190,8 +190,10 @@ def _filters(top_k: list[int], top_p: list[float], vocab: int) -> bool:
     return not (all(k == 0 or k >= vocab for k in top_k) and all(p >= 1.0 for p in top_p))
 
 
-def _logprob(raw: torch.Tensor | None, row: int, token: int, num_top: int | None
-             ) -> Logprob | None:
+def token_logprob(raw: torch.Tensor | None, row: int, token: int, num_top: int | None
+                  ) -> Logprob | None:
+    """Token ``token``'s log-probability in row ``row`` of ``raw [N, vocab]`` (log-softmax),
+    its rank and the top ``num_top``; None when ``raw`` or ``num_top`` is None."""
     if raw is None or num_top is None:
         return None
     top: dict[int, float] = {}

@@ -21,7 +21,9 @@ class SamplingParams:
     ``presence_penalty`` and ``frequency_penalty`` (OpenAI API) over output tokens.
     A ``seed`` makes sampling reproducible per token position (docs/architecture.md).
     ``logprobs`` asks for the sampled token's log-probability plus the top ``logprobs``
-    alternatives, computed from the raw model logits. ``logit_bias`` (OpenAI's) adds
+    alternatives, computed from the raw model logits; ``prompt_logprobs`` the same for each
+    prompt token after the first (vLLM's: the prompt is then computed whole, never taken
+    from the prefix cache, so every position has logits). ``logit_bias`` (OpenAI's) adds
     ``bias`` to token ``id``'s logit before penalties, greedy choice and sampling (at most
     ``MAX_LOGIT_BIAS_ENTRIES`` ids, each bias in [-100, 100]; -100 in practice bans a
     token, +100 forces it); logprobs stay those of the raw logits. ``structured_output``
@@ -49,6 +51,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     structured_output: StructuredOutputSpec | None = None
 
@@ -76,6 +79,8 @@ class SamplingParams:
                self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         _check(self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS, "logprobs",
                self.logprobs, f"must be in [0, {_MAX_LOGPROBS}]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= _MAX_LOGPROBS,
+               "prompt_logprobs", self.prompt_logprobs, f"must be in [0, {_MAX_LOGPROBS}]")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed,
                "must be in [0, 2**63)")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,

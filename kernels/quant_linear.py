@@ -119,14 +119,20 @@ def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tens
 
 
 def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int | None = None,
-                 scale_dtype: torch.dtype = torch.float32) -> QuantWeight:
-    """Round-to-nearest symmetric quantization of ``weight [N, K]`` (vLLM's and llama.cpp's
-    plain RTN): per group (``group_size``, default the whole row: per output channel),
-    ``scale = absmax / QMAX[bits]`` and ``q = round(w / scale)``; an all-zero group gets
-    scale 0. 4-bit values are stored unsigned (``q + 8``, ``min = -8 * scale``).
+                 scale_dtype: torch.dtype = torch.float32,
+                 symmetric: bool = True) -> QuantWeight:
+    """Round-to-nearest quantization of ``weight [N, K]`` per group (``group_size``,
+    default the whole row: per output channel).
+
+    Symmetric (vLLM's and llama.cpp Q8_0's RTN): ``scale = absmax / QMAX[bits]``, ``q =
+    round(w / scale)``; an all-zero group gets scale 0; 4-bit values are stored unsigned
+    (``q + 8``, ``min = -8 * scale``). Asymmetric (GGUF Q4_1's; ``symmetric=False``, 4-bit
+    only): ``scale = (max - min) / 15``, ``q = round((w - min) / scale)``, the group's min
+    kept: every level of the grid falls within the group's range.
 
     Raises:
-        ValueError: ``bits`` not 8 or 4, or a group size that does not divide K.
+        ValueError: ``bits`` not 8 or 4, an asymmetric 8-bit one, or a group size that
+            does not divide K.
     """
     n, k = weight.shape
     g = group_size or k
@@ -134,7 +140,16 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int | None = None,
         raise ValueError(f"bits={bits} must be 8 or 4")
     if k % g or g % 2:
         raise ValueError(f"group_size={g} must be even and divide in_features={k}")
+    if not symmetric and bits != 4:
+        raise ValueError("asymmetric round-to-nearest is 4-bit only")
     w = weight.float().view(n, k // g, g)
+    if not symmetric:
+        low = w.amin(dim=-1)
+        scale = (w.amax(dim=-1) - low) / 15  # [N, G]
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round((w - low[:, :, None]) / safe[:, :, None]).clamp(0, 15).view(n, k)
+        return QuantWeight(pack_int4(q.to(torch.uint8)), scale.to(scale_dtype),
+                           low.to(scale_dtype), 4, g, k)
     scale = w.abs().amax(dim=-1) / QMAX[bits]  # [N, G]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / safe[:, :, None]).clamp(-QMAX[bits] - 1, QMAX[bits]).view(n, k)
