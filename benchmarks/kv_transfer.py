@@ -51,7 +51,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.model_runner import cpu_zeros_on_huge_pages
+from pdserve.engine.kv_cache_layout import cpu_zeros_on_huge_pages
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender
 
 BLOCK_SIZE = 16
