@@ -22,12 +22,65 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <numeric>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 using pdserve::Quant;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PDSERVE_STORE_AVX512 1
+
+// Sixteen floats (x / divisor, already divided) to their elements, as Quant<q_t>::narrow.
+template <typename q_t>
+inline __m128i encode16(__m512 x) {
+  if constexpr (std::is_same_v<q_t, int8_t>) {
+    __m512 r = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+    return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r));
+  } else {
+    constexpr bool kE4M3 = std::is_same_v<q_t, c10::Float8_e4m3fn>;
+    constexpr int kMant = kE4M3 ? 3 : 2, kBias = kE4M3 ? 7 : 15, kDrop = 23 - kMant;
+    const float min_normal = kE4M3 ? 0x1p-6f : 0x1p-14f, steps = kE4M3 ? 0x1p9f : 0x1p16f;
+    const __m512 qmax = _mm512_set1_ps(Quant<q_t>::qmax);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), qmax)), qmax);
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i magnitude_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    const __m512 magnitude = _mm512_castsi512_ps(magnitude_bits);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(magnitude_bits, kDrop),
+                                         _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(magnitude_bits, _mm512_set1_epi32((1 << (kDrop - 1)) - 1)),
+                         odd),
+        kDrop);
+    const __m512i normal = _mm512_sub_epi32(rounded, _mm512_set1_epi32((127 - kBias) << kMant));
+    const __m512i subnormal = _mm512_cvtps_epi32(_mm512_roundscale_ps(
+        _mm512_mul_ps(_mm512_min_ps(magnitude, _mm512_set1_ps(min_normal)), _mm512_set1_ps(steps)),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __mmask16 is_normal = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(min_normal), _CMP_GE_OQ);
+    const __m512i code = _mm512_or_si512(_mm512_mask_blend_epi32(is_normal, subnormal, normal),
+                                         _mm512_slli_epi32(_mm512_srli_epi32(bits, 31), 7));
+    return _mm512_cvtepi32_epi8(code);
+  }
+}
+
+// dst[0..n) = narrow(src[0..n) * multiplier / divisor) (multiplier 1: no product).
+template <typename q_t>
+inline void encode_row(const float* src, float multiplier, float divisor, q_t* dst, int64_t n) {
+  const __m512 m = _mm512_set1_ps(multiplier), d = _mm512_set1_ps(divisor);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - i)) - 1);
+    __m512 x = _mm512_maskz_loadu_ps(mask, src + i);
+    if (multiplier != 1.0f) x = _mm512_mul_ps(x, m);
+    _mm_mask_storeu_epi8(reinterpret_cast<char*>(dst + i), mask, encode16<q_t>(_mm512_div_ps(x, d)));
+  }
+}
+#endif
 
 // One cache (K or V) of one layer and its new rows.
 template <typename in_t, typename q_t>
@@ -49,8 +102,9 @@ struct QuantStore {
     for (int64_t i = 0; i < n; ++i) {
       pdserve::load_as_float(rows + tokens[i] * row_stride + head * d_len, x.data() + i * d_len,
                              d_len);
-      for (int64_t d = 0; d < d_len; ++d) absmax = std::max(absmax, std::fabs(x[i * d_len + d]));
     }
+#pragma omp simd reduction(max : absmax)
+    for (int64_t j = 0; j < n * d_len; ++j) absmax = std::max(absmax, std::fabs(x[j]));
     float* scale = scales + block * scale_stride + head;
     const int64_t start = offsets[0];
     const float old = start > 0 ? *scale : 0.0f;
@@ -58,21 +112,27 @@ struct QuantStore {
     const float next = std::max(old, fresh);
     q_t* base = cache + block * block_stride + head * d_len;
     if (start > 0 && next > old) {  // requantize the rows before the write
+      x.resize((n + 1) * d_len);
+      float* widened = x.data() + n * d_len;  // NOTE: past the new rows, still in use
       for (int64_t r = 0; r < start; ++r) {
         q_t* q = base + r * row;
-#pragma omp simd
-        for (int64_t d = 0; d < d_len; ++d)
-          q[d] = Quant<q_t>::narrow((Quant<q_t>::widen(q[d]) * old) / next);
+        pdserve::widen_row(q, widened, d_len);
+        encode(widened, old, next, q, d_len);
       }
     }
     const float divisor = next > 0.0f ? next : 1.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      q_t* q = base + offsets[i] * row;
-      const float* src = x.data() + i * d_len;
-#pragma omp simd
-      for (int64_t d = 0; d < d_len; ++d) q[d] = Quant<q_t>::narrow(src[d] / divisor);
-    }
+    for (int64_t i = 0; i < n; ++i)
+      encode(x.data() + i * d_len, 1.0f, divisor, base + offsets[i] * row, d_len);
     *scale = next;
+  }
+
+  // q[0..n) = narrow(src[0..n) * multiplier / divisor), the product skipped for 1.
+  static void encode(const float* src, float multiplier, float divisor, q_t* q, int64_t n) {
+#ifdef PDSERVE_STORE_AVX512
+    return encode_row(src, multiplier, divisor, q, n);
+#endif
+    for (int64_t d = 0; d < n; ++d)
+      q[d] = Quant<q_t>::narrow((multiplier != 1.0f ? src[d] * multiplier : src[d]) / divisor);
   }
 };
 

@@ -3,10 +3,11 @@
 //   widen:  the stored element's exact fp32 value (fp8 decoded from its bits; NaN and inf
 //           codes, which no store writes, decode to finite garbage);
 //   narrow: x (fp32, already divided by the scale) to the nearest element, ties to even,
-//           saturated to +-qmax (int8 by std::nearbyint in the default rounding mode,
-//           fp8 by c10's conversion, which torch's .to() uses too).
-// The widen loops vectorize (no table lookups); AVX2 / AVX-512 versions widen 8 / 16
-// elements at once for the intrinsics paths.
+//           saturated to +-qmax (int8 by std::nearbyint in the default rounding mode;
+//           fp8 by integer operations on x's bits, the values c10's conversion, which
+//           torch's .to() uses, gives for every finite x: tested against torch).
+// Both are branch-free, so their loops vectorize (no table lookups, no calls); AVX2 /
+// AVX-512 versions widen 8 / 16 elements at once for the intrinsics paths.
 #pragma once
 
 #include <c10/util/Float8_e4m3fn.h>
@@ -35,6 +36,25 @@ inline float fp8_bits_to_float(uint8_t b, float step) {
   return (b & 0x80u) ? -value : value;
 }
 
+// fp32 -> fp8 bits, nearest, ties to even, saturated to +-qmax: a normal result rounds
+// x's mantissa to kMant bits (a carry bumps the exponent) and rebiases the exponent; below
+// the smallest normal, x counts whole subnormal steps (2^(1 - bias - kMant)).
+template <int kMant, int kBias>
+inline uint8_t float_to_fp8_bits(float x, float qmax, float min_normal, float steps_per_unit) {
+  constexpr int kDrop = 23 - kMant;
+  x = std::fmin(std::fmax(x, -qmax), qmax);
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  const uint32_t magnitude_bits = bits & 0x7FFFFFFFu;
+  const float magnitude = std::bit_cast<float>(magnitude_bits);
+  const uint32_t rounded =
+      (magnitude_bits + ((1u << (kDrop - 1)) - 1) + ((magnitude_bits >> kDrop) & 1u)) >> kDrop;
+  const uint32_t normal = rounded - ((127u - kBias) << kMant);
+  const uint32_t steps =
+      static_cast<uint32_t>(std::nearbyint(std::fmin(magnitude, min_normal) * steps_per_unit));
+  const uint32_t code = magnitude >= min_normal ? normal : steps;
+  return static_cast<uint8_t>(code | ((bits >> 31) << 7));
+}
+
 template <typename T>
 struct Quant;
 
@@ -52,7 +72,8 @@ struct Quant<c10::Float8_e4m3fn> {
   static constexpr float qmax = 448.0f;
   static float widen(c10::Float8_e4m3fn q) { return fp8_bits_to_float<3, 120>(q.x, 0x1p-9f); }
   static c10::Float8_e4m3fn narrow(float x) {
-    return c10::Float8_e4m3fn(std::fmin(std::fmax(x, -qmax), qmax));
+    return c10::Float8_e4m3fn(float_to_fp8_bits<3, 7>(x, qmax, 0x1p-6f, 0x1p9f),
+                              c10::Float8_e4m3fn::from_bits());
   }
 };
 
@@ -61,7 +82,8 @@ struct Quant<c10::Float8_e5m2> {
   static constexpr float qmax = 57344.0f;
   static float widen(c10::Float8_e5m2 q) { return fp8_bits_to_float<2, 112>(q.x, 0x1p-16f); }
   static c10::Float8_e5m2 narrow(float x) {
-    return c10::Float8_e5m2(std::fmin(std::fmax(x, -qmax), qmax));
+    return c10::Float8_e5m2(float_to_fp8_bits<2, 15>(x, qmax, 0x1p-14f, 0x1p16f),
+                            c10::Float8_e5m2::from_bits());
   }
 };
 

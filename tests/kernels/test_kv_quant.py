@@ -179,6 +179,39 @@ def test_store_cpu_kernel_writes_the_references_bytes(dtype, key_dtype):
         kv_store.store_kv(key[:1], value[:1], *cpu[:2], torch.tensor([32]), *cpu[2:])
 
 
+def wide_rows(num_tokens: int, seed: int) -> torch.Tensor:
+    """Rows whose magnitudes span ~14 orders within one block: quantized, they hit fp8's
+    subnormals, its normal range, rounding ties and carries into the next exponent."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, 2, 8, generator=gen) * torch.exp(
+        torch.randn(num_tokens, 2, 8, generator=gen) * 5)
+
+
+def store_wide_rows(store, dtype, device) -> None:
+    """Three steps of 32 wide-range tokens over blocks 0-3 (each rewritten from slot 0),
+    by ``store`` and by the reference, whose casts are torch's: the same bytes."""
+    ref, kernel = new_cache(dtype), new_cache(dtype, device=device)
+    for step in range(3):
+        key, value = wide_rows(32, 40 + step), wide_rows(32, 50 + step)
+        slots = torch.arange(32)
+        kv_store.store_kv_ref(key, value, *ref[:2], slots, *ref[2:])
+        store(key.to(device), value.to(device), *kernel[:2], slots.to(device), *kernel[2:])
+        for actual, expected in zip(kernel, ref):
+            assert_same_bytes(actual, expected)
+
+
+@CPU_KERNELS
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_cpu_store_encodes_every_magnitude_as_torch(dtype):
+    store_wide_rows(kv_store.store_kv, dtype, "cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_triton_store_encodes_every_magnitude_as_torch(dtype, device):
+    store_wide_rows(kv_store.store_kv_triton, dtype, device)
+
+
 def test_store_refuses_missing_or_unneeded_scales():
     cache, _, scales, _ = new_cache(torch.int8)
     key = randn(1, 2, 8)
