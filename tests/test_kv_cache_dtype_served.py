@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import urllib.request
 
 import pytest
 from inproc_cluster import in_process_cluster
@@ -52,6 +53,10 @@ def test_int8_workers_serve_the_colocated_int8_engines_tokens(demo, tmp_path):
         assert cluster.prefill_paths().get("remote", 0) >= len(PROMPTS)
         engines = [w.runtime.engine.engine for w in (cluster.prefill, cluster.decode)]
         assert all(e.model_runner.kv_cache.dtype.itemsize == 1 for e in engines)
+        for worker in (cluster.prefill, cluster.decode):  # operators see it
+            with urllib.request.urlopen(
+                    f"http://{worker.runtime.metrics_server.address}/metrics", timeout=10) as r:
+                assert 'kv_cache_dtype="int8"' in r.read().decode()
         # the router's block hashes are its workers', which differ from a float cache's
         roots = {e.kv_cache_manager.root_hash for e in engines}
         assert roots == {cluster.router._root_hash} == {
