@@ -32,6 +32,7 @@ from pdserve.kernels._triton_utils import (
     tl,
     use_triton,
 )
+from pdserve.kernels.attention_cpu import paged_decode_attention_cpu
 from pdserve.kernels.kv_quant import (
     QUANTIZED_DTYPES,
     check_kv_scales,
@@ -386,57 +387,6 @@ def paged_decode_attention_triton(
     return _run_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, num_splits,
                        sliding_window=sliding_window, softcap=softcap, key_scales=key_scales,
                        value_scales=value_scales)
-
-
-def paged_decode_attention_cpu(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    key_scales: torch.Tensor | None = None,
-    value_scales: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``paged_decode_attention_ref`` as a C++ CPU kernel (``kernels/csrc/cpu_attention.cpp``;
-    a quantized cache ``kernels/csrc/cpu_decode_quant.cpp``); same contract.
-
-    Algorithm: tasks on torch's intra-op threads, one per sequence (one per (sequence, kv
-    head) when there are fewer than 4 sequences per thread), read K and V rows in place
-    through the block table, prefetching a few tokens ahead (the reference gathers whole
-    blocks and copies them kv-head-major first), for all query heads of a kv head's group
-    at once, with an fp32 two-pass softmax; bf16 head dims 64/128/256 use AVX512-BF16
-    dot products where the CPU has them. Any head dim up to 512, any block size, int32/int64
-    tables; fp32, bf16 and fp16 (the caches in the query's dtype). A sliding window starts
-    the task at the block of its first key (the keys before it there masked); soft-capping
-    is applied to the scores before the softmax. A quantized cache (int8, fp8) takes the
-    same three paths with its rows widened to fp32 as they are read (bf16 ones for the
-    AVX512-BF16 dot products, exact), each score times its block's K scale and each
-    probability times its block's V scale, the probabilities kept in fp32.
-
-    Raises:
-        RuntimeError: naming the argument whose shape, dtype or strides are wrong, a
-            sequence length outside its block table or a block id outside the cache (all
-            checked in C++, so the per-layer call costs no Python checks), or the C++
-            kernels are not built (``pdserve.kernels.cpu_ext.load()`` returned False).
-    """
-    if query.is_cuda or not cpu_ext.load():
-        raise RuntimeError("paged_decode_attention_cpu: needs CPU tensors and the C++ CPU "
-                           "kernels (pdserve.kernels.cpu_ext)")
-    out = torch.empty(query.shape, dtype=query.dtype)
-    if not query.shape[0]:
-        return out
-    if key_scales is None and value_scales is None:
-        torch.ops.pdserve_cpu.paged_decode_attention(
-            out, query, key_cache, value_cache, block_tables, seq_lens.to(torch.int32), scale,
-            sliding_window or 0, softcap or 0.0)
-    else:
-        torch.ops.pdserve_cpu.paged_decode_attention_quant(
-            out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
-            seq_lens.to(torch.int32), scale, sliding_window or 0, softcap or 0.0)
-    return out
 
 
 def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,

@@ -29,6 +29,7 @@ from pdserve.kernels._triton_utils import (
     tl,
     use_triton,
 )
+from pdserve.kernels.attention_cpu import paged_prefill_attention_cpu
 from pdserve.kernels.kv_quant import (
     QUANTIZED_DTYPES,
     check_kv_scales,
@@ -361,58 +362,6 @@ def paged_prefill_attention_triton(
     return _run_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                         scale, sliding_window=sliding_window, softcap=softcap,
                         key_scales=key_scales, value_scales=value_scales)
-
-
-def paged_prefill_attention_cpu(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    key_scales: torch.Tensor | None = None,
-    value_scales: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``paged_prefill_attention_ref`` as a C++ kernel for AVX512-BF16 CPUs
-    (``kernels/csrc/cpu_prefill_attention.cpp``); same contract, for a bf16 query (and
-    output), a bf16 or quantized (int8, fp8) cache, and head dims 64, 128 and 256.
-
-    Algorithm: one task per (sequence, kv head) on torch's intra-op threads reads the
-    context's K and V rows once through the block table (no gather of whole blocks),
-    packs them for ``vdpbf16ps``, and gives every query of the chunk, for all query heads
-    of the kv head's group, its causal scores, an fp32 two-pass softmax (probabilities
-    rounded to bf16, as the reference's attention does) and ``p V`` with fp32 sums.
-    Memory per task: the context's K and V (packed) and one score row per query head.
-    With a sliding window the task starts at the block of its first query's first key;
-    soft-capped scores are capped before the softmax. A quantized cache's K rows are
-    widened to bf16 as they are packed (exact) and each score is times its block's K
-    scale; its V rows are packed dequantized to fp32, and ``p V`` runs on fp32
-    probabilities with fp32 FMAs.
-
-    Raises:
-        RuntimeError: naming the argument whose shape, dtype or strides are wrong, a chunk
-            longer than its context, a context past its block table or a block id outside
-            the cache, or no such kernel here (``cpu_ext.has_prefill_attention()``).
-    """
-    if not cpu_ext.has_prefill_attention():
-        raise RuntimeError("paged_prefill_attention_cpu: needs the C++ CPU kernels and a CPU "
-                           "with AVX512-BF16")
-    out = torch.empty(query.shape, dtype=query.dtype)
-    if not query.shape[0]:
-        return out
-    cu, lens = cu_seqlens_q.to(torch.int32), seq_lens.to(torch.int32)
-    if key_scales is None and value_scales is None:
-        torch.ops.pdserve_cpu.paged_prefill_attention(
-            out, query, key_cache, value_cache, block_tables, cu, lens, scale,
-            sliding_window or 0, softcap or 0.0)
-    else:
-        torch.ops.pdserve_cpu.paged_prefill_attention_quant(
-            out, query, key_cache, value_cache, key_scales, value_scales, block_tables, cu,
-            lens, scale, sliding_window or 0, softcap or 0.0)
-    return out
 
 
 def paged_prefill_attention(
