@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
 
-    from pdserve.engine.model_runner import cpu_zeros_on_huge_pages
+    from pdserve.engine.kv_cache_layout import cpu_zeros_on_huge_pages
     from pdserve.kernels import cpu_ext
     from pdserve.kernels.paged_decode_attention import paged_decode_attention
 

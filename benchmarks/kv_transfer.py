@@ -1,7 +1,9 @@
 """KV transfer throughput: the pair channel beside plain ``torch.distributed`` send/recv.
 
 Moves the KV of 1k, 4k and 16k-token prompts from a prefill-side process to this
-(decode-side) process, for two KV geometries (block_size 16, bf16):
+(decode-side) process, for two KV geometries (block_size 16; bf16, or with
+``--kv-cache-dtype int8`` / ``fp8`` / ``fp8_e5m2`` one byte a value and the blocks' fp32
+scales, about half the bytes a token: the workers' ``--kv-cache-dtype``):
 
 - ``llama-125m``: 12 layers, 4 KV heads, head_dim 64 (the test models' shape): 12 KiB
   per token, 192 KiB per block;
@@ -25,10 +27,11 @@ timed four ways, in turn, on the same loopback link and backend (gloo):
 Times are wall seconds at the receiver, from just before its first call (plain: posting
 the ``recv``; pair: ``init``), which precedes asking the sender to send, until the bytes
 are in place (pair: the pull's SUCCESS). Each pair transfer follows a plain one, so the
-two see the same drift in this machine's speed. Printed: GB/s of the median of ``--reps``
+two see the same drift in this machine's speed. Printed: the KV dtype and bytes per token
+(a block's bytes, scales included, over its tokens), GB/s of the median of ``--reps``
 runs, the ratio of the medians pair / plain, and in brackets the lowest and highest ratio
 of a pair transfer to the plain one just before it. Run:
-``python benchmarks/kv_transfer.py``.
+``python benchmarks/kv_transfer.py --kv-cache-dtype auto --kv-cache-dtype int8``.
 
 ``--device cuda`` puts both caches on the GPU (both processes on GPU 0: two CUDA
 contexts) and moves the bytes over NCCL, plain and pair alike: each process gets its own
@@ -51,8 +54,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.model_runner import cpu_zeros_on_huge_pages
+from pdserve.engine.kv_cache_layout import KVCacheLayout
+from pdserve.kernels.kv_quant import KV_CACHE_DTYPE_NAMES, kv_cache_torch_dtype
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender
+from pdserve.kvtransfer.payload import wire_view
 
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
@@ -64,21 +69,27 @@ GEOMETRIES = {  # name: (num_layers, num_kv_heads, head_dim)
 LAYOUTS = ("consecutive", "scattered", "mixed")
 
 
-def make_cache(geometry: str, num_blocks: int, seed: int | None,
-               device: str = "cpu") -> torch.Tensor:
-    """``[num_layers, 2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim]`` bf16, laid out
-    as a worker's (``ModelRunner.allocate_kv_cache``): block-major storage, on huge pages
-    on the CPU."""
+def make_cache(geometry: str, num_blocks: int, seed: int | None, device: str = "cpu",
+               kv_cache_dtype: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(kv_cache [num_layers, 2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim],
+    kv_scales)`` laid out as a worker's (``engine/kv_cache_layout.py``): block-major
+    storage, on huge pages on the CPU; bf16 for ``auto``, else quantized with scales;
+    random bytes with ``seed``."""
     num_layers, num_kv_heads, head_dim = GEOMETRIES[geometry]
-    shape = (num_blocks, num_layers, 2, BLOCK_SIZE, num_kv_heads, head_dim)
-    if device == "cpu":
-        storage = cpu_zeros_on_huge_pages(shape, DTYPE)
-    else:
-        storage = torch.zeros(shape, dtype=DTYPE, device=device)
+    layout = KVCacheLayout(num_layers, BLOCK_SIZE, num_kv_heads, head_dim,
+                           kv_cache_torch_dtype(kv_cache_dtype, DTYPE))
+    kv_cache, kv_scales = layout.allocate(num_blocks, torch.device(device))
     if seed is not None:
-        gen = torch.Generator(device=storage.device).manual_seed(seed)
-        storage.normal_(generator=gen)
-    return storage.permute(1, 2, 0, 3, 4, 5)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        storage_bytes(kv_cache, kv_scales).random_(0, 256, generator=gen)
+    return kv_cache, kv_scales
+
+
+def storage_bytes(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> torch.Tensor:
+    """The cache's whole block-major storage as flat uint8 (scales included)."""
+    if kv_scales is not None:
+        return wire_view(kv_cache, kv_scales).reshape(-1)
+    return kv_cache.permute(2, 0, 1, 3, 4, 5).reshape(-1).view(torch.uint8)
 
 
 def use_device(device: str, rank: int) -> None:
@@ -95,11 +106,11 @@ def finish(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def leading_bytes(kv_cache: torch.Tensor, num_bytes: int) -> torch.Tensor:
+def leading_bytes(cache: tuple[torch.Tensor, torch.Tensor | None], num_bytes: int
+                  ) -> torch.Tensor:
     """The first ``num_bytes`` of the cache's block-major storage, as contiguous uint8
     (plain send/recv moves the payload's bytes from and into the caches' own memory)."""
-    storage = kv_cache.permute(2, 0, 1, 3, 4, 5)
-    return storage.reshape(-1).view(torch.uint8)[:num_bytes]
+    return storage_bytes(*cache)[:num_bytes]
 
 
 def plain_group(address: str, rank: int, device: str = "cpu"):
@@ -120,13 +131,13 @@ def plain_group(address: str, rank: int, device: str = "cpu"):
 
 
 def prefill_main(conn, geometry: str, num_blocks: int, plain_address: str,
-                 threads: int, device: str = "cpu") -> None:
+                 threads: int, device: str = "cpu", kv_cache_dtype: str = "auto") -> None:
     """The sending process: answers ("pair", rid, decode_id, address, ids, timeout_s,
     ticket) and ("plain", num_bytes) until None."""
     torch.set_num_threads(threads)
     use_device(device, 0)
-    cache = make_cache(geometry, num_blocks, 1, device)
-    sender = KVSender("bench-prefill", cache, timeout_s=120)
+    cache = make_cache(geometry, num_blocks, 1, device, kv_cache_dtype)
+    sender = KVSender("bench-prefill", cache[0], kv_scales=cache[1], timeout_s=120)
     group = plain_group(plain_address, 0, device)
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
@@ -169,19 +180,21 @@ def block_ids(num_blocks: int, n: int, layout: str, gen: torch.Generator) -> lis
 
 
 def run(geometry: str, reps: int, threads: int,
-        prompt_tokens: tuple[int, ...] = PROMPT_TOKENS, device: str = "cpu") -> list[dict]:
+        prompt_tokens: tuple[int, ...] = PROMPT_TOKENS, device: str = "cpu",
+        kv_cache_dtype: str = "auto") -> list[dict]:
     """Time every size (``prompt_tokens``, multiples of ``BLOCK_SIZE``) and layout for one
-    geometry; one row per size: GB/s and ratios as ``main`` prints them."""
+    geometry and KV dtype; one row per size: bytes, GB/s and ratios as ``main`` prints
+    them."""
     torch.set_num_threads(threads)
     use_device(device, 1)
     num_blocks = max(prompt_tokens) // BLOCK_SIZE + 64
-    cache = make_cache(geometry, num_blocks, None, device)
-    receiver = KVReceiver("bench-decode", cache, timeout_s=120)
+    cache = make_cache(geometry, num_blocks, None, device, kv_cache_dtype)
+    receiver = KVReceiver("bench-decode", cache[0], kv_scales=cache[1], timeout_s=120)
     plain_address = f"127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=prefill_main, daemon=True, args=(
-        child_conn, geometry, num_blocks, plain_address, threads, device))
+        child_conn, geometry, num_blocks, plain_address, threads, device, kv_cache_dtype))
     child.start()
     group = plain_group(plain_address, 1, device)
     assert conn.recv() == "ready"
@@ -200,7 +213,8 @@ def run(geometry: str, reps: int, threads: int,
                                 gen)
                 times[layout].append(time_pair(conn, receiver, f"{tokens}-{layout}-{rep}",
                                                src, dst))
-        row = {"geometry": geometry, "tokens": tokens, "blocks": n, "bytes": num_bytes,
+        row = {"geometry": geometry, "kv_cache_dtype": kv_cache_dtype, "tokens": tokens,
+               "blocks": n, "bytes": num_bytes, "bytes_per_token": num_bytes / tokens,
                "plain_gbps": num_bytes / statistics.median(times["plain"][len(LAYOUTS):]) / 1e9}
         for i, layout in enumerate(LAYOUTS):
             pair = times[layout][1:]
@@ -234,24 +248,29 @@ def main() -> None:
                         help=f"prompt sizes in tokens (repeatable; default {PROMPT_TOKENS})")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the caches live; cuda: both processes on GPU 0, NCCL")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, action="append",
+                        help="the caches' --kv-cache-dtype (repeatable; auto: bf16; "
+                        "default: auto)")
     args = parser.parse_args()
     if args.device == "cuda":
         print(f"{torch.cuda.get_device_name()}: both processes on GPU 0, NCCL "
               "(distinct NCCL_HOSTID: its network transport)")
     print("GB/s: median of the timed runs; ratio: pair / plain of the medians (lowest-highest "
           "of each pair run against the plain run before it)")
-    print(f"{'geometry':>10} {'prompt':>6} {'MiB':>5} {'plain':>6}"
+    print(f"{'geometry':>10} {'kv':>8} {'B/token':>7} {'prompt':>6} {'MiB':>6} {'plain':>6}"
           + "".join(f" {layout:>11} {'ratio':>15}" for layout in LAYOUTS))
     for geometry in args.geometry or GEOMETRIES:
-        for r in run(geometry, args.reps, args.threads,
-                     tuple(args.prompt_tokens or PROMPT_TOKENS), args.device):
-            line = (f"{geometry:>10} {r['tokens']:>6} {r['bytes'] / 2**20:>5.0f} "
-                    f"{r['plain_gbps']:>6.2f}")
-            for layout in LAYOUTS:
-                low, high = r[f"{layout}_ratio_range"]
-                line += (f" {r[f'{layout}_gbps']:>11.2f} {r[f'{layout}_ratio']:>5.2f} "
-                         f"({low:.2f}-{high:.2f})")
-            print(line, flush=True)
+        for kv_cache_dtype in args.kv_cache_dtype or ["auto"]:
+            for r in run(geometry, args.reps, args.threads,
+                         tuple(args.prompt_tokens or PROMPT_TOKENS), args.device,
+                         kv_cache_dtype):
+                line = (f"{geometry:>10} {kv_cache_dtype:>8} {r['bytes_per_token']:>7.0f} "
+                        f"{r['tokens']:>6} {r['bytes'] / 2**20:>6.1f} {r['plain_gbps']:>6.2f}")
+                for layout in LAYOUTS:
+                    low, high = r[f"{layout}_ratio_range"]
+                    line += (f" {r[f'{layout}_gbps']:>11.2f} {r[f'{layout}_ratio']:>5.2f} "
+                             f"({low:.2f}-{high:.2f})")
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

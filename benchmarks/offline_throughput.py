@@ -22,6 +22,11 @@ K and V) over the device's copy bandwidth measured in the same process (a 1 GiB
 ``--model`` runs W1 on another model instead (a checkpoint folder, a ``.gguf`` file, or a
 hub id in the Hugging Face cache; its vocabulary must hold the 32000 ids W1 draws from):
 transformers loads a GGUF file with ``gguf_file=``, dequantized, in ``--dtype``.
+
+``--kv-cache-dtype int8`` (repeatable; ``fp8``, ``fp8_e5m2`` too) adds pdserve with that
+KV cache dtype to the alternation, as an engine of its own (``pdserve:int8``), and prints
+its throughput as a ratio to pdserve's with the model's dtype (best over best, and per
+repeat).
 """
 
 from __future__ import annotations
@@ -118,9 +123,8 @@ def decode_step_probe(llm, prompts: list[list[int]], params) -> dict:
     # NOTE: the middle decode step's contexts: prompt + tokens so far, one new token each
     middle = len(decode) // 2
     context = len(prompts[0]) + middle + 1
-    itemsize = torch.empty((), dtype=config.dtype).element_size()
-    kv_bytes = batch * context * config.num_layers * 2 * config.num_kv_heads * \
-        config.head_dim * itemsize
+    layout = runner.kv_layout  # NOTE: a block's bytes, a quantized cache's scales included
+    kv_bytes = batch * context * layout.block_bytes // layout.block_size
     gbps = copy_bandwidth_gbps(runner.device)
     roofline_s = (weight_bytes + kv_bytes) / (gbps * 1e9)
     return {"decode_steps": len(decode), "median_step_s": median_s, "batch": batch,
@@ -129,13 +133,13 @@ def decode_step_probe(llm, prompts: list[list[int]], params) -> dict:
 
 
 def pdserve_runner(model_dir: Path, prompts: list[list[int]], output_len: int, dtype: str,
-                   device: str):
+                   device: str, kv_cache_dtype: str = "auto"):
     """Load pdserve's ``LLM`` and warm it up; return a function that generates W1 once
     and returns its wall seconds, and one that runs ``decode_step_probe``."""
     from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, max_model_len=1024, load_progress=False,
-              device=device)
+              device=device, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     # Warm up on other tokens, so no benchmark prompt is prefix-cached.
     warmup = [[(t + 1) % 32000 for t in p] for p in prompts[:2]]
@@ -186,14 +190,17 @@ def transformers_runner(model_dir: Path, prompts: list[list[int]], output_len: i
 
 def _run_in_child(name: str, model_dir: Path, prompts: list[list[int]], output_len: int,
                   dtype: str, device: str, probe: bool, conn) -> None:
-    """Child process: load and warm up one engine, time one W1 run, send the seconds (and
-    pdserve's ``decode_step_probe`` when ``probe``)."""
-    if name == "pdserve":
-        run, probe_steps = pdserve_runner(model_dir, prompts, output_len, dtype, device)
+    """Child process: load and warm up one engine (``pdserve``, ``pdserve:<kv cache
+    dtype>`` or ``transformers``), time one W1 run, send the seconds (and pdserve's
+    ``decode_step_probe`` when ``probe``)."""
+    if name.startswith("pdserve"):
+        kv_cache_dtype = name.partition(":")[2] or "auto"
+        run, probe_steps = pdserve_runner(model_dir, prompts, output_len, dtype, device,
+                                          kv_cache_dtype)
     else:
         run = transformers_runner(model_dir, prompts, output_len, getattr(torch, dtype), device)
     seconds = run()
-    conn.send((seconds, probe_steps() if probe and name == "pdserve" else None))
+    conn.send((seconds, probe_steps() if probe and name.startswith("pdserve") else None))
     conn.close()
 
 
@@ -236,6 +243,10 @@ def main() -> None:
                         help="timed runs of each, alternating; the best (least time) of "
                              "each is reported, which filters other jobs' load")
     parser.add_argument("--json", type=Path, help="write the result here")
+    parser.add_argument("--kv-cache-dtype", action="append", default=[],
+                        choices=["int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="also time pdserve with this KV cache dtype (repeatable), "
+                             "reported as a ratio to pdserve's with the model's dtype")
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -244,13 +255,14 @@ def main() -> None:
     prompts = torch.randint(0, 32000, (args.num_prompts, args.input_len), generator=gen).tolist()
     num_output = args.num_prompts * args.output_len
 
-    names = ["pdserve"] + ([] if args.skip_transformers else ["transformers"])
+    names = (["pdserve", *(f"pdserve:{kv}" for kv in args.kv_cache_dtype)]
+             + ([] if args.skip_transformers else ["transformers"]))
     times: dict[str, list[float]] = {name: [] for name in names}
     step_probe = None
     for repeat in range(args.repeats):
         for name in names:
             seconds, probe = timed_run(name, model_dir, prompts, args.output_len, args.dtype,
-                                       args.device, probe=repeat == 0)
+                                       args.device, probe=repeat == 0 and name == "pdserve")
             times[name].append(seconds)
             step_probe = step_probe or probe
     machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
@@ -263,7 +275,7 @@ def main() -> None:
     for name, runs in times.items():
         best = min(runs)
         result[f"{name}_output_tok_s"] = num_output / best
-        print(f"{name + ':':14}{num_output / best:8.1f} output tok/s (best {best:.1f} s of "
+        print(f"{name + ':':15}{num_output / best:8.1f} output tok/s (best {best:.1f} s of "
               f"{', '.join(f'{t:.1f}' for t in runs)})")
     if "transformers" in times:
         result["ratio"] = min(times["transformers"]) / min(times["pdserve"])
@@ -271,6 +283,13 @@ def main() -> None:
         result["ratio_per_repeat"] = paired
         print(f"ratio:        {result['ratio']:8.2f}x (best over best; per repeat "
               f"{', '.join(f'{r:.2f}' for r in paired)})")
+    for kv in args.kv_cache_dtype:
+        name = f"pdserve:{kv}"
+        result[f"{name}_ratio"] = min(times["pdserve"]) / min(times[name])
+        paired = [auto / quant for auto, quant in zip(times["pdserve"], times[name])]
+        result[f"{name}_ratio_per_repeat"] = paired
+        print(f"{kv} KV / {args.dtype} KV: {result[f'{name}_ratio']:.2f}x output tok/s (best "
+              f"over best; per repeat {', '.join(f'{r:.2f}' for r in paired)})")
     if step_probe:
         print(f"decode step:  {step_probe['median_step_s'] * 1e3:8.2f} ms median over "
               f"{step_probe['decode_steps']} steps of {step_probe['batch']} sequences; "

@@ -23,8 +23,8 @@ pdserve's own use the ``pdserve:`` prefix:
   ownership audit, 0 unless a block leaked);
 - ``pdserve:worker_draining`` (gauge, 1 while the worker drains);
 - ``pdserve:engine_config_info`` (gauge, 1, the engine's settings as labels: dtype,
-  block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len; each pool
-  can have its own).
+  kv_cache_dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens,
+  max_model_len; each pool can have its own, but for kv_cache_dtype and block_size).
 
 Every value is read when Prometheus scrapes, from figures the engine thread keeps (ints
 read without stopping it, and the ownership audit it takes between steps), so serving
@@ -121,6 +121,7 @@ class WorkerCollector(Collector):
         yield gauge("pdserve:worker_draining", "1 while the worker drains.",
                     int(runtime.draining))
         config = {"dtype": str(engine.model_config.dtype).removeprefix("torch."),
+                  "kv_cache_dtype": engine.config.kv_cache_dtype,
                   "block_size": engine.config.block_size, "num_blocks": engine.num_blocks,
                   "max_num_seqs": scheduler.config.max_num_seqs,
                   "max_num_batched_tokens": scheduler.config.max_num_batched_tokens,

@@ -215,7 +215,7 @@ class DecodeService:
             await asyncio.wait({send, waiting}, return_when=asyncio.FIRST_COMPLETED)
             if send.done() and send.exception() is not None:
                 raise KVTransferError(f"prefill worker {handle.prefill_worker_id} did not send "
-                                      f"the KV of {request_id}: {send.exception()}")
+                                      f"the KV of {request_id}: {_short(send.exception())}")
             state = await waiting
             if state != KVPollState.SUCCESS:
                 raise pull.failure_exception() or KVTransferError(

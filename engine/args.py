@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.kernels.kv_quant import KV_CACHE_DTYPE_NAMES
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine (vLLM's names)."""
@@ -37,6 +39,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(as Q4_1), in groups of 32, quantize a float checkpoint's linears "
                         "at load, round to nearest; a GGUF file keeps its quantized tensors "
                         "whatever is given")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_NAMES,
+                        help="KV cache storage: auto is --dtype; int8, fp8 (= fp8_e4m3) and "
+                        "fp8_e5m2 store one byte per value and an fp32 scale per (block, "
+                        "layer, K/V, kv head): about twice the blocks in the same memory")
     parser.add_argument("--max-model-len", type=int, help="tokens per sequence (prompt + output)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -75,6 +81,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "revision": args.revision, "download_dir": args.download_dir,
         "generation_config": args.generation_config, "chat_template": args.chat_template,
         "dtype": args.dtype, "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "max_model_len": args.max_model_len, "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -1,7 +1,9 @@
 """Chained, process-stable block hashes for prefix caching (docs/architecture.md, The KV cache).
 
 ``h_i = H(h_{i-1} || token_ids of block i as int64 little-endian || extra)`` with ``H``
-SHA-256 truncated to 16 bytes, ``h_{-1}`` derived from the model name and block size, and
+SHA-256 truncated to 16 bytes, ``h_{-1}`` derived from the model name, the block size and
+the KV cache dtype (where it is not ``auto``: blocks of an int8 cache never match a bf16
+one's, in the engine or in the Redis index), and
 ``extra`` the request's ``cache_salt`` (UTF-8) where given. Only full blocks are hashed.
 The router and every worker call these functions, so the same prompt hashes the same on
 every machine (never Python's ``hash()``, which is salted per process).
@@ -14,13 +16,24 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pdserve.kernels.kv_quant import canonical_kv_cache_dtype
+
 BLOCK_HASH_BYTES = 16
 
 
-def root_block_hash(model_name: str, block_size: int) -> bytes:
-    """``h_{-1}``: 16 bytes derived from the served model name and the block size (tokens)."""
-    seed = f"pdserve-block-hash-v1\x00{model_name}\x00{block_size}".encode()
-    return hashlib.sha256(seed).digest()[:BLOCK_HASH_BYTES]
+def root_block_hash(model_name: str, block_size: int, kv_cache_dtype: str = "auto") -> bytes:
+    """``h_{-1}``: 16 bytes derived from the served model name, the block size (tokens)
+    and ``kv_cache_dtype`` (``--kv-cache-dtype``; ``auto`` adds nothing, so float caches
+    hash as before; ``fp8`` and ``fp8_e4m3`` are one dtype).
+
+    Raises:
+        ValueError: an unknown ``kv_cache_dtype``.
+    """
+    seed = f"pdserve-block-hash-v1\x00{model_name}\x00{block_size}"
+    kv_cache_dtype = canonical_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype != "auto":
+        seed += f"\x00kv-cache-dtype={kv_cache_dtype}"
+    return hashlib.sha256(seed.encode()).digest()[:BLOCK_HASH_BYTES]
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:

@@ -32,6 +32,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.structured_output import GrammarCompiler, StructuredOutputSpec
 from pdserve.engine.tokenizer import eos_token_ids as checkpoint_eos_token_ids
 from pdserve.engine.tokenizer import load_tokenizer, read_chat_template
+from pdserve.kernels.kv_quant import canonical_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,12 @@ class EngineConfig:
     ``engine/generation_config.py``) says whose ``eos_token_id`` ends generation.
     ``resolve_model_paths`` turns hub ids into local paths (``pdserve serve`` does it once,
     before its workers start).
+
+    ``kv_cache_dtype`` (vLLM's ``--kv-cache-dtype``): ``auto`` stores the KV cache in
+    the model's dtype; ``int8``, ``fp8`` (= ``fp8_e4m3``) and ``fp8_e5m2`` store one byte
+    per value and one fp32 scale per (block, layer, K or V, kv head)
+    (``kernels/kv_quant.py``), about twice the blocks in the same memory. It is part of
+    the prefix-cache identity (``block_hash.root_block_hash``).
 
     Sizes: ``max_model_len``, ``max_num_batched_tokens`` in tokens; ``block_size`` in
     tokens per block; ``kv_cache_memory_bytes`` in bytes. ``device="auto"`` takes CUDA
@@ -81,6 +88,7 @@ class EngineConfig:
     chat_template: str | None = None
     dtype: str | torch.dtype = "auto"
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
     max_num_seqs: int = 256
@@ -102,6 +110,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.cpu_omp_threads_bind not in ("auto", "nobind"):
             parse_cpu_list(self.cpu_omp_threads_bind)
+        canonical_kv_cache_dtype(self.kv_cache_dtype)  # NOTE: raises for an unknown name
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -250,12 +259,13 @@ class LLMEngine:
                           and config.kv_cache_memory_bytes is None)
         gpu_free_bytes = self._check_gpu_share() if sized_by_share else 0
         self.model_runner = ModelRunner(self.model_config, config.block_size, self.device,
-                                        config.seed, config.load_progress, self.source)
+                                        config.seed, config.load_progress, self.source,
+                                        config.kv_cache_dtype)
         self.num_blocks = self._num_kv_blocks(gpu_free_bytes)
         self.model_runner.allocate_kv_cache(self.num_blocks)
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, config.block_size,
-            root_block_hash(self.served_model_name, config.block_size),
+            root_block_hash(self.served_model_name, config.block_size, config.kv_cache_dtype),
             config.enable_prefix_caching, kv_event_callback, lease_s=kv_lease_s,
             sliding_window=self.model_config.kv_free_window)
         self.scheduler = Scheduler(
@@ -291,7 +301,7 @@ class LLMEngine:
         """Blocks of the KV cache; ``gpu_free_bytes``: the GPU's free memory before this
         engine loaded anything (CUDA only)."""
         cfg, mc = self.config, self.model_config
-        block_bytes = kv_cache_block_bytes(mc, cfg.block_size)
+        block_bytes = kv_cache_block_bytes(mc, cfg.block_size, cfg.kv_cache_dtype)
         min_blocks = cdiv(mc.max_model_len, cfg.block_size)
         if cfg.num_gpu_blocks_override is not None:
             num_blocks = cfg.num_gpu_blocks_override

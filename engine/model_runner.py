@@ -10,14 +10,13 @@ part is B (``cu_seqlens_q=[0, 3]``, ``seq_lens=[7]``).
 
 from __future__ import annotations
 
-import mmap
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.kv_cache_layout import KVCacheLayout
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_source import ModelSource
 from pdserve.engine.models.llama import AttentionMetadata
@@ -29,40 +28,11 @@ from pdserve.kernels import cpu_ext
 from pdserve.kernels.layers import filter_rows
 
 
-def kv_cache_block_bytes(config: ModelConfig, block_size: int) -> int:
-    """Bytes one block takes across all layers (K and V)."""
-    itemsize = torch.empty((), dtype=config.dtype).element_size()
-    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * itemsize
-
-
-_HUGE_PAGE_BYTES = 2 << 20  # x86-64 and arm64 transparent huge pages
-
-
-def cpu_zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed, contiguous CPU tensor of ``shape`` and ``dtype`` whose memory Linux backs
-    with 2 MiB transparent huge pages (``madvise(MADV_HUGEPAGE)``), where it can.
-
-    Decode attention reads the KV cache a block (a few KiB) at a time from scattered
-    places; on 4 KiB pages nearly every block costs a TLB miss, and huge pages make the
-    C++ decode kernel about 13% faster on a DRAM-resident cache. Takes up to 2 MiB more
-    address space than the tensor's bytes to align it. Where the kernel refuses the advice
-    (built without THP) the pages stay 4 KiB; off Linux, or without ``MADV_HUGEPAGE``,
-    this is ``torch.zeros``. The tensor keeps its mapping alive.
-    """
-    if sys.platform != "linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    length = -(-(nbytes + _HUGE_PAGE_BYTES) // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
-    mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # NOTE: a kernel built without THP (EINVAL): plain pages, same tensor
-        pass
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # NOTE: holds a reference to mapping
-    offset = -raw.data_ptr() % _HUGE_PAGE_BYTES
-    tensor = raw[offset:offset + nbytes].view(dtype).view(shape)
-    tensor.zero_()  # NOTE: anonymous pages are zero already; this faults them in now
-    return tensor
+def kv_cache_block_bytes(config: ModelConfig, block_size: int, kv_cache_dtype: str = "auto"
+                         ) -> int:
+    """Bytes one block takes across all layers (K and V, and a quantized cache's scales:
+    ``KVCacheLayout.block_bytes``)."""
+    return KVCacheLayout.of(config, block_size, kv_cache_dtype).block_bytes
 
 
 @dataclass(slots=True)
@@ -82,25 +52,28 @@ class ModelRunner:
     """Holds the model weights and the worker's KV cache on ``device``.
 
     ``kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` in the
-    model dtype, zero-initialised (padding reads stay finite): the layer-major view
-    (``storage.permute(1, 2, 0, 3, 4, 5)``, not contiguous) of block-major storage
-    ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, so that one
-    block's K and V of all layers is one contiguous run of ``kv_cache_block_bytes``.
+    model dtype (``kv_cache_dtype`` ``auto``) or a quantized one (int8, fp8), zero-
+    initialised (padding reads stay finite): the layer-major view of block-major storage
+    (``engine/kv_cache_layout.py``), so that one block's K and V of all layers, and a
+    quantized cache's scales, are one contiguous run of ``kv_cache_block_bytes``.
     ``kv_cache[l, 0]`` / ``kv_cache[l, 1]`` are ``[num_blocks, block_size, num_kv_heads,
-    head_dim]`` with a block stride of ``num_layers * 2 * block_size * num_kv_heads *
-    head_dim`` elements and packed blocks, as the kernels take them.
+    head_dim]`` with a block stride of one block and packed blocks, as the kernels take
+    them. ``kv_scales: [num_layers, 2, num_blocks, num_kv_heads]`` fp32 for a quantized
+    cache (None otherwise), ``kv_scales[l, 0]`` / ``[l, 1]`` the layer's K and V scales.
     """
 
     def __init__(self, config: ModelConfig, block_size: int, device: torch.device,
-                 seed: int = 0, progress: bool = True, source: ModelSource | None = None
-                 ) -> None:
+                 seed: int = 0, progress: bool = True, source: ModelSource | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         self.config = config
         self.device = device
         self.block_size = block_size
+        self.kv_layout = KVCacheLayout.of(config, block_size, kv_cache_dtype)
         self.model = load_model(config, device, progress, source)
         if device.type == "cpu":
             cpu_ext.load()  # NOTE: builds the C++ CPU kernels now, not in the first request
         self.kv_cache = torch.empty(0)
+        self.kv_scales: torch.Tensor | None = None
         self.sampler = Sampler(seed)
         # LongRoPE (Phi-3): sequences past this length take the long factors
         self._longrope_original = (int(config.rope_parameters["original_max_position_embeddings"])
@@ -110,19 +83,13 @@ class ModelRunner:
         """Allocate the KV cache for ``num_blocks`` blocks (bytes: ``num_blocks *
         kv_cache_block_bytes``), zeroed; on the CPU on huge pages.
 
-        The storage is block-major, ``[num_blocks, num_layers, 2, block_size,
-        num_kv_heads, head_dim]``, and ``self.kv_cache`` its layer-major view
-        ``[num_layers, 2, num_blocks, ...]``: KV transfer moves a run of consecutive
-        blocks of all layers as one contiguous region (no gather, no per-layer copies),
-        while the model still indexes ``kv_cache[layer]``.
+        The storage is block-major (``engine/kv_cache_layout.py``), and ``self.kv_cache``
+        (and ``self.kv_scales``) its layer-major views ``[num_layers, 2, num_blocks,
+        ...]``: KV transfer moves a run of consecutive blocks of all layers as one
+        contiguous region (no gather, no per-layer copies), while the model still indexes
+        ``kv_cache[layer]``.
         """
-        c = self.config
-        shape = (num_blocks, c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim)
-        if self.device.type == "cpu":
-            storage = cpu_zeros_on_huge_pages(shape, c.dtype)
-        else:
-            storage = torch.zeros(shape, dtype=c.dtype, device=self.device)
-        self.kv_cache = storage.permute(1, 2, 0, 3, 4, 5)
+        self.kv_cache, self.kv_scales = self.kv_layout.allocate(num_blocks, self.device)
 
     @torch.inference_mode()
     def profile_activation_bytes(self, num_tokens: int, num_seqs: int, max_model_len: int
@@ -143,7 +110,7 @@ class ModelRunner:
         """
         if self.device.type != "cuda":
             raise RuntimeError("profile_activation_bytes: CUDA only")
-        c, block_size = self.config, self.block_size
+        block_size = self.block_size
         seq_len = max(1, min(num_tokens, max_model_len))
         lens = [seq_len] * (num_tokens // seq_len) + [num_tokens % seq_len] * bool(
             num_tokens % seq_len)
@@ -168,11 +135,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         baseline = torch.cuda.memory_reserved(self.device)
-        kv_cache = torch.zeros((c.num_layers, 2, sum(blocks), block_size, c.num_kv_heads,
-                                c.head_dim), dtype=c.dtype, device=self.device)
+        kv_cache, kv_scales = self.kv_layout.allocate(sum(blocks), self.device)
         cache_bytes = torch.cuda.memory_reserved(self.device) - baseline
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, self._to_device(positions), kv_cache, meta)
+        hidden = self.model(input_ids, self._to_device(positions), kv_cache, meta, kv_scales)
         rows = min(num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:rows])  # [rows, vocab] fp32
         device = logits.device
@@ -181,7 +147,7 @@ class ModelRunner:
                     torch.full((rows,), 0.9, device=device))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_reserved(self.device) - baseline - cache_bytes
-        del kv_cache, hidden, logits
+        del kv_cache, kv_scales, hidden, logits
         torch.cuda.empty_cache()
         return max(int(peak), 0)
 
@@ -191,7 +157,8 @@ class ModelRunner:
         """Run the step; returns request id -> (sampled token, logprob) for every request
         whose prompt (or recompute) is complete after this step."""
         inputs = self.prepare_inputs(out, kv)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta,
+                            self.kv_scales)
         self._prompt_logprobs(hidden, inputs)
         if not inputs.sampling_requests:
             return {}

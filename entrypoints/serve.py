@@ -465,7 +465,8 @@ class _ServeRun:
             served_model_name=engine.served_model_name, served_model_aliases=spec.aliases,
             tokenizer=engine.tokenizer, chat_template=engine.chat_template,
             generation_config=engine.generation_config, block_size=engine.block_size,
-            max_model_len=engine.max_model_len, auth=auth, **lifecycle_kwargs(self.args))
+            kv_cache_dtype=engine.kv_cache_dtype, max_model_len=engine.max_model_len,
+            auth=auth, **lifecycle_kwargs(self.args))
         if self.args.local_prefill_threshold is not None:
             config.local_prefill_threshold = self.args.local_prefill_threshold
         if spec.prefill_workers == 0:
@@ -504,10 +505,12 @@ def planner_config_from_args(args: argparse.Namespace):
 
 
 # Flags that must be the same in both pools: the model and where it comes from, the
-# names clients and the prefix index use, the block size KV moves in, the tokenizer and
-# EOS ids.
-SHARED_ENGINE_FLAGS = ("model", "served_model_name", "block_size", "tokenizer", "revision",
-                       "download_dir", "generation_config", "chat_template")
+# names clients and the prefix index use, the block size KV moves in and the KV cache
+# dtype it is stored in (a pair of workers of two KV dtypes is refused, and the router
+# hashes blocks with one), the tokenizer and EOS ids.
+SHARED_ENGINE_FLAGS = ("model", "served_model_name", "block_size", "kv_cache_dtype",
+                       "tokenizer", "revision", "download_dir", "generation_config",
+                       "chat_template")
 
 
 def pool_engine_config(engine, flags: str, role: str):

@@ -7,6 +7,11 @@ The caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` with any blo
 (``stride(0)``) as long as each block's ``[block_size, num_kv_heads, head_dim]`` is packed:
 the layer views ``kv_cache[l, 0]`` / ``kv_cache[l, 1]`` of the worker's block-major cache
 (``engine/model_runner.py``) have a block stride of all layers' K and V of one block.
+
+A quantized cache (int8 or fp8, ``kernels/kv_quant.py``) takes its scales too,
+``key_scales`` / ``value_scales`` ``[num_blocks, num_kv_heads]`` fp32 (any block stride):
+the store then quantizes each block it touches as ``kv_quant`` says. Without scales a
+store is the plain copy (cast to the cache's dtype) it always was.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from pdserve.kernels._triton_utils import (
     tl,
     use_triton,
 )
+from pdserve.kernels.kv_quant import is_quantized, store_kv_quant_ref
+from pdserve.kernels.kv_store_quant import store_kv_quant_cpu, store_kv_quant_triton
 
 
 def store_kv_ref(
@@ -35,6 +42,8 @@ def store_kv_ref(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` rows into the cache at ``slot_mapping`` (plain PyTorch).
 
@@ -47,10 +56,18 @@ def store_kv_ref(
             ``block_id * block_size + offset`` per token, distinct (the kernels write
             tokens in parallel: of two tokens with one slot, either may win); ``-1``
             marks padding, skipped.
+        key_scales, value_scales: a quantized cache's ``[num_blocks, num_kv_heads]`` fp32
+            scales, updated in place (``kv_quant.store_kv_quant_ref``); None for a
+            float cache.
 
     Raises:
         IndexError: a slot is ``>= num_blocks * block_size``.
+        ValueError: a quantized cache without scales, or scales for a float cache.
     """
+    if _check_scales(key_cache, key_scales, value_scales):
+        store_kv_quant_ref(key, value, key_cache, value_cache, slot_mapping, key_scales,
+                           value_scales)
+        return
     block_size = key_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping.long()
@@ -61,6 +78,20 @@ def store_kv_ref(
     blocks, offsets = slots // block_size, slots % block_size
     key_cache[blocks, offsets] = key.to(key_cache.dtype)
     value_cache[blocks, offsets] = value.to(value_cache.dtype)
+
+
+def _check_scales(key_cache: torch.Tensor, key_scales, value_scales) -> bool:
+    """Whether the store is quantized: a quantized cache given its two scale tensors.
+
+    Raises:
+        ValueError: a quantized cache without both scales, or scales for a float cache.
+    """
+    quantized = is_quantized(key_cache.dtype)
+    given = (key_scales is not None, value_scales is not None)
+    if given != (quantized, quantized):
+        raise ValueError(f"key_scales/value_scales: a {key_cache.dtype} cache takes "
+                         f"{'both' if quantized else 'none'}, got {sum(given)}")
+    return quantized
 
 
 @jit
@@ -97,8 +128,11 @@ def store_kv_triton(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> None:
-    """``store_kv_ref`` as one Triton kernel (after nano-vllm's ``store_kvcache``).
+    """``store_kv_ref`` as one Triton kernel (after nano-vllm's ``store_kvcache``);
+    a quantized cache goes to ``kv_store_quant.store_kv_quant_triton``.
 
     Same contract; ``key``/``value`` may have any token stride (a view into a fused QKV
     projection) but each token's ``[num_kv_heads, head_dim]`` row must be packed; the
@@ -111,6 +145,10 @@ def store_kv_triton(
         RuntimeError: triton is not installed.
     """
     require_triton("store_kv_triton")
+    if _check_scales(key_cache, key_scales, value_scales):
+        store_kv_quant_triton(key, value, key_cache, value_cache, slot_mapping, key_scales,
+                              value_scales)
+        return
     device = key_cache.device
     check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES)
     check_inner_contiguous("key_cache", key_cache, 3)
@@ -151,16 +189,26 @@ def _blocks_packed(cache: torch.Tensor) -> bool:
     return True
 
 
-def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
+def store_kv(key, value, key_cache, value_cache, slot_mapping, key_scales=None,
+             value_scales=None) -> None:
     """Dispatching entry point; see ``store_kv_ref`` for the contract.
 
     CUDA tensors go to ``store_kv_triton``; CPU tensors of the caches' dtype, each token's
     row and each cache block packed, to the C++ kernel (``kernels/csrc/cpu_attention.cpp``:
     one copy per token, slots range-checked, RuntimeError naming the bad slot) where it is
+    built; a quantized CPU cache to ``kv_store_quant.store_kv_quant_cpu`` where it is
     built; the rest to ``store_kv_ref``.
     """
     if use_triton(key_cache):
-        store_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+        store_kv_triton(key, value, key_cache, value_cache, slot_mapping, key_scales,
+                        value_scales)
+    elif _check_scales(key_cache, key_scales, value_scales):
+        if key_cache.device.type == "cpu" and cpu_ext.load():
+            store_kv_quant_cpu(key, value, key_cache, value_cache, slot_mapping, key_scales,
+                               value_scales)
+        else:
+            store_kv_quant_ref(key, value, key_cache, value_cache, slot_mapping, key_scales,
+                               value_scales)
     elif (key_cache.device.type == "cpu" and key.dtype == value.dtype == key_cache.dtype
           and _rows_packed(key) and _rows_packed(value) and key_cache.dim() == 4
           and value_cache.dim() == 4 and _blocks_packed(key_cache)

@@ -1,7 +1,12 @@
 """Paged decode attention: one query token per sequence against its paged KV.
 
 ``paged_decode_attention`` dispatches CUDA tensors to the Triton kernel and CPU tensors to
-``paged_decode_attention_ref``; both share one signature.
+the C++ kernel or ``paged_decode_attention_ref``; all share one signature.
+
+A quantized cache (int8 / fp8, ``kernels/kv_quant.py``) comes with its scales
+(``key_scales``, ``value_scales``): every kernel then dequantizes K and V rows on the fly
+(``scale * q``) and attends in fp32 (query widened, probabilities unrounded), the output
+in the query's dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +32,14 @@ from pdserve.kernels._triton_utils import (
     tl,
     use_triton,
 )
+from pdserve.kernels.attention_cpu import paged_decode_attention_cpu
+from pdserve.kernels.kv_quant import (
+    QUANTIZED_DTYPES,
+    check_kv_scales,
+    dequantize_ref,
+    kv_decode,
+    triton_kv_args,
+)
 
 
 def paged_decode_attention_ref(
@@ -38,6 +51,8 @@ def paged_decode_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached context.
 
@@ -57,6 +72,9 @@ def paged_decode_attention_ref(
             context.
         softcap: Gemma 2's attention logit soft-capping, ``softcap * tanh(score /
             softcap)`` on the scaled scores before the softmax. None: off.
+        key_scales, value_scales: a quantized cache's ``[num_blocks, num_kv_heads]`` fp32
+            scales (``kernels/kv_quant.py``): K and V are dequantized and attended in
+            fp32. None: a float cache.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (fp32 softmax).
@@ -74,10 +92,17 @@ def paged_decode_attention_ref(
     # Gather whole blocks (one contiguous row each), then put kv heads first: [S, H_kv, L, D].
     k = key_cache.reshape(num_blocks, -1).index_select(0, block_ids)
     v = value_cache.reshape(num_blocks, -1).index_select(0, block_ids)
+    compute_dtype = query.dtype
+    if key_scales is not None:  # dequantized to fp32: [S * blocks, block_size * H_kv * D]
+        compute_dtype = torch.float32
+        k = dequantize_ref(k.view(-1, block_size, num_kv_heads, head_dim),
+                           key_scales.index_select(0, block_ids)).flatten(1)
+        v = dequantize_ref(v.view(-1, block_size, num_kv_heads, head_dim),
+                           value_scales.index_select(0, block_ids)).flatten(1)
     k = k.view(num_seqs, ctx_len, num_kv_heads, head_dim).transpose(1, 2).contiguous()
     v = v.view(num_seqs, ctx_len, num_kv_heads, head_dim).transpose(1, 2).contiguous()
     # The query heads sharing a kv head form its rows: [S, H_kv, G, D].
-    q = query.view(num_seqs, num_kv_heads, group, head_dim)
+    q = query.view(num_seqs, num_kv_heads, group, head_dim).to(compute_dtype)
     scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).float() * scale  # [S, H_kv, G, L]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
@@ -87,9 +112,9 @@ def paged_decode_attention_ref(
     if sliding_window:
         pad |= positions[None, :] < lens - sliding_window
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)
-    out = torch.matmul(probs, v.to(query.dtype))  # [S, H_kv, G, D]
-    return out.reshape(num_seqs, num_heads, head_dim)
+    probs = torch.softmax(scores, dim=-1).to(compute_dtype)
+    out = torch.matmul(probs, v.to(compute_dtype))  # [S, H_kv, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 # NOTE: launch choices. A decode program streams one (sequence, kv head)'s context; with
@@ -104,6 +129,8 @@ _PROGRAMS_PER_SM = 4
 def _decode_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, lse_ptr,
+    key_scales_ptr, value_scales_ptr,  # KV_KIND != 0: [num_blocks, num_kv_heads] fp32
+    stride_ksb, stride_vsb,  # the scales' block strides
     scale,  # softmax scale (scores are kept in base 2: times log2(e) after the cap)
     split_len,  # context tokens per split
     window,  # tokens a query sees (WINDOW): keys [seq_len - window, seq_len)
@@ -120,9 +147,11 @@ def _decode_kernel(
     SPLIT: tl.constexpr,  # write fp32 partials and their log-sum-exp for the reduce kernel
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    KV_KIND: tl.constexpr,  # kv_quant.kv_kind: 0 a float cache, else int8 / fp8 bits
 ):
     """One program: the ``GROUP`` query heads of one kv head of one sequence, over the
-    context tokens ``[split * split_len, (split + 1) * split_len)`` (those in its window)."""
+    context tokens ``[split * split_len, (split + 1) * split_len)`` (those in its window).
+    A quantized cache's rows are dequantized (times their block's scale) into fp32."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -139,6 +168,8 @@ def _decode_kernel(
                 + d[None, :], mask=row_mask, other=0.0)  # [GROUP_PAD, HEAD_DIM_PAD]
     if UPCAST:
         q = q.to(tl.float32)
+    if KV_KIND != 0:
+        q = q.to(tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max (base 2)
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
@@ -154,8 +185,16 @@ def _decode_kernel(
         kv_mask = valid[:, None] & d_mask
         k = tl.load(key_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        k = k.to(q.dtype)  # [BLOCK_N, HEAD_DIM_PAD]
-        v = v.to(q.dtype)
+        if KV_KIND != 0:  # dequantize: scale of (block, kv head) times the stored value
+            k_scale = tl.load(key_scales_ptr + block * stride_ksb + kv_head, mask=valid,
+                              other=0.0)
+            v_scale = tl.load(value_scales_ptr + block * stride_vsb + kv_head, mask=valid,
+                              other=0.0)
+            k = kv_decode(k, KV_KIND) * k_scale[:, None]
+            v = kv_decode(v, KV_KIND) * v_scale[:, None]
+        else:
+            k = k.to(q.dtype)  # [BLOCK_N, HEAD_DIM_PAD]
+            v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         if SOFTCAP:
             scores = soft_cap(scores, softcap)
@@ -209,10 +248,12 @@ def _decode_reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens) -> None:
+def _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
+                       key_scales=None, value_scales=None) -> None:
     check_tensor("query", query, 3, FLOAT_DTYPES)
     device = query.device
-    check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES, device)
+    check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES + QUANTIZED_DTYPES, device)
+    check_kv_scales(key_cache, key_scales, value_scales)
     check_tensor("value_cache", value_cache, 4, (key_cache.dtype,), device)
     check_shape("value_cache", value_cache, key_cache.shape)
     num_seqs, num_heads, head_dim = query.shape
@@ -252,8 +293,9 @@ def _choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
 
 def _run_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
                 num_splits: int, block_n: int | None = None,
-                sliding_window: int | None = None, softcap: float | None = None
-                ) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None,
+                key_scales: torch.Tensor | None = None,
+                value_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the decode kernel (and, for ``num_splits > 1``, the reduce kernel)."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -271,8 +313,10 @@ def _run_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=num_splits > 1,
         WINDOW=bool(sliding_window), SOFTCAP=bool(softcap),
-        **dot_options(query.dtype),
+        **dot_options(query.dtype if key_scales is None else torch.float32),
     )
+    k_arg, v_arg, ks_arg, vs_arg, stride_ksb, stride_vsb, kind = triton_kv_args(
+        key_cache, value_cache, key_scales, value_scales)
     if num_splits == 1:
         partial, lse = out, out  # lse unused
         partial_strides = (out.stride(0), out.stride(1), 0)
@@ -284,12 +328,13 @@ def _run_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
         lse_strides = lse.stride()[:2]
     grid = (num_seqs, num_kv_heads, num_splits)
     _decode_kernel[grid](
-        query, key_cache, value_cache, block_tables, seq_lens, partial, lse,
+        query, k_arg, v_arg, block_tables, seq_lens, partial, lse,
+        ks_arg, vs_arg, stride_ksb, stride_vsb,
         scale, split_len, sliding_window or 0, softcap or 0.0,
         query.stride(0), query.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_tables.stride(0), *partial_strides, *lse_strides,
-        **constants,
+        KV_KIND=kind, **constants,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -310,6 +355,8 @@ def paged_decode_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_decode_attention_ref`` in Triton; same contract.
 
@@ -322,7 +369,9 @@ def paged_decode_attention_triton(
     any block size, int32/int64 tables. No device sync: the split count comes from the
     block table's width, not from ``seq_lens``. A sliding window starts each program's
     loop at its first key (partitions wholly before it stay empty); soft-capping applies
-    ``softcap * tanh(score / softcap)`` to each tile's scores (tanh from ``exp``).
+    ``softcap * tanh(score / softcap)`` to each tile's scores (tanh from ``exp``). A
+    quantized cache's tiles are dequantized as they are loaded (fp8 decoded from its
+    bits, ``kv_quant.kv_decode``) and the dots run on fp32 operands (``"ieee"``).
 
     Raises:
         ValueError: naming the argument whose shape, dtype, device or strides are wrong
@@ -330,56 +379,19 @@ def paged_decode_attention_triton(
         RuntimeError: triton is not installed.
     """
     require_triton("paged_decode_attention_triton")
-    _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens)
+    _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, key_scales,
+                       value_scales)
     max_context = block_tables.shape[1] * key_cache.shape[1]
     num_splits = _choose_num_splits(query.shape[0], key_cache.shape[2], max_context,
                                     multiprocessor_count(query.device))
     return _run_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, num_splits,
-                       sliding_window=sliding_window, softcap=softcap)
-
-
-def paged_decode_attention_cpu(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """``paged_decode_attention_ref`` as a C++ CPU kernel (``kernels/csrc/cpu_attention.cpp``);
-    same contract.
-
-    Algorithm: tasks on torch's intra-op threads, one per sequence (one per (sequence, kv
-    head) when there are fewer than 4 sequences per thread), read K and V rows in place
-    through the block table, prefetching a few tokens ahead (the reference gathers whole
-    blocks and copies them kv-head-major first), for all query heads of a kv head's group
-    at once, with an fp32 two-pass softmax; bf16 head dims 64/128/256 use AVX512-BF16
-    dot products where the CPU has them. Any head dim up to 512, any block size, int32/int64
-    tables; fp32, bf16 and fp16 (the caches in the query's dtype). A sliding window starts
-    the task at the block of its first key (the keys before it there masked); soft-capping
-    is applied to the scores before the softmax.
-
-    Raises:
-        RuntimeError: naming the argument whose shape, dtype or strides are wrong, a
-            sequence length outside its block table or a block id outside the cache (all
-            checked in C++, so the per-layer call costs no Python checks), or the C++
-            kernels are not built (``pdserve.kernels.cpu_ext.load()`` returned False).
-    """
-    if query.is_cuda or not cpu_ext.load():
-        raise RuntimeError("paged_decode_attention_cpu: needs CPU tensors and the C++ CPU "
-                           "kernels (pdserve.kernels.cpu_ext)")
-    out = torch.empty(query.shape, dtype=query.dtype)
-    if query.shape[0]:
-        torch.ops.pdserve_cpu.paged_decode_attention(
-            out, query, key_cache, value_cache, block_tables, seq_lens.to(torch.int32), scale,
-            sliding_window or 0, softcap or 0.0)
-    return out
+                       sliding_window=sliding_window, softcap=softcap, key_scales=key_scales,
+                       value_scales=value_scales)
 
 
 def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                           sliding_window=None, softcap=None):
+                           sliding_window=None, softcap=None, key_scales=None,
+                           value_scales=None):
     """Dispatching entry point; see ``paged_decode_attention_ref`` for the contract.
 
     CUDA tensors go to ``paged_decode_attention_triton``; CPU tensors to
@@ -387,7 +399,7 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens
     (``pdserve.kernels.cpu_ext``), else to the reference.
     """
     args = (query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
-            softcap)
+            softcap, key_scales, value_scales)
     if use_triton(query):
         return paged_decode_attention_triton(*args)
     if query.device.type == "cpu" and cpu_ext.load():

@@ -2,7 +2,9 @@
 
 Each sequence contributes ``q_len`` new query tokens whose K/V are already stored in the
 paged cache after its ``seq_len - q_len`` earlier (computed or prefix-cached) tokens.
-``paged_prefill_attention`` dispatches CUDA tensors to Triton, CPU tensors to the reference.
+``paged_prefill_attention`` dispatches CUDA tensors to Triton, CPU tensors to the C++
+kernel or the reference. A quantized cache comes with its scales and is attended in fp32,
+as in ``paged_decode_attention``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ from pdserve.kernels._triton_utils import (
     tl,
     use_triton,
 )
+from pdserve.kernels.attention_cpu import paged_prefill_attention_cpu
+from pdserve.kernels.kv_quant import (
+    QUANTIZED_DTYPES,
+    check_kv_scales,
+    dequantize_ref,
+    kv_decode,
+    triton_kv_args,
+)
 
 
 def paged_prefill_attention_ref(
@@ -39,6 +49,8 @@ def paged_prefill_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each chunk's queries over its sequence's paged K/V.
 
@@ -57,6 +69,8 @@ def paged_prefill_attention_ref(
             window are never read. None: causal over the whole context.
         softcap: Gemma 2's ``softcap * tanh(score / softcap)`` on the scaled scores
             before the softmax. None: off.
+        key_scales, value_scales: a quantized cache's ``[num_blocks, num_kv_heads]`` fp32
+            scales: K and V are dequantized and attended in fp32. None: a float cache.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
@@ -74,10 +88,17 @@ def paged_prefill_attention_ref(
         num_blocks = (seq_len + block_size - 1) // block_size
         # Entries before the window may be padding (-1): read block 0 there, masked below.
         blocks = block_tables[s, :num_blocks].long().clamp(min=0)
-        k = key_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]  # [L, H_kv, D]
-        v = value_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+        k = key_cache.index_select(0, blocks)  # [blocks, block_size, H_kv, D]
+        v = value_cache.index_select(0, blocks)
+        if key_scales is not None:  # dequantized, attended in fp32
+            k = dequantize_ref(k, key_scales.index_select(0, blocks))
+            v = dequantize_ref(v, value_scales.index_select(0, blocks))
+        k = k.flatten(0, 1)[:seq_len]  # [L, H_kv, D]
+        v = v.flatten(0, 1)[:seq_len]
         # NOTE: 4-D inputs take torch's CPU flash-attention kernel; 3-D ones the slow math path.
         q = query[start:end].transpose(0, 1)[None]  # [1, H, q_len, D]
+        if key_scales is not None:
+            q = q.float()
         k = k.transpose(0, 1).to(q.dtype)[None]  # [1, H_kv, L, D]
         v = v.transpose(0, 1).to(q.dtype)[None]
         gqa = num_heads != num_kv_heads
@@ -97,7 +118,7 @@ def paged_prefill_attention_ref(
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                    enable_gqa=gqa)
-        out[start:end] = o[0].transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1).to(out.dtype)
     return out
 
 
@@ -118,6 +139,8 @@ def _capped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tens
 def _prefill_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
     seq_lens_ptr, out_ptr,
+    key_scales_ptr, value_scales_ptr,  # KV_KIND != 0: [num_blocks, num_kv_heads] fp32
+    stride_ksb, stride_vsb,  # the scales' block strides
     scale,  # softmax scale (scores are kept in base 2: times log2(e) after the cap)
     window,  # WINDOW: a query sees its last `window` keys, itself included
     softcap,  # SOFTCAP: scores become softcap * tanh(score / softcap)
@@ -132,10 +155,12 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    KV_KIND: tl.constexpr,  # kv_quant.kv_kind: 0 a float cache, else int8 / fp8 bits
 ):
     """One program: ``BLOCK_Q`` query tokens of one chunk times the ``GROUP`` query heads
     of one kv head (``BLOCK_Q * GROUP_PAD`` rows), over its causal span of paged keys
-    (within the sliding window, with ``WINDOW``)."""
+    (within the sliding window, with ``WINDOW``); a quantized cache's rows dequantized
+    into fp32."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Find the sequence that owns query tile `tile`: sequence s owns the tiles from
@@ -170,6 +195,8 @@ def _prefill_kernel(
                 mask=row_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    if KV_KIND != 0:
+        q = q.to(tl.float32)
     q_pos = prefix_len + q_idx  # [BLOCK_M] absolute positions; key j is seen iff j <= q_pos
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
@@ -191,8 +218,16 @@ def _prefill_kernel(
         kv_mask = valid[:, None] & d_mask
         k = tl.load(key_cache_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        if KV_KIND != 0:  # dequantize: scale of (block, kv head) times the stored value
+            k_scale = tl.load(key_scales_ptr + block * stride_ksb + kv_head, mask=valid,
+                              other=0.0)
+            v_scale = tl.load(value_scales_ptr + block * stride_vsb + kv_head, mask=valid,
+                              other=0.0)
+            k = kv_decode(k, KV_KIND) * k_scale[:, None]
+            v = kv_decode(v, KV_KIND) * v_scale[:, None]
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         if SOFTCAP:
             scores = soft_cap(scores, softcap)
@@ -229,11 +264,12 @@ def _num_query_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
 
 
 def _check_prefill_args(query, key_cache, value_cache, block_tables, cu_seqlens_q,
-                        seq_lens) -> None:
+                        seq_lens, key_scales=None, value_scales=None) -> None:
     require_triton("paged_prefill_attention_triton")
     check_tensor("query", query, 3, FLOAT_DTYPES)
     device = query.device
-    check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES, device)
+    check_tensor("key_cache", key_cache, 4, FLOAT_DTYPES + QUANTIZED_DTYPES, device)
+    check_kv_scales(key_cache, key_scales, value_scales)
     check_tensor("value_cache", value_cache, 4, (key_cache.dtype,), device)
     check_shape("value_cache", value_cache, key_cache.shape)
     num_heads, head_dim = query.shape[1:]
@@ -258,8 +294,9 @@ def _check_prefill_args(query, key_cache, value_cache, block_tables, cu_seqlens_
 
 def _run_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                  block_m: int = 64, block_n: int | None = None,
-                 sliding_window: int | None = None, softcap: float | None = None
-                 ) -> torch.Tensor:
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 key_scales: torch.Tensor | None = None,
+                 value_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the prefill kernel with ``block_m`` (query token, head) rows per program."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -273,16 +310,19 @@ def _run_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_
     block_q = max(1, block_m // group_pad)
     block_n = block_n or (64 if head_dim_pad <= 128 else 32)
     grid = (_num_query_tiles(num_tokens, num_seqs, block_q), num_kv_heads)
+    k_arg, v_arg, ks_arg, vs_arg, stride_ksb, stride_vsb, kind = triton_kv_args(
+        key_cache, value_cache, key_scales, value_scales)
     _prefill_kernel[grid](
-        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        query, k_arg, v_arg, block_tables, cu_seqlens_q, seq_lens, out,
+        ks_arg, vs_arg, stride_ksb, stride_vsb,
         scale, sliding_window or 0, softcap or 0.0, num_seqs,
         query.stride(0), query.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n,
-        WINDOW=bool(sliding_window), SOFTCAP=bool(softcap),
-        **dot_options(query.dtype),
+        WINDOW=bool(sliding_window), SOFTCAP=bool(softcap), KV_KIND=kind,
+        **dot_options(query.dtype if key_scales is None else torch.float32),
     )
     return out
 
@@ -297,6 +337,8 @@ def paged_prefill_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_prefill_attention_ref`` in Triton; same contract.
 
@@ -307,73 +349,37 @@ def paged_prefill_attention_triton(
     by a binary search over ``cu_seqlens_q`` in the kernel, so launching needs no device
     sync. Head dims up to 256 (others padded by masking), any block size. With a sliding
     window a tile's key loop starts at its first query's window, and rows whose window
-    starts in a later key tile stay empty until it; soft-capping as in decode.
+    starts in a later key tile stay empty until it; soft-capping as in decode, and a
+    quantized cache dequantized as in decode.
 
     Raises:
         ValueError: naming the argument whose shape, dtype, device or strides are wrong
             (each tensor's last dim must be contiguous).
         RuntimeError: triton is not installed.
     """
-    _check_prefill_args(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
+    _check_prefill_args(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                        key_scales, value_scales)
     return _run_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                        scale, sliding_window=sliding_window, softcap=softcap)
-
-
-def paged_prefill_attention_cpu(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """``paged_prefill_attention_ref`` as a C++ kernel for AVX512-BF16 CPUs
-    (``kernels/csrc/cpu_prefill_attention.cpp``); same contract, for bf16 tensors and
-    head dims 64, 128 and 256.
-
-    Algorithm: one task per (sequence, kv head) on torch's intra-op threads reads the
-    context's K and V rows once through the block table (no gather of whole blocks),
-    packs them for ``vdpbf16ps``, and gives every query of the chunk, for all query heads
-    of the kv head's group, its causal scores, an fp32 two-pass softmax (probabilities
-    rounded to bf16, as the reference's attention does) and ``p V`` with fp32 sums.
-    Memory per task: the context's K and V (packed) and one score row per query head.
-    With a sliding window the task starts at the block of its first query's first key;
-    soft-capped scores are capped before the softmax.
-
-    Raises:
-        RuntimeError: naming the argument whose shape, dtype or strides are wrong, a chunk
-            longer than its context, a context past its block table or a block id outside
-            the cache, or no such kernel here (``cpu_ext.has_prefill_attention()``).
-    """
-    if not cpu_ext.has_prefill_attention():
-        raise RuntimeError("paged_prefill_attention_cpu: needs the C++ CPU kernels and a CPU "
-                           "with AVX512-BF16")
-    out = torch.empty(query.shape, dtype=query.dtype)
-    if query.shape[0]:
-        torch.ops.pdserve_cpu.paged_prefill_attention(
-            out, query, key_cache, value_cache, block_tables, cu_seqlens_q.to(torch.int32),
-            seq_lens.to(torch.int32), scale, sliding_window or 0, softcap or 0.0)
-    return out
+                        scale, sliding_window=sliding_window, softcap=softcap,
+                        key_scales=key_scales, value_scales=value_scales)
 
 
 def paged_prefill_attention(
     query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-    sliding_window=None, softcap=None,
+    sliding_window=None, softcap=None, key_scales=None, value_scales=None,
 ):
     """Dispatching entry point; see ``paged_prefill_attention_ref`` for the contract.
 
-    CUDA tensors go to ``paged_prefill_attention_triton``; bf16 CPU tensors with head dim
-    64, 128 or 256 to ``paged_prefill_attention_cpu`` where it runs; the rest to the
-    reference.
+    CUDA tensors go to ``paged_prefill_attention_triton``; a bf16 CPU query with head dim
+    64, 128 or 256 over a bf16 or quantized cache to ``paged_prefill_attention_cpu``
+    where it runs; the rest to the reference.
     """
     args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-            sliding_window, softcap)
+            sliding_window, softcap, key_scales, value_scales)
     if use_triton(query):
         return paged_prefill_attention_triton(*args)
-    if (query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.bfloat16
+    if (query.device.type == "cpu" and query.dtype == torch.bfloat16
+            and key_cache.dtype in (torch.bfloat16, *QUANTIZED_DTYPES)
             and query.shape[-1] in (64, 128, 256) and cpu_ext.has_prefill_attention()):
         return paged_prefill_attention_cpu(*args)
     return paged_prefill_attention_ref(*args)

@@ -38,6 +38,11 @@ measured alike, so smaller blocks keep the gather (fewer messages).
 A CUDA cache over gloo stages the whole payload through pinned host memory, whose chunks
 are then sent or received in place; over NCCL a gathered payload is a CUDA tensor. A CPU
 cache's ring comes from a ``StagingPool`` (``staging.py``) when the caller passes one.
+
+A quantized cache (int8 / fp8 values, each block's fp32 scales in its own bytes) moves
+as its blocks' bytes: sender and receiver work on its ``wire_view``, the block storage
+seen as ``[1, 1, num_blocks, 1, 1, block_bytes]`` uint8, so every path above (in place,
+staged, CUDA) copies values and scales together, bit for bit, and nothing is converted.
 """
 
 from __future__ import annotations
@@ -76,6 +81,26 @@ def load_copy_kernels(kv_cache: torch.Tensor) -> None:
     (a first build takes 10-60 s). Never raises; without them the references serve."""
     if kv_cache.device.type == "cpu":
         cpu_ext.load()
+
+
+def wire_view(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """What a side moves blocks of: ``kv_cache`` itself, or for a quantized cache (with
+    ``kv_scales``; ``KVGeometry.of`` checks their layout) its block storage as
+    ``[1, 1, num_blocks, 1, 1, block_bytes]`` uint8 (the block gather/scatter kernels'
+    layout: one plane of byte rows)."""
+    if kv_scales is None:
+        return kv_cache
+    num_blocks, block_bytes = kv_cache.shape[2], kv_cache.stride(2)
+    return torch.empty(0, dtype=torch.uint8, device=kv_cache.device).set_(
+        kv_cache.untyped_storage(), kv_cache.storage_offset(), (1, 1, num_blocks, 1, 1, block_bytes),
+        (num_blocks * block_bytes, num_blocks * block_bytes, block_bytes, block_bytes,
+         block_bytes, 1))
+
+
+def block_shape(kv_cache: torch.Tensor) -> tuple[int, ...]:
+    """One block of a (wire view of a) cache as the payload holds it: ``[num_layers, 2,
+    block_size, num_kv_heads, head_dim]`` (``[1, 1, 1, 1, block_bytes]`` for bytes)."""
+    return (*kv_cache.shape[:2], *kv_cache.shape[3:])
 
 
 def consecutive_start(block_ids: list[int]) -> int | None:
@@ -125,6 +150,7 @@ class _Chunks:
                  sizes: list[int], staged_everything: bool = False) -> None:
         self.geometry = geometry
         self.block_ids = block_ids
+        self._dtype, self._block_shape = kv_cache.dtype, block_shape(kv_cache)
         self.bounds, start = [], 0
         for size in sizes:
             self.bounds.append((start, start + size))
@@ -177,12 +203,11 @@ class _Chunks:
 
     def slot_view(self, ring: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Chunk ``c``'s ring slot as (uint8 bytes, ``[num_layers, 2, k, block_size,
-        num_kv_heads, head_dim]`` view of its block-major contents)."""
+        num_kv_heads, head_dim]`` view of its block-major contents, or ``[1, 1, k, 1, 1,
+        block_bytes]`` for a quantized cache's bytes)."""
         start, stop = self.bounds[c]
-        g = self.geometry
-        raw = ring[self.slots[c] * self.slot_bytes:][:(stop - start) * g.block_bytes]
-        blocks = raw.view(g.dtype).view(stop - start, g.num_layers, 2, g.block_size,
-                                        g.num_kv_heads, g.head_dim)
+        raw = ring[self.slots[c] * self.slot_bytes:][:(stop - start) * self.geometry.block_bytes]
+        blocks = raw.view(self._dtype).view(stop - start, *self._block_shape)
         return raw, blocks.permute(1, 2, 0, 3, 4, 5)
 
 
@@ -225,7 +250,7 @@ class PayloadSource(_PayloadSide):
 
     Args:
         kv_cache: the sender's cache ``[num_layers, 2, num_blocks, block_size,
-            num_kv_heads, head_dim]``.
+            num_kv_heads, head_dim]``, or a quantized cache's ``wire_view``.
         block_ids: the ``n`` local block ids, in payload order.
         geometry: the cache's geometry.
         sizes: the receiver's message sizes in blocks (``plan_chunks``, from its ticket);
@@ -280,7 +305,7 @@ class PayloadSink(_PayloadSide):
     """Receive buffers for one payload, and the scatter into the cache's blocks.
 
     Args:
-        kv_cache: the receiver's cache.
+        kv_cache: the receiver's cache, or a quantized cache's ``wire_view``.
         block_ids: ``n`` local block ids, in payload order.
         geometry: the cache's geometry.
         sizes: the message sizes in blocks (``plan_chunks``, as in the pull's ticket);
@@ -306,9 +331,8 @@ class PayloadSink(_PayloadSide):
                              [len(block_ids)] if device_payload else sizes,
                              staged_everything=drain)
         if kv_cache.is_cuda and not (device_payload and self._plan.all_direct):
-            whole_shape = (len(block_ids), geometry.num_layers, 2, geometry.block_size,
-                           geometry.num_kv_heads, geometry.head_dim)
-            self._whole = torch.empty(whole_shape, dtype=geometry.dtype,
+            whole_shape = (len(block_ids), *block_shape(kv_cache))
+            self._whole = torch.empty(whole_shape, dtype=kv_cache.dtype,
                                       device=kv_cache.device if device_payload else "cpu",
                                       pin_memory=not device_payload)
             self._whole_bytes = self._whole.view(-1).view(torch.uint8)

@@ -11,7 +11,12 @@ wire, per transfer:
    decode side gives up the same way (``"X"``), so exactly one of them wins.
 2. group: a fixed-size ``int64[HEADER_NUMEL]`` header, then the payload block-major,
    ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]``, as messages of whole
-   blocks, cut as the decode side's ticket says (``payload.plan_chunks``).
+   blocks, cut as the decode side's ticket says (``payload.plan_chunks``). A quantized
+   cache's blocks go as their bytes, ``[n, block_bytes]``: values and scales together.
+
+Both carry the ``KVGeometry``; a sender whose geometry differs from its ticket's (another
+KV cache dtype, model or block size) refuses the pull before any channel is made, naming
+both sides.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 
 HEADER_NUMEL = 16
 _MAGIC = 0x70645F6B76  # "pd_kv"
-_VERSION = 2  # 2: block-major payload in chunks (1: per-layer planes)
+_VERSION = 3  # 3: geometry with scales and block bytes; 2: block-major chunks; 1: planes
 
 # NOTE: codes are part of the wire format; append, never renumber.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -62,21 +67,30 @@ class KVTransferError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class KVGeometry:
-    """Shape and dtype of one worker's KV cache
-    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """What one block of a worker's KV cache is, as bytes: ``[num_layers, 2, block_size,
+    num_kv_heads, head_dim]`` values of ``dtype``; for a quantized cache (int8, fp8) its
+    fp32 scales ``[num_layers, 2, num_kv_heads]`` from byte ``scales_offset`` (0: a float
+    cache, no scales); ``block_bytes`` the whole block (values, scales and padding). The
+    transfer moves blocks as these bytes and never reads them."""
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    scales_offset: int
+    block_bytes: int
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor) -> KVGeometry:
-        """Raises ValueError unless ``kv_cache`` is a 6-d KV cache, contiguous or the
-        layer-major view of block-major storage (``payload.block_major``)."""
+    def of(cls, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> KVGeometry:
+        """The geometry of ``kv_cache`` (and of a quantized cache's ``kv_scales``).
+
+        Raises ValueError unless ``kv_cache`` is a 6-d KV cache, contiguous or the
+        layer-major view of block-major storage (``block_major``), or, with ``kv_scales``
+        (``[num_layers, 2, num_blocks, num_kv_heads]`` fp32), the values view of
+        block storage whose blocks hold their scales (``engine/kv_cache_layout.py``)."""
         if (kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or not (
-                kv_cache.is_contiguous() or block_major(kv_cache))):
+                kv_cache.is_contiguous() or block_major(kv_cache) or kv_scales is not None)):
             raise ValueError("kv_cache must be [num_layers, 2, num_blocks, block_size, "
                              "num_kv_heads, head_dim], contiguous or over block-major storage "
                              f"[num_blocks, num_layers, 2, ...], got shape "
@@ -84,24 +98,79 @@ class KVGeometry:
         if kv_cache.dtype not in DTYPE_CODES:
             raise ValueError(f"kv_cache dtype {kv_cache.dtype} has no wire code")
         num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        return cls(num_layers, block_size, num_kv_heads, head_dim, kv_cache.dtype)
+        values = num_layers * 2 * block_size * num_kv_heads * head_dim * kv_cache.element_size()
+        if kv_scales is None:
+            return cls(num_layers, block_size, num_kv_heads, head_dim, kv_cache.dtype, 0, values)
+        block_bytes, scales_offset = _scaled_block_layout(kv_cache, kv_scales)
+        return cls(num_layers, block_size, num_kv_heads, head_dim, kv_cache.dtype,
+                   scales_offset, block_bytes)
 
     @property
-    def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+    def scaled(self) -> bool:
+        """Whether each block holds scales (a quantized cache)."""
+        return self.scales_offset > 0
+
+    def describe(self) -> str:
+        """The geometry in words, for errors."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        values = f"{dtype} values with fp32 scales" if self.scaled else dtype
+        return (f"{values} ({self.num_layers} layers, {self.block_size} tokens, "
+                f"{self.num_kv_heads} kv heads of {self.head_dim}; {self.block_bytes} bytes "
+                "a block)")
 
     def fields(self) -> list[int]:
         return [self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                DTYPE_CODES[self.dtype]]
+                DTYPE_CODES[self.dtype], self.scales_offset, self.block_bytes]
 
     @classmethod
     def from_fields(cls, fields: list[int]) -> KVGeometry:
-        num_layers, block_size, num_kv_heads, head_dim, code = fields
+        num_layers, block_size, num_kv_heads, head_dim, code, scales_offset, block_bytes = fields
         if code not in _CODE_DTYPES:
             raise KVTransferError(f"unknown dtype code {code} on the wire")
-        return cls(num_layers, block_size, num_kv_heads, head_dim, _CODE_DTYPES[code])
+        return cls(num_layers, block_size, num_kv_heads, head_dim, _CODE_DTYPES[code],
+                   scales_offset, block_bytes)
+
+
+GEOMETRY_FIELDS = 7
+"""``KVGeometry.fields()``'s length on the wire."""
+
+
+def _scaled_block_layout(kv_cache: torch.Tensor, kv_scales: torch.Tensor) -> tuple[int, int]:
+    """``(block_bytes, scales_offset)`` of a quantized cache whose every block (a run of
+    ``block_bytes``) holds its values, then its scales; raises ValueError otherwise."""
+    num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    row = num_kv_heads * head_dim
+    block_bytes = kv_cache.stride(2)
+    values = num_layers * 2 * block_size * row
+    scales_offset = kv_scales.data_ptr() - kv_cache.data_ptr()
+    fits = (
+        kv_cache.element_size() == 1 and kv_scales.dtype == torch.float32
+        and tuple(kv_scales.shape) == (num_layers, 2, num_blocks, num_kv_heads)
+        and kv_cache.permute(2, 0, 1, 3, 4, 5).stride() == (
+            block_bytes, 2 * block_size * row, block_size * row, row, head_dim, 1)
+        and kv_scales.permute(2, 0, 1, 3).stride() == (
+            block_bytes // 4, 2 * num_kv_heads, num_kv_heads, 1)
+        and block_bytes % 4 == 0
+        and kv_scales.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr()
+        and values <= scales_offset <= block_bytes - num_layers * 2 * num_kv_heads * 4)
+    if not fits:
+        raise ValueError("a quantized kv_cache and its kv_scales must be views of block "
+                         "storage [num_blocks, block_bytes] holding each block's values, then "
+                         f"its scales; got values {tuple(kv_cache.shape)} {kv_cache.dtype} "
+                         f"strides {kv_cache.stride()}, scales {tuple(kv_scales.shape)} "
+                         f"{kv_scales.dtype} strides {kv_scales.stride()} at byte "
+                         f"{scales_offset}")
+    return block_bytes, scales_offset
+
+
+def geometry_mismatch(decode_worker_id: str, decode: KVGeometry, prefill_worker_id: str,
+                      prefill: KVGeometry) -> str:
+    """The refusal of a pull between caches of different geometries, naming both."""
+    what = ("KV cache dtypes differ" if (decode.dtype, decode.scaled) != (
+        prefill.dtype, prefill.scaled) else "KV cache geometries differ")
+    return (f"{what}: decode worker {decode_worker_id} holds {decode.describe()}, prefill "
+            f"worker {prefill_worker_id} holds {prefill.describe()}; start both with the same "
+            "--kv-cache-dtype (and model and --block-size)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +197,8 @@ class Header:
         values = header.tolist()
         if values[0] != _MAGIC or values[1] != _VERSION:
             raise KVTransferError(f"bad KV header (magic {values[0]:#x}, version {values[1]})")
-        return cls(values[2], values[3], KVGeometry.from_fields(values[5:10]), values[4])
+        return cls(values[2], values[3], KVGeometry.from_fields(values[5:5 + GEOMETRY_FIELDS]),
+                   values[4])
 
 
 def block_major(kv_cache: torch.Tensor) -> bool:
@@ -186,15 +256,18 @@ class Ticket:
         """Raises ValueError (or KVTransferError for an unknown dtype) on a malformed
         ticket, including chunks that are not positive or do not sum to the block count."""
         parts = (text.decode() if isinstance(text, bytes) else text).split()
-        numbers = [int(p) for p in parts[1:9]]
+        first_chunk = 4 + GEOMETRY_FIELDS
+        numbers = [int(p) for p in parts[1:first_chunk]]
+        if len(numbers) != first_chunk - 1:
+            raise ValueError(f"ticket {parts} is too short")
         chunks: list[int] = []
-        for token in parts[9:]:
+        for token in parts[first_chunk:]:
             size, _, count = token.partition("*")
             chunks.extend([int(size)] * (int(count) if count else 1))
         if any(c <= 0 for c in chunks) or sum(chunks) != numbers[2]:
-            raise ValueError(f"ticket chunks {parts[9:]} do not cut {numbers[2]} blocks")
+            raise ValueError(f"ticket chunks {parts[first_chunk:]} do not cut {numbers[2]} blocks")
         return cls(parts[0], numbers[0], numbers[1], numbers[2],
-                   KVGeometry.from_fields(numbers[3:8]), tuple(chunks))
+                   KVGeometry.from_fields(numbers[3:]), tuple(chunks))
 
 
 def pair_prefix(prefill_worker_id: str, decode_worker_id: str) -> str:

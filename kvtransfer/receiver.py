@@ -6,7 +6,9 @@ A pull's life (one request, one prefill worker):
    when there is none, it broke, or the prefill side invalidated it: checked in the store
    only after a pull on it failed), writes the request's ``Ticket`` into this worker's
    store and returns a ``KVPull`` at once; the pull then runs on a long-lived thread. The
-   caller then asks the prefill worker to send (gRPC ``SendKV``).
+   caller then asks the prefill worker to send (gRPC ``SendKV``). A prefill worker that
+   refuses the ticket (its ``KVGeometry`` differs: another KV cache dtype) says why in
+   the store without joining the channel, which ends the pull at once.
 2. WAITING_FOR_INPUT: the channel's group is up; over gloo the pull posts its header and
    chunk receives at once (straight into the cache's blocks, or into its ring's slots):
    in ``init`` itself when the channel is already up, else as soon as it is, so the
@@ -38,7 +40,13 @@ import torch
 import torch.distributed as dist
 
 from pdserve.kvtransfer.channel import CLOSE_ABORT_WAIT_S, PairGroup
-from pdserve.kvtransfer.payload import PayloadSink, load_copy_kernels, on_device, plan_chunks
+from pdserve.kvtransfer.payload import (
+    PayloadSink,
+    load_copy_kernels,
+    on_device,
+    plan_chunks,
+    wire_view,
+)
 from pdserve.kvtransfer.protocol import (
     CLAIM_FAILED_PREFIX,
     CLAIM_GIVEN_UP,
@@ -70,6 +78,7 @@ _CLAIM_KEY_TTL_S = 300.0  # longer than any sender waits before claiming
 # once. A receive costs ~10-20 us of CPU (a payload of 1024 scattered blocks is 1024
 # chunks), and init() runs before the prefill side is even asked to send.
 _EARLY_CHUNKS = 8
+_BOOTSTRAP_POLL_S = 0.02  # how often a pull waiting for a new channel checks its claim
 
 
 class KVReceiver:
@@ -81,6 +90,10 @@ class KVReceiver:
             contiguous or over block-major storage (``ModelRunner``'s: then chunks of
             consecutive ids land in place), any wire dtype; pulled blocks are written
             into it.
+        kv_scales: a quantized cache's scales ``[num_layers, 2, num_blocks,
+            num_kv_heads]`` fp32, inside its blocks (``ModelRunner.kv_scales``): blocks
+            then arrive as their bytes, values and scales together, never converted.
+            None: a float cache.
         address: ``"host:port"`` to serve the store on (port 0 picks a free one); the
             host is also the address gloo binds to. ``self.address`` is the real one.
         timeout_s: default seconds a pull may take from ``init`` to its end.
@@ -96,10 +109,11 @@ class KVReceiver:
 
     def __init__(self, worker_id: str, kv_cache: torch.Tensor, address: str = "127.0.0.1:0",
                  *, timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+                 staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 kv_scales: torch.Tensor | None = None) -> None:
         self.worker_id = worker_id
-        self.kv_cache = kv_cache
-        self.geometry = KVGeometry.of(kv_cache)
+        self.geometry = KVGeometry.of(kv_cache, kv_scales)
+        self.kv_cache = wire_view(kv_cache, kv_scales)  # what blocks are received into
         load_copy_kernels(kv_cache)
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -238,7 +252,7 @@ class KVReceiver:
     def _run(self, pull: KVPull) -> None:
         stats, error, moving = None, None, False
         try:
-            group = pull.channel.wait_ready(pull.deadline)
+            group = self._wait_channel(pull)
             if pull._advance(KVPollState.WAITING_FOR_INPUT) and not pull._posted:
                 self._post_early(pull, group)
             self._post_rest(pull, group)
@@ -262,6 +276,18 @@ class KVReceiver:
                 pull.channel.verified = False
                 pull._fail(error or KVTransferError(f"pull of {pull.request_id} failed"))
             self._forget(pull)
+
+    def _wait_channel(self, pull: KVPull) -> PairGroup:
+        """The pull's channel once it is up. A prefill side that refuses the pull before
+        joining a new channel (another KV cache dtype, an expired lease) claims ``"F
+        <reason>"``: that ends the wait at once, with the reason, rather than at the
+        deadline."""
+        while not pull.channel.ready.wait(min(_BOOTSTRAP_POLL_S, pull.remaining_s())):
+            if pull.remaining_s() <= 0:
+                break
+            if pull._claim_pushed == CLAIM_FAILED_PREFIX[0]:
+                self._await_claim(pull)  # raises the prefill side's reason
+        return pull.channel.wait_ready(pull.deadline)
 
     def _post_early(self, pull: KVPull, group: PairGroup) -> None:
         """Post the pull's receives before the prefill side claims it (gloo only; see

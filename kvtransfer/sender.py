@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from pdserve.kvtransfer.channel import CLOSE_ABORT_WAIT_S, PairGroup
 from pdserve.kvtransfer.handle import KVTransfer
-from pdserve.kvtransfer.payload import PayloadSource, load_copy_kernels, on_device
+from pdserve.kvtransfer.payload import PayloadSource, load_copy_kernels, on_device, wire_view
 from pdserve.kvtransfer.protocol import (
     CLAIM_FAILED_PREFIX,
     CLAIM_QUEUE_KEY,
@@ -37,6 +37,7 @@ from pdserve.kvtransfer.protocol import (
     check_block_ids,
     claim_key,
     established_key,
+    geometry_mismatch,
     pair_prefix,
     request_hash,
     split_address,
@@ -82,6 +83,9 @@ class KVSender:
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
             contiguous or over block-major storage (``ModelRunner``'s: then chunks of
             consecutive ids are sent in place); blocks are read from it.
+        kv_scales: a quantized cache's scales ``[num_layers, 2, num_blocks,
+            num_kv_heads]`` fp32, inside its blocks (``ModelRunner.kv_scales``): blocks
+            are then sent as their bytes, values and scales together. None: a float cache.
         host: the local address gloo binds to (the host of this worker's KV address).
         timeout_s: default seconds one send may take.
         connect_timeout_s: seconds to reach a decode worker's store and channel.
@@ -95,10 +99,11 @@ class KVSender:
 
     def __init__(self, worker_id: str, kv_cache: torch.Tensor, host: str = "127.0.0.1",
                  *, timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+                 staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 kv_scales: torch.Tensor | None = None) -> None:
         self.worker_id = worker_id
-        self.kv_cache = kv_cache
-        self.geometry = KVGeometry.of(kv_cache)
+        self.geometry = KVGeometry.of(kv_cache, kv_scales)
+        self.kv_cache = wire_view(kv_cache, kv_scales)  # what blocks are sent from
         load_copy_kernels(kv_cache)
         self.host = host
         self.timeout_s = timeout_s
@@ -198,7 +203,7 @@ class KVSender:
         peer = self._peer(decode_worker_id, address)
         stats, moving = None, False
         try:
-            ticket = self._ticket(peer, transfer, known)
+            ticket = self._ticket(peer, transfer, known, decode_worker_id)
             group = self._group(peer, ticket, transfer)
             if (transfer.remaining_s() <= 0
                     or not self._claim(peer, transfer.request_id, ticket, CLAIM_SENDING)):
@@ -219,9 +224,11 @@ class KVSender:
         else:
             transfer._fail(error)
 
-    def _ticket(self, peer: _Peer, transfer: KVTransfer, known: Ticket | None) -> Ticket:
+    def _ticket(self, peer: _Peer, transfer: KVTransfer, known: Ticket | None,
+                decode_worker_id: str) -> Ticket:
         """The pull's ticket, checked: ``known`` (passed along by the decode worker), or
-        read from its store (polling, bounded by the deadline)."""
+        read from its store (polling, bounded by the deadline). A ticket of another
+        geometry (another KV cache dtype) is refused before any channel is made."""
         delay_s = 0.0005
         ticket = known
         while ticket is None and (ticket := self._read_ticket(
@@ -231,9 +238,14 @@ class KVSender:
                                       f"{peer.address} ({peer.prefix})")
             time.sleep(min(delay_s, transfer.remaining_s()))
             delay_s = min(delay_s * 2, 0.02)
-        if ticket.num_blocks != transfer.num_blocks or ticket.geometry != self.geometry:
-            reason = (f"the decode side expects {ticket.num_blocks} blocks of "
-                      f"{ticket.geometry}, this side has {transfer.num_blocks} of {self.geometry}")
+        if ticket.geometry != self.geometry:
+            reason = geometry_mismatch(decode_worker_id, ticket.geometry, self.worker_id,
+                                       self.geometry)
+            self._claim(peer, transfer.request_id, ticket, CLAIM_FAILED_PREFIX + reason)
+            raise KVTransferError(f"request {transfer.request_id}: {reason}")
+        if ticket.num_blocks != transfer.num_blocks:
+            reason = (f"the decode side expects {ticket.num_blocks} blocks, this side has "
+                      f"{transfer.num_blocks}")
             self._claim(peer, transfer.request_id, ticket, CLAIM_FAILED_PREFIX + reason)
             raise KVTransferError(f"request {transfer.request_id}: {reason}")
         return ticket

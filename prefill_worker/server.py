@@ -89,7 +89,8 @@ class PrefillWorker(Worker):
 
     async def start(self) -> None:
         engine = await asyncio.to_thread(self.runtime.build_engine)
-        sender = KVSender(self.worker_id, engine.engine.model_runner.kv_cache,
+        runner = engine.engine.model_runner
+        sender = KVSender(self.worker_id, runner.kv_cache, kv_scales=runner.kv_scales,
                           host=self.config.kv_host, timeout_s=self.config.kv_transfer_timeout_s,
                           connect_timeout_s=self.config.kv_connect_timeout_s)
         self.service = PrefillService(engine, sender, self.worker_id, self.config.kv_host,

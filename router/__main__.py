@@ -23,6 +23,7 @@ from pdserve.cluster.auth import (
     redis_url_with_password,
 )
 from pdserve.engine.hub import resolve_model, resolve_tokenizer
+from pdserve.kernels.kv_quant import KV_CACHE_DTYPE_NAMES
 from pdserve.router.flags import (
     add_api_auth_args,
     add_http_args,
@@ -60,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--block-size", type=int, default=16,
                         help="tokens per KV block; must match the workers'")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_NAMES,
+                        help="the workers' --kv-cache-dtype; part of the block hashes the "
+                        "prefix index holds, so it must match the workers'")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion, tokens (default: the model's)")
     parser.add_argument("--local-prefill-threshold", type=int,
@@ -97,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
         model=model, redis_url=redis_url, served_model_name=names[0],
         served_model_aliases=tuple(names[1:]), tokenizer=tokenizer,
         chat_template=args.chat_template, generation_config=args.generation_config,
-        block_size=args.block_size, max_model_len=args.max_model_len,
+        block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len,
         local_prefill_threshold=args.local_prefill_threshold, auth=auth, **router_kwargs))
     serve_app(build_app(router, api_auth=api_auth, http_timeouts=http_timeouts),
               host=args.host, port=args.port, log_level=args.log_level)

@@ -46,6 +46,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.generation_config import GenerationDefaults
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer, read_chat_template
+from pdserve.kernels.kv_quant import canonical_kv_cache_dtype
 from pdserve.router import flags
 from pdserve.router.attempt import AttemptFailed, Progress, WorkerCalls
 from pdserve.router.metrics import RouterMetrics
@@ -104,7 +105,9 @@ class RouterConfig:
     sampling defaults fill a request's unset fields. ``served_model_name`` is the name
     responses give and workers register under (default: ``model``);
     ``served_model_aliases`` further names requests may use (vLLM's second and later
-    ``--served-model-name``).
+    ``--served-model-name``). ``block_size`` and ``kv_cache_dtype`` must be the workers':
+    the prefix index holds the workers' block hashes, whose root includes both
+    (``block_hash.root_block_hash``).
     """
 
     model: str
@@ -115,6 +118,7 @@ class RouterConfig:
     chat_template: str | None = None
     generation_config: str = "auto"
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_THRESHOLD
     disaggregation: str = "auto"
@@ -156,6 +160,7 @@ class RouterConfig:
         if self.tool_call_parser not in (None, *flags.TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser={self.tool_call_parser!r} must be one of "
                              f"{flags.TOOL_CALL_PARSERS}")
+        canonical_kv_cache_dtype(self.kv_cache_dtype)  # NOTE: raises for an unknown name
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser "
                              "(--tool-call-parser)")
@@ -209,7 +214,8 @@ class Router:
         self.pool = WorkerPool(WorkerRegistry(config.redis_url, auth=config.auth), config,
                                self.metrics)
         self.index = PrefixIndex(config.redis_url)
-        self._root_hash = root_block_hash(self.served_model_name, config.block_size)
+        self._root_hash = root_block_hash(self.served_model_name, config.block_size,
+                                          config.kv_cache_dtype)
         # NOTE: one rotation per role: a shared counter advanced twice per request makes
         # every tie of two workers fall the same way in both pools.
         self._rotation = {"prefill": itertools.count(), "decode": itertools.count()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -76,11 +77,13 @@ class Cluster:
 def in_process_cluster(folder: Path, max_model_len: int, *, model: Path | None = None,
                        oracle: LLM | None = None, num_gpu_blocks: int = 64,
                        http_timeouts: HTTPTimeouts | None = None,
+                       prefill_engine: dict | None = None, decode_engine: dict | None = None,
                        **router_kwargs) -> Iterator[Cluster]:
     """The cluster on ``model`` (default: the demo model, written under ``folder``), each
     worker with ``num_gpu_blocks`` KV blocks; ``oracle`` (default: a new ``LLM``) is the
     offline engine to compare with; ``http_timeouts`` go to ``build_app``;
-    ``router_kwargs`` go to ``RouterConfig``."""
+    ``prefill_engine`` / ``decode_engine``: ``EngineConfig`` fields that differ in that
+    worker (e.g. ``kv_cache_dtype``); ``router_kwargs`` go to ``RouterConfig``."""
     model = model or make_demo_model(folder / "demo")
     engine = EngineConfig(str(model), dtype="float32", max_model_len=max_model_len,
                           load_progress=False, num_gpu_blocks_override=num_gpu_blocks,
@@ -93,10 +96,12 @@ def in_process_cluster(folder: Path, max_model_len: int, *, model: Path | None =
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
 
     with RedisServer() as redis:
-        prefill = PrefillWorker(WorkerConfig("prefill", engine, redis_url=redis.url,
-                                             kv_transfer_timeout_s=10.0))
-        decode = DecodeWorker(WorkerConfig("decode", engine, redis_url=redis.url,
-                                           kv_transfer_timeout_s=10.0))
+        prefill = PrefillWorker(WorkerConfig(
+            "prefill", dataclasses.replace(engine, **(prefill_engine or {})),
+            redis_url=redis.url, kv_transfer_timeout_s=10.0))
+        decode = DecodeWorker(WorkerConfig(
+            "decode", dataclasses.replace(engine, **(decode_engine or {})),
+            redis_url=redis.url, kv_transfer_timeout_s=10.0))
         call(prefill.start())
         call(decode.start())
         router = Router(RouterConfig(str(model), redis.url, max_model_len=max_model_len,

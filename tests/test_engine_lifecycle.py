@@ -238,7 +238,7 @@ def test_cpu_kv_cache_sits_zeroed_on_huge_page_aligned_memory(llm):
     import gc
     import sys
 
-    from pdserve.engine.model_runner import cpu_zeros_on_huge_pages
+    from pdserve.engine.kv_cache_layout import cpu_zeros_on_huge_pages
 
     cache = cpu_zeros_on_huge_pages((3, 5, 7), torch.bfloat16)
     assert cache.shape == (3, 5, 7) and cache.dtype == torch.bfloat16 and cache.is_contiguous()

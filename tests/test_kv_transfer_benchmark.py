@@ -26,3 +26,15 @@ def test_kv_transfer_benchmark_moves_every_layout_and_reports_ratios(monkeypatch
                 row[f"{layout}_gbps"] / row["plain_gbps"])
             low, high = row[f"{layout}_ratio_range"]
             assert 0 < low <= high
+
+
+def test_kv_transfer_benchmark_moves_int8_caches_at_half_the_bytes_a_token(monkeypatch):
+    monkeypatch.syspath_prepend(str(_BENCHMARKS))
+    kv_transfer = importlib.import_module("kv_transfer")
+    (row,) = kv_transfer.run("llama-125m", reps=1, threads=1, prompt_tokens=(64,),
+                             kv_cache_dtype="int8")
+    # 12 layers x 2 x 4 kv heads x 64 one-byte values (bf16: 12 KiB), and each block of
+    # 16 tokens 384 bytes of fp32 scales: 24 bytes a token
+    assert row["bytes_per_token"] == 6144 + 24 == 12 * 1024 / 2 + 24
+    assert row["bytes"] == 4 * (16 * 6144 + 384)
+    assert all(row[f"{layout}_gbps"] > 0 for layout in kv_transfer.LAYOUTS)

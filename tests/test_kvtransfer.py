@@ -403,11 +403,14 @@ def test_chunk_plans_and_their_ticket_encoding():
     finally:
         payload.BLOCK_MESSAGE_BYTES = original
     ticket = Ticket("abc", 2, 5, 10, geometry, (3, 1, 2, 3, 1))
-    assert ticket.encode() == "abc 2 5 10 2 4 2 8 1 3 1 2 3 1"
+    # geometry: layers, block size, kv heads, head dim, dtype code, scales offset (none),
+    # block bytes
+    assert ticket.encode() == "abc 2 5 10 2 4 2 8 1 0 1024 3 1 2 3 1"
     assert Ticket.decode(ticket.encode()) == ticket
     many = Ticket("abc", 2, 5, 1030, geometry, (3,) * 300 + (1,) * 130)
     assert many.encode().endswith(" 3*300 1*130") and Ticket.decode(many.encode()) == many
-    for bad in ("abc 2 5 10 2 4 2 8 1 3 3", "abc 2 5 10 2 4 2 8 1 10 0", "abc 2 5 10 2 4 2 8 1"):
+    for bad in ("abc 2 5 10 2 4 2 8 1 0 1024 3 3", "abc 2 5 10 2 4 2 8 1 0 1024 10 0",
+                "abc 2 5 10 2 4 2 8 1 0 1024"):
         with pytest.raises(ValueError, match="do not cut 10 blocks"):
             Ticket.decode(bad)
 

@@ -6,7 +6,6 @@ close to it; unsupported schemes are refused naming the flag."""
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import random_prompts
 from gguf_files import write_tiny_gguf
 from test_gguf import NEW_TOKENS, transformers_greedy

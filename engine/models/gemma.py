@@ -18,9 +18,9 @@ from pdserve.engine.models.llama import MLP, Attention, AttentionMetadata, make_
 
 
 class GemmaDecoderLayer(nn.Module):
-    """``forward(x [T, hidden], residual None, rope, kv_cache, meta)`` -> ``(x, None)``:
-    the layer's output with its residual adds done (each in the model's dtype, as
-    transformers rounds them)."""
+    """``forward(x [T, hidden], residual None, rope, kv_cache, meta, kv_scales)`` ->
+    ``(x, None)``: the layer's output with its residual adds done (each in the model's
+    dtype, as transformers rounds them)."""
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -34,8 +34,9 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: None,
                 rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, None]:
-        attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+                meta: AttentionMetadata, kv_scales: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, None]:
+        attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, kv_scales)
         x = x + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(mlp), None

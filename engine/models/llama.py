@@ -90,9 +90,11 @@ class Attention(nn.Module):
             self.k_norm = make_norm(config, config.head_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """``x: [T, hidden]``, ``rope``: the step's ``[T, D]`` cos and sin,
-        ``kv_cache: [2, num_blocks, block_size, H_kv, D]`` -> ``[T, hidden]``."""
+        ``kv_cache: [2, num_blocks, block_size, H_kv, D]`` and, for a quantized cache,
+        its ``kv_scales: [2, num_blocks, H_kv]`` fp32 -> ``[T, hidden]``."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
@@ -102,9 +104,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary_embedding(q, k, *rope)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
+        store_kv(k, v, key_cache, value_cache, meta.slot_mapping, *scales)
         nd = meta.num_decode_tokens
-        options = (self.scale, self.sliding_window, self.softcap)
+        options = (self.scale, self.sliding_window, self.softcap, *scales)
         if nd == num_tokens:
             out = paged_decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
                                          meta.decode_seq_lens, *options)
@@ -148,7 +151,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, residual, rope, kv_cache, meta):
+    def forward(self, x, residual, rope, kv_cache, meta, kv_scales=None):
         """``x, residual: [T, hidden]`` -> ``(x, residual)``; the layer's input is
         ``x + residual`` (``residual`` None: just ``x``), added inside the fused norms as
         vLLM does. Rounding is transformers': each residual sum in the model dtype."""
@@ -156,7 +159,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, kv_cache, meta)
+        x = self.self_attn(x, rope, kv_cache, meta, kv_scales)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -176,7 +179,8 @@ class LlamaForCausalLM(nn.Module):
     """Causal LM over a flat token batch, for every family (``ModelConfig``).
 
     ``forward(input_ids [T] int64, positions [T] int64, kv_cache [L, 2, num_blocks,
-    block_size, H_kv, D], meta)`` returns hidden states ``[T, hidden]``;
+    block_size, H_kv, D], meta, kv_scales [L, 2, num_blocks, H_kv] fp32 for a quantized
+    cache)`` returns hidden states ``[T, hidden]``;
     ``compute_logits(hidden [N, hidden])`` returns fp32 logits ``[N, vocab]``.
     """
 
@@ -193,7 +197,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, kv_scales: torch.Tensor | None = None
+                ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.config.embed_scale is not None:  # NOTE: the scale rounded to x's dtype first
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
@@ -204,9 +209,11 @@ class LlamaForCausalLM(nn.Module):
                       if self.local_rotary_emb is not None else rope)
         windows = self.config.layer_windows or (None,) * len(self.model.layers)
         residual = None
-        for layer, layer_cache, window in zip(self.model.layers, kv_cache, windows):
+        layer_scales = kv_scales if kv_scales is not None else (None,) * len(windows)
+        for layer, layer_cache, scales, window in zip(self.model.layers, kv_cache, layer_scales,
+                                                      windows):
             x, residual = layer(x, residual, rope if window is None else local_rope,
-                                layer_cache, meta)
+                                layer_cache, meta, scales)
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
