@@ -257,11 +257,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         sized_by_share = (self.device.type == "cuda" and config.num_gpu_blocks_override is None
                           and config.kv_cache_memory_bytes is None)
-        gpu_free_bytes = self._check_gpu_share() if sized_by_share else 0
+        gpu_reserved_at_start = self._check_gpu_share() if sized_by_share else 0
         self.model_runner = ModelRunner(self.model_config, config.block_size, self.device,
                                         config.seed, config.load_progress, self.source,
                                         config.kv_cache_dtype)
-        self.num_blocks = self._num_kv_blocks(gpu_free_bytes)
+        self.num_blocks = self._num_kv_blocks(gpu_reserved_at_start)
         self.model_runner.allocate_kv_cache(self.num_blocks)
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, config.block_size,
@@ -297,9 +297,9 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.model_config.max_model_len
 
-    def _num_kv_blocks(self, gpu_free_bytes: int) -> int:
-        """Blocks of the KV cache; ``gpu_free_bytes``: the GPU's free memory before this
-        engine loaded anything (CUDA only)."""
+    def _num_kv_blocks(self, gpu_reserved_at_start: int) -> int:
+        """Blocks of the KV cache; ``gpu_reserved_at_start``: the bytes this process's CUDA
+        caching allocator held before this engine loaded anything (CUDA only)."""
         cfg, mc = self.config, self.model_config
         block_bytes = kv_cache_block_bytes(mc, cfg.block_size, cfg.kv_cache_dtype)
         min_blocks = cdiv(mc.max_model_len, cfg.block_size)
@@ -308,7 +308,7 @@ class LLMEngine:
         elif cfg.kv_cache_memory_bytes is not None:
             num_blocks = cfg.kv_cache_memory_bytes // block_bytes
         elif self.device.type == "cuda":
-            num_blocks = self._num_gpu_blocks(block_bytes, gpu_free_bytes)
+            num_blocks = self._num_gpu_blocks(block_bytes, gpu_reserved_at_start)
         else:
             useful = cfg.max_num_seqs * min_blocks
             num_blocks = min(_CPU_KV_CACHE_BYTES // block_bytes, useful)
@@ -321,13 +321,14 @@ class LLMEngine:
         return int(num_blocks)
 
     def _check_gpu_share(self) -> int:
-        """The GPU's free bytes now, before this engine loads anything.
+        """Refuse to start without this engine's share free; return the bytes this
+        process's CUDA caching allocator holds now, before this engine loads anything.
 
         Raises:
             ValueError: less is free than this engine's share (``gpu_memory_utilization``
                 of the whole GPU), naming the setting, as vLLM refuses to start.
         """
-        free, total = torch.cuda.mem_get_info(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)  # NOTE: makes the CUDA context
         share = self.config.gpu_memory_utilization
         if free < share * total:
             raise ValueError(
@@ -335,19 +336,27 @@ class LLMEngine:
                 f"{torch.cuda.get_device_name(self.device)}'s {total / 2**30:.2f} GiB, but "
                 f"only {free / 2**30:.2f} GiB are free (other processes hold the rest): "
                 "lower gpu_memory_utilization or free the GPU")
-        return free
+        return torch.cuda.memory_reserved(self.device)
 
-    def _num_gpu_blocks(self, block_bytes: int, free_at_start: int) -> int:
+    def _num_gpu_blocks(self, block_bytes: int, reserved_at_start: int) -> int:
         """KV blocks that fit in this engine's share of the GPU, ``gpu_memory_utilization``
         of its whole memory (vLLM's meaning: two engines on one GPU take 0.45 each), beside
-        what this engine uses otherwise: the memory it took since ``free_at_start`` (its
-        weights, library workspaces) and the activations of its largest step, measured by a
-        profile run."""
+        what this engine uses otherwise: what its process's caching allocator took since
+        ``reserved_at_start`` (its weights, library workspaces) and the activations of its
+        largest step, measured by a profile run.
+
+        NOTE: counted on this process's allocator, not the device's free memory: another
+        process allocating while this one loads (a second engine starting, other jobs on
+        a shared GPU) would otherwise shrink this cache by what it took (on an H100 with
+        parallel test processes, 9 of 21 GB). The CUDA context is made before
+        ``reserved_at_start`` and is outside the share's accounting, as in vLLM.
+        """
         cfg = self.config
         activation_bytes = self.model_runner.profile_activation_bytes(
             self._token_budget(), cfg.max_num_seqs, self.model_config.max_model_len)
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = max(free_at_start - free, 0) + activation_bytes
+        total = torch.cuda.mem_get_info(self.device)[1]
+        used = max(torch.cuda.memory_reserved(self.device) - reserved_at_start, 0) \
+            + activation_bytes
         budget = int(total * cfg.gpu_memory_utilization) - used
         logger.info("GPU memory: %.2f GiB of %.2f GiB for this engine "
                     "(gpu_memory_utilization=%s); weights and workspaces %.2f GiB, a step's "

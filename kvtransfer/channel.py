@@ -13,7 +13,15 @@ stream after NCCL's), so NCCL payloads are waited for by polling ``is_completed`
 the transfer's deadline, and a group whose op is past it is aborted like a gloo one. The
 NCCL group's own timeout is longer than any transfer's, and its watchdog is told not to
 end the process on an error (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` unless the operator set
-it): a failed pair costs one pull, never the worker.
+it): a failed pair costs one pull, never the worker. Nor does it reach other pairs: every
+pair of a decode worker shares its ``TCPStore``, and ``ProcessGroupNCCL`` writes a failed
+op's flight-recorder dump signal under the store's root key, which every other NCCL group
+on that store (other prefill workers', a restarted one's) polls, dumps on and then ends
+its process for; and the flight recorder's watchdog takes the GIL to print a failed op's
+Python stack, while dropping the failed group joins that watchdog with the GIL held (a
+deadlock, seen on an H100). So pair groups run without the dump, the heartbeat monitor
+and the flight recorder (``TORCH_NCCL_DUMP_ON_TIMEOUT=0``,
+``TORCH_NCCL_ENABLE_MONITORING=0``, ``TORCH_FR_BUFFER_SIZE=0``, always).
 """
 
 from __future__ import annotations
@@ -379,6 +387,13 @@ def _make_nccl(pstore: dist.Store, rank: int, device: torch.device, timeout_s: f
     # NOTE: read when the group is made; 0 leaves errors to the ops' waits, where the
     # default (3) would end this process when the peer dies or an op times out
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    # NOTE: forced, not defaults (module docstring): no dump signal through the shared
+    # store, no heartbeat monitor to end the process, no flight recorder whose watchdog
+    # takes the GIL (dropping a failed group joins that watchdog with the GIL held)
+    os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "0"
+    os.environ["TORCH_NCCL_ENABLE_MONITORING"] = "0"
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "0"  # NOTE: its newer name
+    os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "0"  # ... and before
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = _timedelta(max(timeout_s, _NCCL_WATCHDOG_S))
     with torch.cuda.device(device):
