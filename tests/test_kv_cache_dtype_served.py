@@ -1,8 +1,9 @@
 """``--kv-cache-dtype`` served disaggregated: a prefill and a decode worker in this process
 (``inproc_cluster``), a real Redis and router, KV over a loopback gloo pair channel.
 
-Both workers on int8: the served greedy text equals the colocated engine's on int8 (the
-same kernels store the same bytes, which move unconverted), the router hashes prompts as
+Both workers on int8 (and with int8 weights too): the served greedy text equals the
+colocated engine's in the same configuration (the same kernels store the same bytes,
+which move unconverted), the router hashes prompts as
 its workers do, and the prefix index leads a repeated prompt to the decode worker that
 holds it. Workers of different KV dtypes: the pull is refused at pairing within seconds,
 with an error naming both, and the request still completes (prefilled again on the decode
@@ -72,6 +73,27 @@ def test_int8_workers_serve_the_colocated_int8_engines_tokens(demo, tmp_path):
         assert hashes == hash_block_chain(tokens, 16, engines[1].kv_cache_manager.root_hash)
         assert overlaps[cluster.decode.worker_id] == overlaps[cluster.prefill.worker_id] == len(
             tokens) // 16
+
+
+def test_w8_with_int8_kv_disaggregated_equals_colocated(demo, tmp_path):
+    """Issue 26's disaggregated check: int8 weights (``--quantization int8``) and an int8
+    KV cache on both workers, every prompt prefilled remotely: the served greedy text is the
+    colocated engine's in the same configuration."""
+    config = {"kv_cache_dtype": "int8", "quantization": "int8"}
+    oracle = LLM(str(demo), dtype="float32", max_model_len=256, load_progress=False, **config)
+    with in_process_cluster(tmp_path, 256, model=demo, oracle=oracle, prefill_engine=config,
+                            decode_engine=config, kv_cache_dtype="int8", disaggregation="always",
+                            local_prefill_threshold=4) as cluster:
+        engines = [w.runtime.engine.engine for w in (cluster.prefill, cluster.decode)]
+        for engine in engines:  # both workers run the quantized linears and cache
+            assert engine.model_runner.kv_cache.dtype.itemsize == 1
+            layer = engine.model_runner.model.model.layers[0]
+            assert type(layer.mlp.down_proj).__name__ == "QuantizedLinear"
+        for prompt in PROMPTS:
+            assert generate(cluster, prompt) == cluster.expected(prompt, ignore_eos=True,
+                                                                 **PARAMS)
+        assert cluster.prefill_paths().get("remote", 0) >= len(PROMPTS)
+        cluster.wait_all_blocks_free()
 
 
 def test_workers_of_different_kv_dtypes_are_refused_at_pairing(demo, tmp_path, caplog):
