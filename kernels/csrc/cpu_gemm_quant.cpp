@@ -132,6 +132,25 @@ inline void dequant4(const uint8_t* row, __m512 s0, __m512 s1, __m512& e0, __m51
   o1 = _mm512_mul_ps(widen(_mm256_extracti128_si256(hi, 1)), s1);
 }
 
+// The same values as fp32, not scaled: int8's 32 of one k, int4's of a pair of k's.
+inline void raw8(const uint8_t* row, __m512& w0, __m512& w1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+  w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+}
+
+inline void raw4(const uint8_t* row, __m512& e0, __m512& e1, __m512& o0, __m512& o1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(v, nib);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+  auto widen = [](__m128i x) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x)); };
+  e0 = widen(_mm256_castsi256_si128(lo));
+  e1 = widen(_mm256_extracti128_si256(lo, 1));
+  o0 = widen(_mm256_castsi256_si128(hi));
+  o1 = widen(_mm256_extracti128_si256(hi, 1));
+}
+
 // Group g's 32 scales (or mins) of panel p as two fp32 vectors.
 inline void load_group(const QuantPanels& w, const void* base, int64_t p, int64_t g,
                        __m512& v0, __m512& v1) {
@@ -196,10 +215,99 @@ void tile(const QuantPanels& w, const TileArgs& t) {
   }
 }
 
+// Few rows (decode's m = 1 to 4): the products of the raw values (not yet scaled) are summed
+// per group, in separate sums for even and odd k, and scaled once where the segment of the
+// group ends. That takes the two multiplies per k off the dequantizing and splits the one
+// FMA dependency chain per row into two, which at m = 1 bound the loop (a chain of 4-cycle
+// FMAs); the panel is prefetched kPrefetch bytes ahead, as the rows leave the loop little
+// time between loads for the hardware prefetcher to keep up.
+constexpr int64_t kPrefetch = 1024;
+
+template <int kRows>
+void tile_small(const QuantPanels& w, const TileArgs& t) {
+  __m512 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) {
+    acc[r][0] = _mm512_loadu_ps(t.acc + r * kPanel);
+    acc[r][1] = _mm512_loadu_ps(t.acc + r * kPanel + 16);
+  }
+  const uint8_t* panel = w.q + t.p * w.panel_bytes();
+  for (int64_t k = t.k0; k < t.k0 + t.kc;) {
+    const int64_t g = k / w.group, end = std::min(t.k0 + t.kc, (g + 1) * w.group);
+    __m512 ev[kRows][2], od[kRows][2];
+    for (int r = 0; r < kRows; ++r)
+      ev[r][0] = ev[r][1] = od[r][0] = od[r][1] = _mm512_setzero_ps();
+    if (w.bits == 8) {
+      for (; k + 1 < end; k += 2) {
+        const uint8_t* row = panel + k * kPanel;
+        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
+        __m512 e0, e1, o0, o1;
+        raw8(row, e0, e1);
+        raw8(row + kPanel, o0, o1);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 x0 = _mm512_set1_ps(t.a[r * t.lda + k]);
+          const __m512 x1 = _mm512_set1_ps(t.a[r * t.lda + k + 1]);
+          ev[r][0] = _mm512_fmadd_ps(x0, e0, ev[r][0]);
+          ev[r][1] = _mm512_fmadd_ps(x0, e1, ev[r][1]);
+          od[r][0] = _mm512_fmadd_ps(x1, o0, od[r][0]);
+          od[r][1] = _mm512_fmadd_ps(x1, o1, od[r][1]);
+        }
+      }
+      for (; k < end; ++k) {  // an odd segment's last k
+        __m512 e0, e1;
+        raw8(panel + k * kPanel, e0, e1);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 x0 = _mm512_set1_ps(t.a[r * t.lda + k]);
+          ev[r][0] = _mm512_fmadd_ps(x0, e0, ev[r][0]);
+          ev[r][1] = _mm512_fmadd_ps(x0, e1, ev[r][1]);
+        }
+      }
+    } else {
+      for (; k < end; k += 2) {
+        const uint8_t* row = panel + k / 2 * kPanel;
+        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
+        __m512 e0, e1, o0, o1;
+        raw4(row, e0, e1, o0, o1);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 x0 = _mm512_set1_ps(t.a[r * t.lda + k]);
+          const __m512 x1 = _mm512_set1_ps(t.a[r * t.lda + k + 1]);
+          ev[r][0] = _mm512_fmadd_ps(x0, e0, ev[r][0]);
+          ev[r][1] = _mm512_fmadd_ps(x0, e1, ev[r][1]);
+          od[r][0] = _mm512_fmadd_ps(x1, o0, od[r][0]);
+          od[r][1] = _mm512_fmadd_ps(x1, o1, od[r][1]);
+        }
+      }
+    }
+    __m512 s0, s1;
+    load_group(w, w.scale, t.p, g, s0, s1);
+    for (int r = 0; r < kRows; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(_mm512_add_ps(ev[r][0], od[r][0]), s0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_add_ps(ev[r][1], od[r][1]), s1, acc[r][1]);
+    }
+    if (w.min != nullptr && end == (g + 1) * w.group) {  // NOTE: once, where the group ends
+      __m512 m0, m1;
+      load_group(w, w.min, t.p, g, m0, m1);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 xs = _mm512_set1_ps(t.xsum[r * w.groups + g]);
+        acc[r][0] = _mm512_fmadd_ps(xs, m0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xs, m1, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    _mm512_storeu_ps(t.acc + r * kPanel, acc[r][0]);
+    _mm512_storeu_ps(t.acc + r * kPanel + 16, acc[r][1]);
+  }
+}
+
+constexpr int kSmallRows = 4;  // tiles of at most this many rows take tile_small
+
 template <int kRows = kTileRows>
 void tile_rows(const QuantPanels& w, const TileArgs& t) {
   if constexpr (kRows > 0) {
-    if (t.rows == kRows) return tile<kRows>(w, t);
+    if (t.rows == kRows) {
+      if constexpr (kRows <= kSmallRows) return tile_small<kRows>(w, t);
+      else return tile<kRows>(w, t);
+    }
     tile_rows<kRows - 1>(w, t);
   }
 }
