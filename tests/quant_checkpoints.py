@@ -33,6 +33,8 @@ class Quantized:
     scale: torch.Tensor
     bits: int
     group: int
+    layout: str = ""
+    symmetric: bool = False
 
     def dequantize(self) -> torch.Tensor:
         """``[N, K]`` fp32, computed exactly (fp16/bf16 scales times small integers)."""
@@ -117,11 +119,12 @@ def ct_tensors(qz: Quantized, layout: str, symmetric: bool) -> dict[str, torch.T
 
 def write_quantized(float_path: Path, out: Path, layout: str, bits: int, group: int,
                     symmetric: bool, quantization_config: dict, quantize_head: bool = False,
-                    keep_float=lambda module: False, scale_dtype: torch.dtype = torch.float16
-                    ) -> tuple[Path, Path, dict[str, Quantized]]:
+                    keep_float=lambda module: False, scale_dtype: torch.dtype = torch.float16,
+                    overrides=lambda module: {}) -> tuple[Path, Path, dict[str, Quantized]]:
     """The float checkpoint at ``float_path`` quantized into ``out`` in ``layout`` (its
     decoder linears but those ``keep_float(module)`` names, the LM head where
-    ``quantize_head``: a tied one as its own tensor), and its dequantized twin
+    ``quantize_head``: a tied one as its own tensor; ``overrides(module)`` may change a
+    module's ``layout``, ``bits``, ``group``, ``symmetric``), and its dequantized twin
     ``out-float``. Returns (quantized folder, float twin, module -> its integers)."""
     weights = load_file(float_path / "model.safetensors")
     if quantize_head and "lm_head.weight" not in weights:  # tied: the head stored apart
@@ -137,12 +140,15 @@ def write_quantized(float_path: Path, out: Path, layout: str, bits: int, group: 
         if not is_linear or keep_float(module):
             stored[name] = tensor
             continue
-        qz = quantize(tensor, bits, group, symmetric, scale_dtype)
+        spec = {"layout": layout, "bits": bits, "group": group, "symmetric": symmetric,
+                **overrides(module)}
+        qz = quantize(tensor, spec["bits"], spec["group"], spec["symmetric"], scale_dtype)
+        qz.layout, qz.symmetric = spec["layout"], spec["symmetric"]
         integers[module] = qz
         twin[name] = qz.dequantize()
-        parts = (awq_tensors(qz) if layout == "awq" else
-                 gptq_tensors(qz, layout == "gptq_v2") if layout.startswith("gptq") else
-                 ct_tensors(qz, layout, symmetric))
+        parts = (awq_tensors(qz) if qz.layout == "awq" else
+                 gptq_tensors(qz, qz.layout == "gptq_v2") if qz.layout.startswith("gptq") else
+                 ct_tensors(qz, qz.layout, qz.symmetric))
         stored.update({f"{module}.{part}": t.contiguous() for part, t in parts.items()})
     save_file(stored, out / "model.safetensors")
     save_file(twin, twin_path / "model.safetensors")

@@ -1,16 +1,19 @@
 """Quantized safetensors checkpoints (AWQ, GPTQ, compressed-tensors) load into pdserve's
-quantized linears without loss: every weight dequantizes exactly to its stored integers
-(the test's own packer and unpacker, from each library's spec, and compressed-tensors'
-own decompressor where it is installed), and greedy generation gives the tokens and
+quantized linears without loss: every weight dequantizes exactly to the integers the test
+packed (in each library's on-disk layout, packed by ``quant_checkpoints.py`` from the
+spec, or by compressed-tensors' own ``pack_to_int32``, whose decompressor also checks
+the same values where it is installed), and greedy generation gives the tokens and
 logprobs transformers gives on the same dequantized weights stored as floats. What
 pdserve does not read is refused, naming the field."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import random_prompts, write_tiny_checkpoint
-from quant_checkpoints import write_quantized
+from quant_checkpoints import quantize, write_quantized
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -18,20 +21,27 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.model_source import open_model
 from pdserve.engine.models.quantization import QuantizedLinear, check_quantization
+from pdserve.engine.quant_checkpoint import from_unsigned
 from pdserve.kernels.quant_linear import dequantize
 
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
 
 
-def ct_config(fmt: str, bits: int, strategy: str, group: int | None, symmetric: bool,
-              ignore=("lm_head",)) -> dict:
+def ct_group(bits: int, strategy: str, group: int | None, symmetric: bool,
+             targets=("Linear",), fmt: str | None = None) -> dict:
+    """One of compressed-tensors' ``config_groups`` (as llm-compressor saves it)."""
     weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy,
                "group_size": group, "dynamic": False, "actorder": None, "observer": "minmax"}
+    scheme = {"targets": list(targets), "weights": weights, "input_activations": None}
+    return scheme if fmt is None else {**scheme, "format": fmt}
+
+
+def ct_config(fmt: str, bits: int, strategy: str, group: int | None, symmetric: bool,
+              ignore=("lm_head",)) -> dict:
     return {"quant_method": "compressed-tensors", "format": fmt,
             "quantization_status": "compressed", "ignore": list(ignore),
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": None}}}
+            "config_groups": {"group_0": ct_group(bits, strategy, group, symmetric)}}
 
 
 # name -> (architecture, write_quantized arguments)
@@ -65,6 +75,20 @@ CASES = {
     "ct-int8-group-asym": ("llama", {
         "layout": "int-quantized", "bits": 8, "group": 32, "symmetric": False,
         "quantization_config": ct_config("int-quantized", 8, "group", 32, False)}),
+    # two config groups (a regex and module names as targets) of two formats; o_proj in
+    # neither stays float
+    "ct-two-groups": ("llama", {
+        "layout": "pack-quantized", "bits": 4, "group": 64, "symmetric": True,
+        "keep_float": lambda module: module.endswith("o_proj"),
+        "overrides": lambda module: {"layout": "int-quantized", "bits": 8, "group": -1,
+                                     "symmetric": False} if ".mlp." in module else {},
+        "quantization_config": {**ct_config("mixed-precision", 4, "group", 64, True),
+                                "config_groups": {
+            "attention": ct_group(4, "group", 64, True, ["re:.*self_attn\\.[qkv]_proj$"],
+                                  "pack-quantized"),
+            "mlp": ct_group(8, "channel", None, False, [
+                f"model.layers.{i}.mlp.{name}" for i in range(2)
+                for name in ("gate_proj", "up_proj", "down_proj")], "int-quantized")}}}),
 }
 
 
@@ -92,7 +116,7 @@ def transformers_greedy(path, prompts):
     return results
 
 
-def ct_library_dequantize(case: dict, stored: dict[str, torch.Tensor]) -> torch.Tensor | None:
+def ct_library_dequantize(qz, stored: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """compressed-tensors' own decompressor on one linear's stored tensors (its scales
     widened to fp32 first, so the library's product is exact too); None where the
     library is not installed."""
@@ -101,11 +125,13 @@ def ct_library_dequantize(case: dict, stored: dict[str, torch.Tensor]) -> torch.
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     except ImportError:
         return None
-    weights = case["quantization_config"]["config_groups"]["group_0"]["weights"]
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**{
-        k: v for k, v in weights.items() if k != "observer"}))
-    compressor = BaseCompressor.get_value_from_registry(case["layout"])
+    channel = qz.group == qz.q.shape[1]
+    args = QuantizationArgs(num_bits=qz.bits, type="int", symmetric=qz.symmetric,
+                            strategy="channel" if channel else "group",
+                            group_size=None if channel else qz.group)
+    compressor = BaseCompressor.get_value_from_registry(qz.layout)
     state = {**stored, "weight_scale": stored["weight_scale"].float()}
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
     return compressor.decompress(state, scheme)["weight"].float()
 
 
@@ -119,10 +145,10 @@ def test_checkpoint_loads_exactly_and_gives_transformers_tokens(name, tmp_path):
     weights = dict(open_model(path).iterate_weights(torch.float32, progress=False))
     for module, qz in integers.items():
         assert torch.equal(dequantize(weights[f"{module}.weight"]), qz.dequantize()), module
-        if case["layout"].startswith(("pack", "int")):
+        if qz.layout in ("pack-quantized", "int-quantized"):
             parts = {k.rpartition(".")[2]: v for k, v in stored.items()
                      if k.rpartition(".")[0] == module}
-            library = ct_library_dequantize(case, parts)
+            library = ct_library_dequantize(qz, parts)
             assert library is None or torch.equal(library, qz.dequantize()), module
 
     prompts = random_prompts([3, 17, 40], seed=3)
@@ -233,3 +259,50 @@ def test_a_module_stored_quantized_that_the_config_ignores_is_refused(tmp_path):
     with pytest.raises(UnsupportedModelError,
                        match="model.layers.0.mlp.down_proj is stored quantized"):
         LLM(str(path), load_progress=False)
+
+
+def test_a_long_per_channel_row_with_zero_points_runs_in_kernel_sized_groups():
+    """Per channel, K = 2048 exceeds the kernels' 1024 for groups with mins: the row's
+    scale and min repeat over groups of 1024, the values unchanged."""
+    qz = quantize(torch.randn(8, 2048), 4, -1, False)
+    weight = from_unsigned("proj", qz.q, qz.zero, qz.scale, 4, 2048)
+    assert weight.group_size == 1024 and weight.scale.shape == (8, 2)
+    assert torch.equal(dequantize(weight), qz.dequantize())
+    with pytest.raises(UnsupportedModelError, match="group_size=8 is not supported"):
+        coarse = quantize(torch.randn(8, 64), 4, 8, False)
+        from_unsigned("proj", coarse.q, coarse.zero, coarse.scale, 4, 8)
+
+
+def test_a_linear_split_across_shards_is_read_whole(awq_checkpoint, tmp_path):
+    """A sharded checkpoint may put one linear's qweight and scales in different files."""
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    for file in awq_checkpoint.iterdir():
+        if file.suffix != ".safetensors":
+            (folder / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(awq_checkpoint / "model.safetensors")
+    first = {n: t for n, t in tensors.items() if not n.endswith((".scales", ".qzeros"))}
+    second = {n: t for n, t in tensors.items() if n not in first}
+    save_file(first, folder / "model-00001-of-00002.safetensors")
+    save_file(second, folder / "model-00002-of-00002.safetensors")
+    index = {"weight_map": {**dict.fromkeys(first, "model-00001-of-00002.safetensors"),
+                            **dict.fromkeys(second, "model-00002-of-00002.safetensors")}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    whole = dict(open_model(awq_checkpoint).iterate_weights(torch.float32, progress=False))
+    split = dict(open_model(folder).iterate_weights(torch.float32, progress=False))
+    assert whole.keys() == split.keys()
+    for name, weight in whole.items():
+        other = split[name]
+        assert torch.equal(dequantize(weight), dequantize(other)) if name.endswith(
+            "proj.weight") else torch.equal(weight, other), name
+
+
+def test_the_flag_takes_the_checkpoint_methods():
+    import argparse
+
+    from pdserve.engine.args import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for method in ("awq", "gptq", "compressed-tensors", "int8", "gguf"):
+        assert parser.parse_args(["--quantization", method]).quantization == method
