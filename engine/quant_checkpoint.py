@@ -17,9 +17,9 @@ All become ``q * scale + min`` with ``min = -z * s`` (``kernels/quant_linear.py`
 values unsigned, two a byte; 8-bit ones signed, ``q - 128`` with ``min = (128 - z) * s``,
 no min where every one is 0). The scales and mins are computed in fp32: exact for fp16 or
 bf16 scales (a zero point of at most 9 bits times an 11-bit mantissa), kept fp16 where
-both round-trip through it, else fp32. Per-channel weights (``group_size`` -1) become
-groups of the largest multiple of 32 at most 1024 that divides K where K itself is too
-large for the kernels (mins need groups of at most 1024), their scales repeated.
+both round-trip through it, else fp32. A group the kernels do not take (a per-channel
+row of more than 1024 with mins, a group of 48) runs as smaller groups that divide it,
+16 or multiples of 32, its scale and min repeated.
 """
 
 from __future__ import annotations
@@ -110,25 +110,22 @@ def _groups(module: str, fmt: WeightFormat, in_features: int) -> tuple[int, int]
     return group, in_features // group
 
 
-def _kernel_group(module: str, group: int, in_features: int, has_min: bool) -> int:
-    """The group size the kernels run (a divisor of ``group``): ``group`` itself where
-    they take it (16, or a multiple of 32, at most ``MAX_GROUP_WITH_MIN`` with mins), else
-    for a per-channel weight the largest multiple of 32 that fits and divides it.
+def _kernel_group(module: str, group: int, has_min: bool) -> int:
+    """The group size the kernels run, a divisor of ``group`` (each stored group becomes
+    ``group // size`` groups of the same scale and min): the largest multiple of 32 that
+    divides it, at most ``MAX_GROUP_WITH_MIN`` with mins, else 16.
 
     Raises:
-        UnsupportedModelError: a group size the kernels do not take (naming it).
+        UnsupportedModelError: no such divisor (a group of 8, 24, ...), naming the group.
     """
-    limit = MAX_GROUP_WITH_MIN if has_min else in_features
-    if (group == 16 or group % 32 == 0) and group <= limit:
-        return group
-    if group == in_features:  # per channel: the same scale repeated over smaller groups
-        for size in range(min(limit, group) // 32 * 32, 0, -32):
-            if group % size == 0:
-                return size
+    limit = min(group, MAX_GROUP_WITH_MIN if has_min else group)
+    for size in [*range(limit // 32 * 32, 0, -32), 16]:
+        if group % size == 0:
+            return size
     raise UnsupportedModelError(
         f"{module}: quantization_config.group_size={group} is not supported: pdserve's "
-        f"kernels take 16, multiples of 32 up to {MAX_GROUP_WITH_MIN} (with zero points), or "
-        "-1 (per output channel) where K has such a divisor")
+        f"kernels take groups of 16 or multiples of 32 (up to {MAX_GROUP_WITH_MIN} with zero "
+        "points), and a group that one of those divides")
 
 
 def _narrow(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -156,7 +153,7 @@ def from_unsigned(module: str, q: torch.Tensor, zero: torch.Tensor, scale: torch
     else:
         values, minimum = (q - 128).to(torch.int8), (128 - zero).float() * s
     keep_min = bits == 4 or bool(minimum.any())
-    kernel_group = _kernel_group(module, group, k, keep_min)
+    kernel_group = _kernel_group(module, group, keep_min)
     if kernel_group != group:
         s = s.repeat_interleave(group // kernel_group, dim=1)
         minimum = minimum.repeat_interleave(group // kernel_group, dim=1)
@@ -190,6 +187,9 @@ def _gptq(module: str, fmt: WeightFormat, t: dict[str, torch.Tensor]) -> QuantWe
     _expect(module, "scales", t["scales"], (groups, n), _SCALE_DTYPES)
     _expect(module, "qweight", t["qweight"], (k // per_word, n), _INT32)
     g_idx = t.get("g_idx")
+    if g_idx is None and fmt.desc_act:
+        raise UnsupportedModelError(f"{module}: desc_act=true without a g_idx tensor: the "
+                                    "order of its groups is not known")
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
         raise UnsupportedModelError(
             f"{module}.g_idx is not k // group_size (act-order groups, desc_act=true): pdserve "

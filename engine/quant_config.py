@@ -53,12 +53,14 @@ class WeightFormat:
         bits: 4 or 8.
         group_size: input features per group, or -1 for one group per output channel.
         symmetric: compressed-tensors only: no zero point is stored.
+        desc_act: GPTQ only: the groups may follow the activation order (``g_idx`` says).
     """
 
     layout: str
     bits: int
     group_size: int
     symmetric: bool = True
+    desc_act: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,8 +171,8 @@ def _gptq(quant: dict) -> CheckpointQuantization:
         raise _refuse("pack_dtype", quant["pack_dtype"], "GPTQ packed in int32")
     if quant.get("dynamic"):
         raise _refuse("dynamic", quant["dynamic"], "GPTQ with one format for every layer")
-    fmt = WeightFormat(layout, bits, _group_size(quant, "group_size"), bool(quant.get(
-        "sym", True)))
+    fmt = WeightFormat(layout, bits, _group_size(quant, "group_size"),
+                       bool(quant.get("sym", True)), bool(quant.get("desc_act")))
     per_layer = [name for block in quant.get("modules_in_block_to_quantize") or []
                  for name in block]
     targets = tuple(f"re:.*\\.{re.escape(name)}$" for name in per_layer)

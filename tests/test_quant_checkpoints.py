@@ -261,16 +261,20 @@ def test_a_module_stored_quantized_that_the_config_ignores_is_refused(tmp_path):
         LLM(str(path), load_progress=False)
 
 
-def test_a_long_per_channel_row_with_zero_points_runs_in_kernel_sized_groups():
-    """Per channel, K = 2048 exceeds the kernels' 1024 for groups with mins: the row's
-    scale and min repeat over groups of 1024, the values unchanged."""
-    qz = quantize(torch.randn(8, 2048), 4, -1, False)
-    weight = from_unsigned("proj", qz.q, qz.zero, qz.scale, 4, 2048)
-    assert weight.group_size == 1024 and weight.scale.shape == (8, 2)
+@pytest.mark.parametrize(("k", "group", "kernel_group"), [(2048, 2048, 1024), (96, 48, 16)])
+def test_groups_the_kernels_do_not_take_run_as_smaller_groups(k, group, kernel_group):
+    """Per channel, K = 2048 exceeds the kernels' 1024 for groups with mins, and 48 is no
+    multiple of 32: the scales and mins repeat over smaller groups, the values unchanged."""
+    qz = quantize(torch.randn(8, k), 4, group, False)
+    weight = from_unsigned("proj", qz.q, qz.zero, qz.scale, 4, group)
+    assert weight.group_size == kernel_group and weight.scale.shape == (8, k // kernel_group)
     assert torch.equal(dequantize(weight), qz.dequantize())
+
+
+def test_a_group_no_kernel_group_divides_is_refused():
+    qz = quantize(torch.randn(8, 64), 4, 8, False)
     with pytest.raises(UnsupportedModelError, match="group_size=8 is not supported"):
-        coarse = quantize(torch.randn(8, 64), 4, 8, False)
-        from_unsigned("proj", coarse.q, coarse.zero, coarse.scale, 4, 8)
+        from_unsigned("proj", qz.q, qz.zero, qz.scale, 4, 8)
 
 
 def test_a_linear_split_across_shards_is_read_whole(awq_checkpoint, tmp_path):
