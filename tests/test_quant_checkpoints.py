@@ -22,6 +22,7 @@ from pdserve.engine.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.model_source import open_model
 from pdserve.engine.models.quantization import QuantizedLinear, check_quantization
 from pdserve.engine.quant_checkpoint import from_unsigned
+from pdserve.engine.quant_config import parse_quantization_config
 from pdserve.kernels.quant_linear import dequantize
 
 NEW_TOKENS = 10
@@ -214,6 +215,26 @@ def test_unsupported_quantization_configs_are_refused_naming_the_field(quant, na
         ModelConfig.from_dict(with_quantization(quant), model="tiny")
     message = str(info.value)
     assert f"quantization_config.{named}" in message and "pdserve reads" in message, message
+
+
+def test_which_linears_each_config_quantizes():
+    def formats(quant, modules):
+        parsed = parse_quantization_config(quant)
+        return [None if parsed.format_of(m) is None else parsed.format_of(m).layout
+                for m in modules]
+
+    layer = "model.layers.0"
+    modules = [f"{layer}.self_attn.q_proj", f"{layer}.self_attn.o_proj", f"{layer}.mlp.down_proj",
+               "lm_head"]
+    assert formats({**AWQ, "modules_to_not_convert": ["mlp.down_proj"]}, modules) == [
+        "awq", "awq", None, None]
+    assert formats({**GPTQ, "modules_in_block_to_quantize": [["self_attn.q_proj"], [
+        "mlp.down_proj"]]}, modules) == ["gptq", None, "gptq", None]
+    assert formats({**GPTQ, "checkpoint_format": "gptq_v2", "lm_head": True}, modules) == [
+        "gptq_v2"] * 4
+    ct = {**CT, "ignore": ["re:.*o_proj$"], "config_groups": {
+        "g": ct_group(4, "group", 32, True, targets=["re:.*self_attn.*", "lm_head"])}}
+    assert formats(ct, modules) == ["pack-quantized", None, None, "pack-quantized"]
 
 
 @pytest.fixture(scope="module")
