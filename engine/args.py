@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.engine.models.quantization import QUANTIZATION_CHOICES
 from pdserve.kernels.kv_quant import KV_CACHE_DTYPE_NAMES
 
 
@@ -33,12 +34,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                         help="weights and KV cache dtype; auto: the checkpoint's, except "
                         "float32 on an x86 CPU without AVX-512 (no bf16/fp16 arithmetic)")
-    parser.add_argument("--quantization", "-q", default=None,
-                        choices=["gguf", "int8", "int4"],
+    parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
                         help="weight quantization (vLLM's flag): int8 (as GGUF Q8_0) or int4 "
                         "(as Q4_1), in groups of 32, quantize a float checkpoint's linears "
                         "at load, round to nearest; a GGUF file keeps its quantized tensors "
-                        "whatever is given")
+                        "whatever is given; awq, gptq and compressed-tensors must name a "
+                        "quantized checkpoint's quant_method (default: the checkpoint's)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_NAMES,
                         help="KV cache storage: auto is --dtype; int8, fp8 (= fp8_e4m3) and "
                         "fp8_e5m2 store one byte per value and an fp32 scale per (block, "

@@ -26,6 +26,7 @@ from pdserve.engine.families import (
     layer_windows,
     rope_parameters,
 )
+from pdserve.engine.quant_config import parse_quantization_config
 
 _REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size", "vocab_size")
@@ -116,7 +117,8 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     fused_checkpoint: bool = False
-    quantization: str | None = None  # --quantization: engine/models/quantization.py
+    # --quantization, else the checkpoint's quant_method: engine/models/quantization.py
+    quantization: str | None = None
 
     @property
     def softmax_scale(self) -> float:
@@ -142,7 +144,8 @@ class ModelConfig:
         Raises:
             FileNotFoundError: no such model, or a folder without ``config.json``.
             UnsupportedModelError: unknown architecture, activation, RoPE type or layer
-                type, MLP bias, a ``quantization_config``, or a required field missing
+                type, MLP bias, a ``quantization_config`` pdserve does not read
+                (``engine/quant_config.py``), or a required field missing
                 (``engine/families.py``); the message names the field.
             ValueError: a bad ``dtype`` or ``max_model_len`` outside
                 ``[1, max_position_embeddings]``.
@@ -163,7 +166,7 @@ class ModelConfig:
         Raises: as ``from_pretrained``.
         """
         arch = architecture(raw)
-        _check_quantization(raw)
+        quant = parse_quantization_config(raw.get("quantization_config"))
         missing = [k for k in _REQUIRED_FIELDS if raw.get(k) is None]
         if missing:
             raise UnsupportedModelError(f"the model's config lacks {missing[0]!r}")
@@ -211,16 +214,7 @@ class ModelConfig:
             gemma_norm=family.gemma,
             sandwich_norm=family.gemma,
             fused_checkpoint=family.fused_checkpoint,
+            quantization=None if quant is None else quant.method,
             **extra,
         )
 
-
-def _check_quantization(raw: dict) -> None:
-    """A checkpoint stored quantized (AWQ, GPTQ, FP8, bitsandbytes, ...) names its scheme in
-    ``quantization_config``; pdserve would read its packed tensors as plain weights."""
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise UnsupportedModelError(
-            f"quantization_config (quant_method={method!r}) is not supported: pdserve loads "
-            "unquantized safetensors checkpoints and GGUF files (dequantized at load)")

@@ -222,6 +222,10 @@ class GGUFFile:
             return False
         return tensor.name != "token_embd.weight" or self._config["tie_word_embeddings"]
 
+    def quant_method(self) -> str:
+        """``gguf``: the file's quantized tensors stay quantized (``quantized_weight_names``)."""
+        return "gguf"
+
     def quantized_weight_names(self) -> set[str]:
         """transformers' names of the weights this file gives quantized (``lm_head.weight``
         for a quantized embedding table that the LM head shares)."""

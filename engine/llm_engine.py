@@ -235,11 +235,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.source = open_model(config.model)
-        check_quantization(config.quantization, is_gguf=hasattr(self.source,
-                                                                "quantized_weight_names"))
-        self.model_config = dataclasses.replace(ModelConfig.from_dict(
+        self.model_config = ModelConfig.from_dict(
             self.source.config_dict(), model=str(self.source.path), dtype=config.dtype,
-            max_model_len=config.max_model_len), quantization=config.quantization)
+            max_model_len=config.max_model_len)
+        self.model_config = dataclasses.replace(self.model_config, quantization=(
+            check_quantization(config.quantization, self.source.quant_method())))
         if config.dtype == "auto" and self.device.type == "cpu":
             dtype = cpu_compute_dtype(self.model_config.dtype)
             if dtype != self.model_config.dtype:

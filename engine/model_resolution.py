@@ -45,22 +45,27 @@ def _absolute(path: str) -> str:
 def check_model(config: EngineConfig) -> ModelConfig:
     """Check, without reading a weight, that the local model of ``config`` loads as pdserve
     computes it: its configuration (``ModelConfig.from_pretrained``), its tensors' names
-    (``loader.check_model``), its generation config and chat template. Returns its
-    ``ModelConfig``.
+    (``loader.check_model``), ``--quantization`` against how it is stored, its generation
+    config and chat template. Returns its ``ModelConfig``.
 
     Raises:
         UnsupportedModelError: an architecture, RoPE type, ``quantization_config``, GGUF
-            key or tensor outside what pdserve computes, naming it.
+            key or tensor outside what pdserve computes, naming it (a quantized
+            checkpoint's tensors are checked by name here, by shape and ``g_idx`` at load).
         FileNotFoundError: no such model, weights or tokenizer.
-        ValueError: a bad ``--generation-config``, ``--chat-template`` or setting.
+        ValueError: a bad ``--generation-config``, ``--chat-template``, ``--quantization``
+            or setting.
     """
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.generation_config import GenerationDefaults
+    from pdserve.engine.model_source import open_model
     from pdserve.engine.models.loader import check_model as check_weights
+    from pdserve.engine.models.quantization import check_quantization
     from pdserve.engine.tokenizer import eos_token_ids, read_chat_template
 
     model_config = ModelConfig.from_pretrained(config.model, dtype=config.dtype,
                                                max_model_len=config.max_model_len)
+    check_quantization(config.quantization, open_model(config.model).quant_method())
     check_weights(model_config)
     GenerationDefaults.load(config.model, config.generation_config)
     eos_token_ids(config.model, None, config.generation_config)

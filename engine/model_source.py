@@ -14,8 +14,9 @@ parts: ``config_dict()`` (shaped like ``config.json``, which ``ModelConfig.from_
 reads), ``generation_config()`` (shaped like ``generation_config.json``), ``load_tokenizer()``
 and ``iterate_weights()``, which yields transformers-named tensors in the compute dtype,
 so the model code never learns where its weights came from. Each format keeps its own
-weight iterator (no converted copy is written to disk), so a later format-aware path can
-read GGUF blocks as they are stored.
+weight iterator (no converted copy is written to disk); the linears a source stores
+quantized (a GGUF file's quantized blocks, a quantized checkpoint's integers) come as
+``QuantWeight``s, never as a float copy.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ import torch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from pdserve.engine.quant_config import CheckpointQuantization, WeightFormat
+    from pdserve.kernels.quant_linear import QuantWeight
 
 class ModelSource(Protocol):
     """One local model in one storage format.
@@ -56,9 +60,17 @@ class ModelSource(Protocol):
     def weight_names(self) -> list[str]:
         """The transformers names of the tensors ``iterate_weights`` yields (no data read)."""
 
+    def quant_method(self) -> str | None:
+        """How the weights are stored quantized (``gguf``, or a checkpoint's
+        ``quant_method``: ``awq``, ``gptq``, ``compressed-tensors``); None for a float one."""
+
+    def quantized_weight_names(self) -> set[str]:
+        """The names ``iterate_weights`` gives a ``QuantWeight`` for (no data read)."""
+
     def iterate_weights(self, dtype: torch.dtype, progress: bool = True
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(transformers name, tensor)`` for every weight, floating tensors in ``dtype``."""
+                        ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+        """``(transformers name, tensor)`` for every weight, floating tensors in ``dtype``;
+        a linear stored quantized as one ``(name of its weight, QuantWeight)``."""
 
 
 def open_model(path: str | os.PathLike) -> ModelSource:
@@ -113,10 +125,13 @@ def read_json(file: Path) -> dict[str, Any]:
 class SafetensorsFolder:
     """A Hugging Face checkpoint folder: ``config.json``, ``*.safetensors`` (named by
     ``model.safetensors.index.json`` when sharded), optionally ``generation_config.json``
-    and the tokenizer's files."""
+    and the tokenizer's files. A quantized checkpoint's (``quantization_config``:
+    ``engine/quant_config.py``) linears come as ``QuantWeight``s, repacked from their
+    stored tensors (``engine/quant_checkpoint.py``), named ``<module>.weight``."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._linears: dict[str, tuple[WeightFormat, dict[str, str]]] | None = None
 
     def config_dict(self) -> dict[str, Any]:
         return read_json(self.path / "config.json")
@@ -151,7 +166,22 @@ class SafetensorsFolder:
             raise FileNotFoundError(f"no *.safetensors weights in {self.path}")
         return files
 
-    def weight_names(self) -> list[str]:
+    def quantization(self) -> CheckpointQuantization | None:
+        """The checkpoint's ``quantization_config``, parsed; None for a float checkpoint.
+
+        Raises:
+            UnsupportedModelError: a ``quantization_config`` pdserve does not read.
+        """
+        from pdserve.engine.quant_config import parse_quantization_config
+
+        return parse_quantization_config(self.config_dict().get("quantization_config"))
+
+    def quant_method(self) -> str | None:
+        quant = self.quantization()
+        return None if quant is None else quant.method
+
+    def stored_names(self) -> list[str]:
+        """The names of the tensors as stored (no data read)."""
         from safetensors import safe_open
 
         names: list[str] = []
@@ -160,19 +190,55 @@ class SafetensorsFolder:
                 names.extend(handle.keys())
         return names
 
+    def _quantized_linears(self) -> dict[str, tuple[WeightFormat, dict[str, str]]]:
+        """module -> (format, its stored tensors) of the linears stored quantized."""
+        if self._linears is None:
+            from pdserve.engine.quant_checkpoint import quantized_linears
+
+            quant = self.quantization()
+            self._linears = {} if quant is None else quantized_linears(self.stored_names(),
+                                                                       quant)
+        return self._linears
+
+    def quantized_weight_names(self) -> set[str]:
+        return {f"{module}.weight" for module in self._quantized_linears()}
+
+    def weight_names(self) -> list[str]:
+        """The tensors' names, a quantized linear's tensors as its ``<module>.weight``."""
+        linears = self._quantized_linears()
+        packed = {name for _, stored in linears.values() for name in stored.values()}
+        return [n for n in self.stored_names() if n not in packed] + \
+            [f"{module}.weight" for module in linears]
+
     def iterate_weights(self, dtype: torch.dtype, progress: bool = True
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
+                        ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
         """Each file's tensors as stored, floating ones cast to ``dtype``, with a progress
-        bar counting tensors across files."""
+        bar counting tensors across files; a quantized linear's tensors (from whichever
+        files hold them) as one ``QuantWeight``, where its first one is met."""
         from safetensors import safe_open
         from tqdm.auto import tqdm
 
+        from pdserve.engine.quant_checkpoint import quant_weight
+
         handles = [safe_open(str(f), framework="pt") for f in self.files()]
-        total = sum(len(h.keys()) for h in handles)
-        with tqdm(total=total, desc="Loading weights", unit="tensor",
+        where = {name: handle for handle in handles for name in handle.keys()}  # noqa: SIM118
+        linears = self._quantized_linears()
+        module_of = {name: module for module, (_, stored) in linears.items()
+                     for name in stored.values()}
+        done: set[str] = set()
+        with tqdm(total=len(where), desc="Loading weights", unit="tensor",
                   disable=not progress) as bar:
             for handle in handles:
                 for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                    tensor = handle.get_tensor(name)
-                    yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
-                    bar.update(1)
+                    if name not in module_of:
+                        tensor = handle.get_tensor(name)
+                        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+                        bar.update(1)
+                    elif module_of[name] not in done:  # NOTE: its first tensor met
+                        module = module_of[name]
+                        done.add(module)
+                        fmt, stored = linears[module]
+                        parts = {last: where[full].get_tensor(full)
+                                 for last, full in stored.items()}
+                        yield f"{module}.weight", quant_weight(module, fmt, parts)
+                        bar.update(len(parts))

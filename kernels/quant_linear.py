@@ -77,7 +77,8 @@ class QuantWeight:
 
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """Stack quantized weights of one format along the output features (a fused q/k/v or
-    gate/up projection from its shards).
+    gate/up projection from its shards); scales and mins in fp32 where the parts' dtypes
+    differ.
 
     Raises:
         ValueError: the parts differ in bits, group size, in_features or having mins.
@@ -89,7 +90,9 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
             raise ValueError("shards of one fused projection must share their quantization "
                              f"format: {p.bits}-bit g{p.group_size} vs {first.bits}-bit "
                              f"g{first.group_size}")
-    dtype = first.scale.dtype
+    # NOTE: fp16 scales widen to fp32 without loss where the parts' dtypes differ
+    dtype = first.scale.dtype if all(p.scale.dtype == first.scale.dtype for p in parts) \
+        else torch.float32
     return QuantWeight(torch.cat([p.q for p in parts]),
                        torch.cat([p.scale.to(dtype) for p in parts]),
                        None if first.min is None else torch.cat([p.min.to(dtype) for p in parts]),

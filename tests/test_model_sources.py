@@ -106,8 +106,8 @@ def tiny(tmp_path) -> Path:
 @pytest.mark.parametrize(("changes", "named"), [
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures=['GPT2LMHeadModel']"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
-    ({"quantization_config": {"quant_method": "awq", "bits": 4}},
-     "quantization_config (quant_method='awq')"),
+    ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+     "quantization_config.quant_method='bitsandbytes'"),
     ({"hidden_size": None}, "lacks 'hidden_size'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
 ])
@@ -128,14 +128,13 @@ def test_a_tensor_with_no_place_is_refused_before_any_is_read(tiny):
 
 
 def test_pdserve_serve_refuses_at_start_up_before_anything_starts(tiny, tmp_path):
-    edit_config(tiny, quantization_config={"quant_method": "gptq"})
+    edit_config(tiny, quantization_config={"quant_method": "gptq", "bits": 3})
     run = subprocess.run(
         [sys.executable, "-m", "pdserve.entrypoints.cli", "serve", str(tiny), "--port", "0",
          "--grpc-port", "0"], capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "RAY_ADDRESS": ""})
     assert run.returncode == 2, run.stderr[-2000:]
-    assert "pdserve: error: quantization_config (quant_method='gptq') is not supported" in \
-        run.stderr
+    assert "pdserve: error: quantization_config.bits=3 is not supported" in run.stderr
     assert "Redis at" not in run.stdout and "Ray" not in run.stdout  # nothing was started
     shutil.rmtree(tiny)
     missing = subprocess.run(

@@ -226,8 +226,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]
                      ) -> set[str]:
         """Copy transformers-named tensors into the fused parameters; quantized weights
-        (``QuantWeight``: a GGUF file's) replace their linear, shards of a fused one
-        stacked (``quantization.install_quantized``).
+        (``QuantWeight``: a GGUF file's or a quantized checkpoint's) replace their linear,
+        shards of a fused one stacked (``quantization.install_quantized``).
 
         Returns the names of the parameters that were written.
 

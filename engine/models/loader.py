@@ -1,8 +1,9 @@
 """Load a local model's weights into pdserve's model, from whatever source stores them.
 
 The source (``engine/model_source.py``: safetensors, GGUF) yields transformers-named
-tensors in the compute dtype; the model maps them onto its fused parameters
-(``LlamaForCausalLM.load_weights``) and never learns where they came from.
+tensors in the compute dtype, and ``QuantWeight``s for the linears it stores quantized;
+the model maps them onto its fused parameters (``LlamaForCausalLM.load_weights``) and
+never learns where they came from.
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = True,
 
 def quantized_targets(source: ModelSource) -> set[str]:
     """The model's linears (``"<module path>.weight"``, fused names) that ``source`` gives
-    quantized weights for, at least for one shard (a GGUF file's: ``engine/gguf_quant.py``)."""
-    names = getattr(source, "quantized_weight_names", lambda: set())()
+    quantized weights for, at least for one shard (a GGUF file's: ``engine/gguf_quant.py``;
+    a quantized checkpoint's: ``engine/quant_checkpoint.py``)."""
+    names = source.quantized_weight_names()
     targets = set()
     for name in names:
         for fused, parts in _FUSED.items():

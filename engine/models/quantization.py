@@ -3,7 +3,8 @@
 ``--quantization`` schemes, and the pass that quantizes a loaded model's linears.
 
 Where quantized weights come from (``engine/models/loader.py``): a GGUF file's quantized
-tensors as they are stored (``engine/gguf_quant.py``), or ``--quantization int8|int4``
+tensors as they are stored (``engine/gguf_quant.py``), a quantized safetensors checkpoint's
+(AWQ, GPTQ, compressed-tensors: ``engine/quant_checkpoint.py``), or ``--quantization int8|int4``
 applied at load to a checkpoint's float weights (round to nearest in groups of 32: int8
 symmetric, int4 with mins; ``kernels.quant_linear.quantize_rtn``). The model code above the linear never learns
 which: a ``QuantizedLinear`` takes and returns what an ``nn.Linear`` does.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.engine.quant_config import CHECKPOINT_METHODS
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.quant_linear import (
     QuantWeight,
@@ -30,26 +32,40 @@ from pdserve.kernels.quant_linear import (
 # groups of 32, and a symmetric int4 in groups of 32 1.37-1.57x against 1.09x with mins.
 RTN_SCHEMES = {"int8": (8, 32, True), "int4": (4, 32, False)}
 # names vLLM uses that pdserve takes: "gguf" keeps a GGUF file's quantized tensors (as it
-# does anyway); the RTN schemes quantize float weights at load
-QUANTIZATION_CHOICES = ("gguf", *RTN_SCHEMES)
+# does anyway); the RTN schemes quantize float weights at load; a checkpoint's method
+# (awq, gptq, compressed-tensors) keeps its stored integers (as it does anyway)
+QUANTIZATION_CHOICES = ("gguf", *RTN_SCHEMES, *CHECKPOINT_METHODS)
 # the linears an RTN scheme quantizes (the embedding and the norms stay as they are)
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 
-def check_quantization(quantization: str | None, is_gguf: bool) -> None:
-    """Refuse a ``--quantization`` pdserve does not run for this model.
+def check_quantization(quantization: str | None, stored: str | None) -> str | None:
+    """The quantization the engine runs: ``--quantization`` (``quantization``) checked
+    against how the model is stored (``stored``: ``ModelSource.quant_method``, ``gguf``, a
+    checkpoint's ``quant_method`` or None), else the stored one.
 
     Raises:
-        ValueError: an unknown scheme, or ``gguf`` for a model that is no GGUF file,
-            naming ``--quantization``.
+        ValueError: an unknown scheme; ``gguf`` for a model that is no GGUF file; a
+            checkpoint method other than the checkpoint's, or for a float checkpoint; an
+            RTN scheme for a checkpoint stored quantized (naming ``--quantization``).
     """
     if quantization is None:
-        return
+        return stored
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"--quantization {quantization!r} is not supported; supported: "
                          f"{list(QUANTIZATION_CHOICES)}")
-    if quantization == "gguf" and not is_gguf:
+    if quantization == "gguf" and stored != "gguf":
         raise ValueError("--quantization gguf needs a .gguf model file")
+    if quantization in RTN_SCHEMES and stored in CHECKPOINT_METHODS:
+        raise ValueError(f"--quantization {quantization!r} quantizes a float checkpoint at "
+                         f"load, and this checkpoint is stored quantized (quant_method "
+                         f"{stored!r}): leave --quantization out, or give {stored!r}")
+    if quantization in CHECKPOINT_METHODS and quantization != stored:
+        found = (f"quant_method {stored!r}" if stored in CHECKPOINT_METHODS else
+                 "a GGUF file" if stored == "gguf" else "no quantization_config")
+        raise ValueError(f"--quantization {quantization!r} needs a checkpoint quantized with "
+                         f"{quantization}; the model has {found}")
+    return quantization
 
 
 class QuantizedLinear(nn.Module):
@@ -136,7 +152,7 @@ def _shard_linear(rows: list[QuantWeight | torch.Tensor], bias: torch.Tensor | N
 
 
 def _format(part) -> tuple:
-    return (part.bits, part.group_size, part.min is None, part.scale.dtype) \
+    return (part.bits, part.group_size, part.min is None) \
         if isinstance(part, QuantWeight) else ("float", part.dtype)
 
 
