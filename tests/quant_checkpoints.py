@@ -92,11 +92,9 @@ def gptq_tensors(qz: Quantized, v2: bool) -> dict[str, torch.Tensor]:
 
 
 def ct_pack_to_int32(signed: torch.Tensor, bits: int, packed_dim: int) -> torch.Tensor:
-    """compressed-tensors' own ``pack_to_int32`` where it is installed, else the spec."""
-    try:
-        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    except ImportError:
-        return pack_words(signed.long() + 2 ** (bits - 1), bits, dim=1 - packed_dim)
+    """compressed-tensors' own ``pack_to_int32`` (a dev dependency: the oracle)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
     return pack_to_int32(signed.to(torch.int8), bits, packed_dim=packed_dim)
 
 
