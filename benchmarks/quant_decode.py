@@ -5,11 +5,13 @@ Model: a checkpoint of Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads ov
 heads of 64, intermediate 8192, vocabulary 128256, tied embeddings; random bf16 weights,
 written once to ``--model-dir``), run by pdserve's ``LLM`` in bf16, then with
 ``--quantization int8`` and ``int4`` (quantized at load), each in a fresh process of its
-own. A run prefills a 128-token prompt, then decodes ``--output-len`` tokens; the time per
-output token is the decode's alone (the time of the whole run less that of a run of one
-token, over the tokens after the first), best of ``--repeats``. Prints output tokens per
-second and each scheme's ratio to bf16, measured in the same run, and the bytes of the
-linears each reads per token.
+own, all loaded at once and measured in turn (bf16, int8, int4, bf16, ...), so that the
+machine's drift (a shared VM's neighbours) falls on every scheme alike. A run prefills a
+128-token prompt, then decodes ``--output-len`` tokens; the time per output token is the
+decode's alone (the time of the whole run less that of a run of one token, over the
+tokens after the first), best of ``--repeats`` turns. Prints output tokens per second and
+each scheme's ratio to bf16, measured in the same run, and the bytes of the linears each
+reads per token.
 
     python benchmarks/quant_decode.py [--output-len 64 --repeats 3 --json out.json]
 """
@@ -17,6 +19,7 @@ linears each reads per token.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -51,7 +54,8 @@ def write_checkpoint(path: Path) -> Path:
     return path
 
 
-def _child(model: str, scheme: str, output_len: int, repeats: int, conn) -> None:
+def _child(model: str, scheme: str, output_len: int, conn) -> None:
+    """Load ``scheme``; then, per ``"turn"`` received, measure one TPOT and send it."""
     from pdserve.engine import LLM, SamplingParams
     from pdserve.engine.models.quantization import QuantizedLinear
 
@@ -67,29 +71,48 @@ def _child(model: str, scheme: str, output_len: int, repeats: int, conn) -> None
         return time.perf_counter() - start
 
     run(4)  # warm-up
-    tpots = [(run(output_len) - run(1)) / (output_len - 1) for _ in range(repeats)]
     linears = [m for m in llm.engine.model_runner.model.modules()
                if isinstance(m, (QuantizedLinear, torch.nn.Linear))
                or type(m).__name__ == "PackedLinear"]
-    weight_bytes = sum(m.nbytes if isinstance(m, QuantizedLinear)
-                       else m.in_features * m.out_features * 2 for m in linears)
-    conn.send({"tpot_s": min(tpots), "tpots_s": tpots, "linear_bytes": weight_bytes})
+    conn.send(sum(m.nbytes if isinstance(m, QuantizedLinear)
+                  else m.in_features * m.out_features * 2 for m in linears))
+    while conn.poll(_TIMEOUT_S) and conn.recv() == "turn":
+        conn.send((run(output_len) - run(1)) / (output_len - 1))
 
 
-def measure(model: Path, scheme: str, output_len: int, repeats: int) -> dict:
+def measure(model: Path, schemes: list[str], output_len: int, repeats: int) -> dict:
+    """Each scheme in a process of its own, loaded once; ``repeats`` turns in order."""
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(str(model), scheme, output_len, repeats, child))
-    proc.start()
-    child.close()
+    procs, conns = {}, {}
     try:
-        if not parent.poll(_TIMEOUT_S):
-            raise TimeoutError(f"{scheme} took over {_TIMEOUT_S} s")
-        return parent.recv()
+        for scheme in schemes:
+            conns[scheme], child = ctx.Pipe()
+            procs[scheme] = ctx.Process(target=_child, args=(str(model), scheme, output_len,
+                                                             child))
+            procs[scheme].start()
+            child.close()
+        results = {}
+        for scheme, conn in conns.items():
+            if not conn.poll(_TIMEOUT_S):
+                raise TimeoutError(f"{scheme} did not load in {_TIMEOUT_S} s")
+            results[scheme] = {"linear_bytes": conn.recv(), "tpots_s": []}
+        for _ in range(repeats):
+            for scheme, conn in conns.items():
+                conn.send("turn")
+                if not conn.poll(_TIMEOUT_S):
+                    raise TimeoutError(f"{scheme} took over {_TIMEOUT_S} s")
+                results[scheme]["tpots_s"].append(conn.recv())
+        for r in results.values():
+            r["tpot_s"] = min(r["tpots_s"])
+        return results
     finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
+        for scheme, conn in conns.items():
+            with contextlib.suppress(OSError):
+                conn.send("stop")
+        for proc in procs.values():
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
 
 
 def main() -> None:
@@ -102,8 +125,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     model = write_checkpoint(args.model_dir)
-    results = {s: measure(model, s, args.output_len, args.repeats)
-               for s in args.schemes.split(",")}
+    results = measure(model, args.schemes.split(","), args.output_len, args.repeats)
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}; batch 1, {args.output_len} tokens after 128")
     base = results.get("bf16")
@@ -114,6 +136,9 @@ def main() -> None:
         if base:
             r["ratio"] = r["output_tok_s"] / base["output_tok_s"]
             line += f"  {r['ratio']:.2f}x bf16"
+            # NOTE: each turn's ratio to bf16's turn just before it, for the spread
+            turns = [b / t for b, t in zip(base["tpots_s"], r["tpots_s"])]
+            line += " (turns: " + ", ".join(f"{x:.2f}" for x in turns) + ")"
         print(line)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
