@@ -24,6 +24,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -138,7 +139,10 @@ def main() -> None:
             line += f"  {r['ratio']:.2f}x bf16"
             # NOTE: each turn's ratio to bf16's turn just before it, for the spread
             turns = [b / t for b, t in zip(base["tpots_s"], r["tpots_s"])]
-            line += " (turns: " + ", ".join(f"{x:.2f}" for x in turns) + ")"
+            r["turn_ratios"] = turns
+            r["median_turn_ratio"] = statistics.median(turns)
+            line += (" (turns: " + ", ".join(f"{x:.2f}" for x in turns)
+                     + f"; median {r['median_turn_ratio']:.2f})")
         print(line)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
