@@ -15,14 +15,14 @@ NEW_TOKENS = 32
 NUM_LOGPROBS = 3
 
 
-def transformers_greedy(model_dir, prompts):
-    """Per prompt: (token ids, [NEW_TOKENS, vocab] log-softmax of the logits) from HF."""
+def transformers_greedy(model_dir, prompts, new_tokens: int = NEW_TOKENS):
+    """Per prompt: (token ids, [new_tokens, vocab] log-softmax of the logits) from HF."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     results = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              eos_token_id=None, pad_token_id=0, output_logits=True,
                              return_dict_in_generate=True)
         logprobs = torch.stack(out.logits)[:, 0].log_softmax(-1)

@@ -15,7 +15,7 @@ import torch
 from conftest import random_prompts, write_tiny_checkpoint
 from quant_checkpoints import quantize, write_quantized
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from test_engine_correctness import transformers_greedy
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import ModelConfig, UnsupportedModelError
@@ -103,20 +103,6 @@ def fused_name(module: str) -> str:
     return f"{parent}.{FUSED.get(leaf, leaf)}" if parent else leaf
 
 
-def transformers_greedy(path, prompts):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    results = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             eos_token_id=None, pad_token_id=0, output_logits=True,
-                             return_dict_in_generate=True)
-        logprobs = torch.stack(out.logits)[:, 0].log_softmax(-1)
-        results.append((out.sequences[0, len(prompt):].tolist(), logprobs))
-    return results
-
-
 def ct_library_dequantize(qz, stored: dict[str, torch.Tensor]) -> torch.Tensor:
     """compressed-tensors' own decompressor on one linear's stored tensors (its scales
     widened to fp32 first, so the library's product is exact too)."""
@@ -150,7 +136,7 @@ def test_checkpoint_loads_exactly_and_gives_transformers_tokens(name, tmp_path):
             assert torch.equal(library, qz.dequantize()), module
 
     prompts = random_prompts([3, 17, 40], seed=3)
-    expected = transformers_greedy(twin, prompts)
+    expected = transformers_greedy(twin, prompts, NEW_TOKENS)
     llm = LLM(str(path), dtype="float32", max_model_len=128, load_progress=False)
     model = llm.engine.model_runner.model
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
