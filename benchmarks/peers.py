@@ -308,7 +308,8 @@ def start_llama_cpp(args, gguf: Path, port: int, log: Path) -> Server:
     threads = str(len(os.sched_getaffinity(0)))
     argv = [str(Path(args.llama_cpp_dir) / "llama-server"), "-m", str(gguf), "-np",
             str(SERVE_CONCURRENCY), "-c", str(SERVE_CONCURRENCY * 512), "-t", threads,
-            "-tb", threads, "--host", "127.0.0.1", "--port", str(port)]
+            "-tb", threads, "--host", "127.0.0.1", "--port", str(port),
+            *args.llama_cpp_args.split()]
     return Server("llama-server", argv, log)
 
 
@@ -347,7 +348,10 @@ def bench(args, model: Path, port: int, model_name: str, seed: int, work: Path,
     if done.returncode != 0 or not result.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
         raise RuntimeError(f"vllm bench serve against {name} failed:\n{tail}")
-    return summarize_bench(json.loads(result.read_text()))
+    figures = summarize_bench(json.loads(result.read_text()))
+    if figures["failed"]:  # NOTE: a dead server's run "succeeds" with every request failed
+        raise RuntimeError(f"{figures['failed']} requests to {name} failed; see {log}")
+    return figures
 
 
 def summarize_bench(raw: dict) -> dict:
@@ -474,6 +478,10 @@ def main() -> None:
                         "llama-quantize (llama.cpp is left out without it)")
     parser.add_argument("--llama-cpp-convert", help="llama.cpp's convert_hf_to_gguf.py "
                         "(default: the one in --llama-cpp-dir)")
+    parser.add_argument("--llama-cpp-args", default="--no-repack",
+                        help="extra llama-server flags (default --no-repack: a native build "
+                        "on a CPU whose cpuid shows AMX but whose kernel gives no AMX state "
+                        "dies of SIGILL in ggml's AMX kernels, which repacking selects)")
     parser.add_argument("--gguf-types", default="q8_0,q4_0",
                         help="the GGUF files pdserve and llama-server both serve")
     parser.add_argument("--gguf-dir", type=Path,
