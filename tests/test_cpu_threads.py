@@ -199,11 +199,12 @@ def test_an_engine_built_on_its_own_thread_keeps_its_team_spinning(tiny_checkpoi
     behind; libgomp then counts more threads than CPUs and stops spinning at barriers,
     and the engine thread blocks at nearly every parallel region (hundreds of times over
     these 64 decode steps). AsyncEngine.build loads it on the engine thread: the engine
-    thread blocks at most about once per step (handing the GIL to the event loop that
-    takes each step's outputs), a small fraction of the other way's count."""
+    thread blocks a few times per step at most (handing the GIL to the event loop that
+    takes each step's outputs; once per step on a quiet machine, 2.8 in one CI run), a
+    small fraction of the other way's count."""
     pool = blocked_while_decoding(tiny_checkpoints["llama"], "pool")
     if pool <= 2 * 64:
         pytest.skip(f"this OpenMP runtime keeps spinning beside a second team ({pool} "
                     "waits): nothing to guard")
     built = blocked_while_decoding(tiny_checkpoints["llama"], "build")
-    assert built <= 2 * 64 and 3 * built < pool, (built, pool)
+    assert built <= 4 * 64 and 3 * built < pool, (built, pool)
