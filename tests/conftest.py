@@ -52,6 +52,19 @@ def random_prompts(lengths, vocab_size: int = TINY["vocab_size"], seed: int = 0)
     return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
+def assert_matches_transformers(outputs, expected, abs_tol: float = 1e-4) -> None:
+    """Each pdserve output's greedy tokens equal transformers' (``expected``: per prompt,
+    (token ids, [steps, vocab] log-softmax), as ``transformers_greedy`` gives), and each
+    chosen token's logprob is within ``abs_tol`` of transformers'."""
+    assert len(outputs) == len(expected)
+    for output, (tokens, logprobs) in zip(outputs, expected):
+        completion = output.outputs[0]
+        assert completion.token_ids == tokens
+        for step, (token, position) in enumerate(zip(tokens, completion.logprobs)):
+            assert position[token].logprob == pytest.approx(logprobs[step, token].item(),
+                                                            abs=abs_tol)
+
+
 def stop_cluster(launcher, redis, loop, thread) -> None:
     """Tear down a module's cluster: the Ray workers (if Ray started), Redis, and the
     event loop thread that served the router."""

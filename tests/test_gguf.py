@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import assert_matches_transformers, random_prompts
 from gguf_files import TINY_GGUF, write_tiny_gguf
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -42,12 +42,7 @@ def test_each_tensor_type_gives_transformers_tokens(qtype, tmp_path):
     llm = LLM(str(path), dtype="float32", max_model_len=128, load_progress=False)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                    ignore_eos=True, logprobs=0))
-    for output, (tokens, logprobs) in zip(outputs, expected):
-        completion = output.outputs[0]
-        assert completion.token_ids == tokens
-        for step, (token, position) in enumerate(zip(tokens, completion.logprobs)):
-            assert position[token].logprob == pytest.approx(logprobs[step, token].item(),
-                                                            abs=1e-4)
+    assert_matches_transformers(outputs, expected)
 
 
 def test_f32_weights_are_the_checkpoints_own(tmp_path):

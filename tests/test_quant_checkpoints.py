@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import random_prompts, write_tiny_checkpoint
+from conftest import assert_matches_transformers, random_prompts, write_tiny_checkpoint
 from quant_checkpoints import quantize, write_quantized
 from safetensors.torch import load_file, save_file
 from test_engine_correctness import transformers_greedy
@@ -142,12 +142,7 @@ def test_checkpoint_loads_exactly_and_gives_transformers_tokens(name, tmp_path):
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     assert quantized == {fused_name(module) for module in integers}
     assert llm.engine.model_config.quantization == case["quantization_config"]["quant_method"]
-    for output, (tokens, logprobs) in zip(llm.generate(prompts, GREEDY), expected):
-        completion = output.outputs[0]
-        assert completion.token_ids == tokens
-        for step, (token, position) in enumerate(zip(tokens, completion.logprobs)):
-            assert position[token].logprob == pytest.approx(logprobs[step, token].item(),
-                                                            abs=1e-4)
+    assert_matches_transformers(llm.generate(prompts, GREEDY), expected)
 
 
 def with_quantization(quant: dict) -> dict:

@@ -6,7 +6,7 @@ close to it; unsupported schemes are refused naming the flag."""
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompts
+from conftest import assert_matches_transformers, random_prompts
 from gguf_files import write_tiny_gguf
 from test_gguf import NEW_TOKENS, transformers_greedy
 
@@ -48,12 +48,7 @@ def test_gguf_quantized_tensors_stay_quantized_and_give_transformers_tokens(qtyp
     if tied:  # the quantized table: the embedding dequantized, the head its own linear
         assert isinstance(layers["lm_head"], QuantizedLinear)
     outputs = llm.generate(prompts, GREEDY)
-    for output, (tokens, logprobs) in zip(outputs, expected):
-        completion = output.outputs[0]
-        assert completion.token_ids == tokens
-        for step, (token, position) in enumerate(zip(tokens, completion.logprobs)):
-            assert position[token].logprob == pytest.approx(logprobs[step, token].item(),
-                                                            abs=1e-4)
+    assert_matches_transformers(outputs, expected)
 
 
 @pytest.mark.parametrize("scheme,bits,tolerance", [("int8", 8, 0.02), ("int4", 4, 0.3)])
