@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pdserve.engine.llm_engine import BlockOwnership, EngineOutput, LLMEngine
+from pdserve.engine.tp_executor import RankFailedError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -282,6 +283,11 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except RankFailedError as exc:  # NOTE: the whole worker is dead (tp_executor)
+                logger.critical("engine stopped: %s", exc)
+                self._stop.set()
+                self._fail_all(EngineDeadError(f"the engine stopped: {exc}"))
+                break
             except Exception as exc:
                 logger.exception("engine step failed")
                 self._fail_all(exc)
@@ -289,6 +295,7 @@ class AsyncEngine:
             self._deliver_step(outputs)
         self._run_commands()  # clean-ups queued before the stop
         self._fail_all(EngineDeadError("the engine is shutting down"))
+        self.engine.shutdown()
 
     def _idle_wait_s(self) -> float:
         """How long the idle engine thread sleeps: until its next lease check while it

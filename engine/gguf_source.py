@@ -34,11 +34,14 @@ import torch
 
 from pdserve.engine.config import UnsupportedModelError
 from pdserve.engine.gguf_quant import KEPT_TYPES, permute_rows, quant_weight
+from pdserve.engine.parallel import take_shard
 from pdserve.kernels.quant_linear import QuantWeight
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
     from transformers import PreTrainedTokenizerBase
+
+    from pdserve.engine.model_source import WeightShard
 
 # GGUF key (after "llama.") -> config.json key, as transformers maps them
 GGUF_LLAMA_CONFIG = {
@@ -249,19 +252,23 @@ class GGUFFile:
             return weight
         return permute_rows(weight, lambda rows: unpermute_rows(rows, heads))
 
-    def iterate_weights(self, dtype: torch.dtype, progress: bool = True
+    def iterate_weights(self, dtype: torch.dtype, progress: bool = True,
+                        shard: WeightShard | None = None
                         ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
         """Every tensor, one at a time: a linear's quantized blocks as a ``QuantWeight``
         (``quantized_weight_names``), the others dequantized (float32) and cast to
         ``dtype``; a quantized embedding table that the LM head shares comes twice,
-        dequantized as the embedding and quantized as the head."""
+        dequantized as the embedding and quantized as the head. ``shard``: a
+        tensor-parallel rank's pieces of each float tensor (``ModelSource``)."""
         from tqdm.auto import tqdm
 
         for tensor in tqdm(self.reader.tensors, desc="Reading GGUF weights",
                            unit="tensor", disable=not progress):
             name = hf_tensor_name(tensor.name)
             if not self._kept_quantized(tensor):
-                yield name, self.dequantize(tensor).to(dtype)
+                weight = self.dequantize(tensor)
+                pieces = shard(name, tuple(weight.shape)) if shard is not None else None
+                yield name, take_shard(weight, pieces).to(dtype)
             elif name == "model.embed_tokens.weight":
                 yield name, self.dequantize(tensor).to(dtype)
                 yield "lm_head.weight", self.quant_weight(tensor)

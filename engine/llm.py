@@ -44,6 +44,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (a no-op at
+        ``tensor_parallel_size=1``; they also exit with this process)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.tokenizer
 

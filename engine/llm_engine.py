@@ -23,7 +23,7 @@ from pdserve.engine.block_hash import root_block_hash
 from pdserve.engine.block_pool import KVEvent
 from pdserve.engine.config import ModelConfig, cpu_compute_dtype
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from pdserve.engine.model_runner import ModelRunner, kv_cache_block_bytes
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.model_source import open_model
 from pdserve.engine.models.quantization import check_quantization
 from pdserve.engine.request import Logprob, Request, RequestStatus
@@ -32,6 +32,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.structured_output import GrammarCompiler, StructuredOutputSpec
 from pdserve.engine.tokenizer import eos_token_ids as checkpoint_eos_token_ids
 from pdserve.engine.tokenizer import load_tokenizer, read_chat_template
+from pdserve.engine.tp_executor import threads_per_rank
 from pdserve.kernels.kv_quant import canonical_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,13 @@ class EngineConfig:
     to its i-th CPU. A bound team is never stacked onto one core while other processes
     (the router, the client) take the other: under W1's served load on 2 cores, unbound
     threads cost the decode worker ~13% more CPU time than the same work offline.
+
+    ``tensor_parallel_size`` (vLLM's ``--tensor-parallel-size``): this engine's process
+    is rank 0 of that many, the others processes it starts on this machine, each
+    holding its share of the weights and of the KV cache (``engine/parallel.py``,
+    ``engine/tp_executor.py``): one CUDA device each from ``device``'s index on, or on the
+    CPU ``num_threads`` threads each (default: an equal share of the CPUs).
+    ``kv_cache_memory_bytes`` is then each rank's.
     """
 
     model: str
@@ -102,8 +110,12 @@ class EngineConfig:
     num_threads: int | None = None
     cpu_omp_threads_bind: str = "auto"
     load_progress: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be in "
+                             "[1, 64]")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size={self.block_size} must be a power of two <= 128")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -234,6 +246,12 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        if config.tensor_parallel_size > 1 and self.device.type == "cpu" and \
+                not config.num_threads:
+            config = dataclasses.replace(
+                config, num_threads=threads_per_rank(config.tensor_parallel_size))
+            self.config = config
+            torch.set_num_threads(config.num_threads)
         self.source = open_model(config.model)
         self.model_config = ModelConfig.from_dict(
             self.source.config_dict(), model=str(self.source.path), dtype=config.dtype,
@@ -260,9 +278,14 @@ class LLMEngine:
         gpu_reserved_at_start = self._check_gpu_share() if sized_by_share else 0
         self.model_runner = ModelRunner(self.model_config, config.block_size, self.device,
                                         config.seed, config.load_progress, self.source,
-                                        config.kv_cache_dtype)
-        self.num_blocks = self._num_kv_blocks(gpu_reserved_at_start)
-        self.model_runner.allocate_kv_cache(self.num_blocks)
+                                        config.kv_cache_dtype, config.tensor_parallel_size,
+                                        num_threads=config.num_threads)
+        try:
+            self.num_blocks = self._num_kv_blocks(gpu_reserved_at_start)
+            self.model_runner.allocate_kv_cache(self.num_blocks)
+        except BaseException:
+            self.model_runner.shutdown()
+            raise
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, config.block_size,
             root_block_hash(self.served_model_name, config.block_size, config.kv_cache_dtype),
@@ -301,7 +324,7 @@ class LLMEngine:
         """Blocks of the KV cache; ``gpu_reserved_at_start``: the bytes this process's CUDA
         caching allocator held before this engine loaded anything (CUDA only)."""
         cfg, mc = self.config, self.model_config
-        block_bytes = kv_cache_block_bytes(mc, cfg.block_size, cfg.kv_cache_dtype)
+        block_bytes = self.model_runner.kv_layout.block_bytes  # NOTE: a TP rank's share
         min_blocks = cdiv(mc.max_model_len, cfg.block_size)
         if cfg.num_gpu_blocks_override is not None:
             num_blocks = cfg.num_gpu_blocks_override
@@ -563,6 +586,10 @@ class LLMEngine:
         logger.log(logging.INFO if bound == threads else logging.WARNING,
                    "%d of %d intra-op threads bound to CPUs %s", bound, threads, cpus[:threads])
         return bound
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (none at ``tensor_parallel_size`` 1)."""
+        self.model_runner.shutdown()
 
     def step(self) -> list[EngineOutput]:
         """Schedule, run the model once, and report each request's new tokens."""

@@ -21,9 +21,11 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_source import ModelSource
 from pdserve.engine.models.llama import AttentionMetadata
 from pdserve.engine.models.loader import load_model
+from pdserve.engine.parallel import TensorParallel, check_tensor_parallel
 from pdserve.engine.request import Logprob, Request
 from pdserve.engine.sampler import Sampler, token_logprob
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.tp_executor import RankSpec, TensorParallelExecutor
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.layers import filter_rows
 
@@ -36,16 +38,38 @@ def kv_cache_block_bytes(config: ModelConfig, block_size: int, kv_cache_dtype: s
 
 
 @dataclass(slots=True)
+class StepArrays:
+    """One step's flat inputs on the host, as rank 0 sends them to the other
+    tensor-parallel ranks (numpy: small and cheap to pickle); fields as
+    ``AttentionMetadata``'s, with ``input_ids``, ``positions`` ``[T]`` int64 and
+    ``logits_rows`` ``[R]`` int64: the rows whose logits the step needs (the prompt
+    chunks' whose prompt logprobs are asked for, then each sampling request's last)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    num_decode_tokens: int
+    decode_block_tables: np.ndarray
+    decode_seq_lens: np.ndarray
+    prefill_block_tables: np.ndarray
+    prefill_cu_seqlens_q: np.ndarray
+    prefill_seq_lens: np.ndarray
+    rope_long: np.ndarray | None
+    logits_rows: np.ndarray
+
+
+@dataclass(slots=True)
 class StepInputs:
-    """One forward pass's flat inputs; ``requests`` in batch order (decodes first)."""
+    """One forward pass's inputs on the model's device (``StepArrays`` as tensors)."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [N_sample] int64, last token of each sampling request
-    sampling_requests: list[Request]
-    # (request, first row in the batch, rows): prompt chunks whose logprobs are asked for
-    prompt_chunks: list[tuple[Request, int, int]]
+    logits_rows: torch.Tensor  # [R] int64
+
+
+# (request, begin, end): prompt positions [begin, end) whose next token's logprob is asked
+PromptChunk = tuple[Request, int, int]
 
 
 class ModelRunner:
@@ -64,14 +88,34 @@ class ModelRunner:
 
     def __init__(self, config: ModelConfig, block_size: int, device: torch.device,
                  seed: int = 0, progress: bool = True, source: ModelSource | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                 tp: TensorParallel | None = None, num_threads: int | None = None) -> None:
         self.config = config
         self.device = device
         self.block_size = block_size
-        self.kv_layout = KVCacheLayout.of(config, block_size, kv_cache_dtype)
-        self.model = load_model(config, device, progress, source)
-        if device.type == "cpu":
-            cpu_ext.load()  # NOTE: builds the C++ CPU kernels now, not in the first request
+        # rank 0 of a tensor-parallel worker starts the other ranks (each builds a
+        # ModelRunner with its ``tp``) and sends them every command that runs the model
+        self.executor: TensorParallelExecutor | None = None
+        if tp is None and tensor_parallel_size > 1:
+            check_tensor_parallel(config, tensor_parallel_size)
+            if device.type == "cpu":
+                cpu_ext.load()  # NOTE: built once here, before the ranks load it
+            self.executor = TensorParallelExecutor(RankSpec(
+                config, block_size, str(device), kv_cache_dtype, seed, tensor_parallel_size,
+                0, num_threads), device)
+            tp = self.executor.tp
+        self.tp = tp or TensorParallel()
+        self.kv_layout = KVCacheLayout.of(self.tp.local_config(config), block_size,
+                                          kv_cache_dtype)
+        try:
+            self.model = load_model(config, device, progress, source, self.tp)
+            if device.type == "cpu":
+                cpu_ext.load()  # NOTE: builds the C++ CPU kernels now, not in the first request
+            if self.executor is not None:
+                self.executor.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
         self.kv_cache = torch.empty(0)
         self.kv_scales: torch.Tensor | None = None
         self.sampler = Sampler(seed)
@@ -87,8 +131,11 @@ class ModelRunner:
         (and ``self.kv_scales``) its layer-major views ``[num_layers, 2, num_blocks,
         ...]``: KV transfer moves a run of consecutive blocks of all layers as one
         contiguous region (no gather, no per-layer copies), while the model still indexes
-        ``kv_cache[layer]``.
+        ``kv_cache[layer]``. Each tensor-parallel rank allocates as many blocks of its
+        own KV heads.
         """
+        if self.executor is not None:
+            self.executor.send("allocate_kv_cache", num_blocks)
         self.kv_cache, self.kv_scales = self.kv_layout.allocate(num_blocks, self.device)
 
     @torch.inference_mode()
@@ -110,6 +157,8 @@ class ModelRunner:
         """
         if self.device.type != "cuda":
             raise RuntimeError("profile_activation_bytes: CUDA only")
+        if self.executor is not None:  # NOTE: the pass's collectives need every rank
+            self.executor.send("profile_activation_bytes", num_tokens, num_seqs, max_model_len)
         block_size = self.block_size
         seq_len = max(1, min(num_tokens, max_model_len))
         lens = [seq_len] * (num_tokens // seq_len) + [num_tokens % seq_len] * bool(
@@ -156,38 +205,75 @@ class ModelRunner:
                 ) -> dict[str, tuple[int, Logprob | None]]:
         """Run the step; returns request id -> (sampled token, logprob) for every request
         whose prompt (or recompute) is complete after this step."""
-        inputs = self.prepare_inputs(out, kv)
+        arrays, sampling_requests, prompt_chunks = self.prepare_inputs(out, kv)
+        if self.executor is not None:
+            self.executor.send("step", arrays)
+        logits = self._forward(arrays)  # [prompt rows + sampled rows, vocab] fp32
+        self._prompt_logprobs(logits, prompt_chunks)
+        if not sampling_requests:
+            return {}
+        sampled = self.sampler.sample(logits[len(logits) - len(sampling_requests):],
+                                      sampling_requests)
+        return {r.request_id: s for r, s in zip(sampling_requests, sampled)}
+
+    def _forward(self, arrays: StepArrays) -> torch.Tensor | None:
+        """One forward pass over the step's tokens, the logits of ``arrays.logits_rows``
+        (on rank 0; None on the other ranks)."""
+        inputs = self.step_inputs(arrays)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta,
                             self.kv_scales)
-        self._prompt_logprobs(hidden, inputs)
-        if not inputs.sampling_requests:
-            return {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, vocab] fp32
-        sampled = self.sampler.sample(logits, inputs.sampling_requests)
-        return {r.request_id: s for r, s in zip(inputs.sampling_requests, sampled)}
+        if not len(arrays.logits_rows):
+            return None
+        return self.model.compute_logits(hidden[inputs.logits_rows])
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> None:
+    @torch.inference_mode()
+    def run_command(self, command: str, *args) -> None:
+        """Run one of rank 0's commands on another tensor-parallel rank
+        (``tp_executor``): ``step``, ``allocate_kv_cache`` or ``profile_activation_bytes``.
+
+        Raises:
+            ValueError: an unknown command.
+        """
+        if command == "step":
+            self._forward(*args)
+        elif command == "allocate_kv_cache":
+            self.allocate_kv_cache(*args)
+        elif command == "profile_activation_bytes":
+            self.profile_activation_bytes(*args)
+        else:
+            raise ValueError(f"unknown tensor-parallel command {command!r}")
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor | None, chunks: list[PromptChunk]) -> None:
         """For each request that asked for ``prompt_logprobs`` and computes prompt tokens
         this step: append, per computed position p with a prompt token after it, that
-        token's log-probability (and the top ones) to ``request.prompt_logprobs``."""
-        for request, first, count in inputs.prompt_chunks:
+        token's log-probability (and the top ones) to ``request.prompt_logprobs``.
+        ``logits``' first rows are the chunks' rows, in order."""
+        row = 0
+        for request, begin, end in chunks:
             if not request.prompt_logprobs:
                 request.prompt_logprobs.append(None)  # the first prompt token
-            # positions p in [begin, end) predict prompt tokens p + 1; those recorded before
-            # (a request recomputed after preemption) are skipped
-            begin = max(request.num_computed_tokens, len(request.prompt_logprobs) - 1)
-            end = min(request.num_computed_tokens + count, request.num_prompt_tokens - 1)
             if end <= begin:
                 continue
-            rows = first + begin - request.num_computed_tokens
-            logits = self.model.compute_logits(hidden[rows:rows + end - begin])
-            raw = torch.log_softmax(logits, dim=-1)  # [end - begin, vocab]
+            raw = torch.log_softmax(logits[row:row + end - begin], dim=-1)  # [end-begin, V]
+            row += end - begin
             targets = request.all_token_ids[begin + 1:end + 1]
             num_top = request.sampling_params.prompt_logprobs
             request.prompt_logprobs.extend(token_logprob(raw, i, t, num_top)
                                            for i, t in enumerate(targets))
 
-    def prepare_inputs(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
+    def prepare_inputs(self, out: SchedulerOutput, kv: KVCacheManager
+                       ) -> tuple[StepArrays, list[Request], list[PromptChunk]]:
+        """The step's flat inputs as numpy arrays (what rank 0 sends the other
+        tensor-parallel ranks), the requests that sample a token after it (batch order:
+        their rows come last in ``logits_rows``), and the prompt chunks whose logprobs are
+        asked for (their rows first, in order)."""
         pairs = sorted(zip(out.requests, out.num_scheduled_tokens), key=lambda p: p[1] > 1)
         requests = [r for r, _ in pairs]
         num_new = np.array([n for _, n in pairs], dtype=np.int64)  # [N]
@@ -209,30 +295,58 @@ class ModelRunner:
         seq_lens = (starts + num_new).astype(np.int32)
         num_decodes = int((num_new == 1).sum())
         samples = np.array([s == r.num_tokens for r, s in zip(requests, seq_lens.tolist())])
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
+        chunks, chunk_rows = self._prompt_chunks(requests, cu, num_new, starts)
+        arrays = StepArrays(
+            input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             num_decode_tokens=num_decodes,
-            decode_block_tables=self._to_device(block_table[:num_decodes]),
-            decode_seq_lens=self._to_device(seq_lens[:num_decodes]),
-            prefill_block_tables=self._to_device(block_table[num_decodes:]),
-            prefill_cu_seqlens_q=self._to_device((cu[num_decodes:] - cu[num_decodes]).astype(np.int32)),
-            prefill_seq_lens=self._to_device(seq_lens[num_decodes:]),
+            decode_block_tables=block_table[:num_decodes],
+            decode_seq_lens=seq_lens[:num_decodes],
+            prefill_block_tables=block_table[num_decodes:],
+            prefill_cu_seqlens_q=(cu[num_decodes:] - cu[num_decodes]).astype(np.int32),
+            prefill_seq_lens=seq_lens[num_decodes:],
             rope_long=self._rope_long(requests, seq_lens, req_index),
+            logits_rows=np.concatenate([*chunk_rows, cu[1:][samples] - 1]).astype(np.int64))
+        return arrays, [r for r, s in zip(requests, samples) if s], chunks
+
+    @staticmethod
+    def _prompt_chunks(requests: list[Request], cu: np.ndarray, num_new: np.ndarray,
+                       starts: np.ndarray) -> tuple[list[PromptChunk], list[np.ndarray]]:
+        """The prompt chunks whose logprobs are asked for: ``(request, begin, end)``, where
+        positions p in ``[begin, end)`` predict prompt tokens p + 1 (those recorded before,
+        by a request recomputed after preemption, skipped; ``end <= begin``: none this
+        step), and each chunk's rows in the batch."""
+        chunks, rows = [], []
+        for request, first, count, start in zip(requests, cu[:-1].tolist(), num_new.tolist(),
+                                                 starts.tolist()):
+            if request.sampling_params.prompt_logprobs is None or \
+                    start >= request.num_prompt_tokens:
+                continue
+            recorded = max(len(request.prompt_logprobs), 1)  # the first token's None too
+            begin = max(start, recorded - 1)
+            end = max(begin, min(start + count, request.num_prompt_tokens - 1))
+            chunks.append((request, begin, end))
+            rows.append(np.arange(first + begin - start, first + end - start))
+        return chunks, rows
+
+    def step_inputs(self, arrays: StepArrays) -> StepInputs:
+        """``arrays`` as tensors on this runner's device."""
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(arrays.slot_mapping),
+            num_decode_tokens=arrays.num_decode_tokens,
+            decode_block_tables=self._to_device(arrays.decode_block_tables),
+            decode_seq_lens=self._to_device(arrays.decode_seq_lens),
+            prefill_block_tables=self._to_device(arrays.prefill_block_tables),
+            prefill_cu_seqlens_q=self._to_device(arrays.prefill_cu_seqlens_q),
+            prefill_seq_lens=self._to_device(arrays.prefill_seq_lens),
+            rope_long=(None if arrays.rope_long is None
+                       else self._to_device(arrays.rope_long)),
         )
-        return StepInputs(
-            input_ids=self._to_device(input_ids),
-            positions=self._to_device(positions),
-            meta=meta,
-            logits_indices=self._to_device(cu[1:][samples] - 1),
-            sampling_requests=[r for r, s in zip(requests, samples) if s],
-            prompt_chunks=[(r, int(c), int(n)) for r, c, n, s in zip(requests, cu[:-1], num_new,
-                                                                     starts)
-                           if r.sampling_params.prompt_logprobs is not None
-                           and s < r.num_prompt_tokens],
-        )
+        return StepInputs(input_ids=self._to_device(arrays.input_ids),
+                          positions=self._to_device(arrays.positions), meta=meta,
+                          logits_rows=self._to_device(arrays.logits_rows))
 
     def _rope_long(self, requests: list[Request], seq_lens: np.ndarray,
-                   req_index: np.ndarray) -> torch.Tensor | None:
+                   req_index: np.ndarray) -> np.ndarray | None:
         """LongRoPE only: ``[T]`` bool, each token's sequence is past the original context
         (its prompt, or its length after this step, as transformers decides per forward
         pass over a whole sequence: an unchunked prompt and each decode step agree)."""
@@ -240,7 +354,7 @@ class ModelRunner:
             return None
         prompt_lens = np.array([r.num_prompt_tokens for r in requests], dtype=np.int64)
         long = np.maximum(prompt_lens, seq_lens) > self._longrope_original  # [N]
-        return self._to_device(long[req_index])
+        return long[req_index]
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))

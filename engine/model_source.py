@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
     from pdserve.engine.quant_config import CheckpointQuantization, WeightFormat
     from pdserve.kernels.quant_linear import QuantWeight
+
+# (name, shape) -> pieces (dim, start, length) of a tensor-parallel rank's share, or None
+WeightShard = Callable[[str, tuple[int, ...]], "list[tuple[int, int, int]] | None"]
+
 
 class ModelSource(Protocol):
     """One local model in one storage format.
@@ -67,10 +71,13 @@ class ModelSource(Protocol):
     def quantized_weight_names(self) -> set[str]:
         """The names ``iterate_weights`` gives a ``QuantWeight`` for (no data read)."""
 
-    def iterate_weights(self, dtype: torch.dtype, progress: bool = True
+    def iterate_weights(self, dtype: torch.dtype, progress: bool = True,
+                        shard: WeightShard | None = None
                         ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
         """``(transformers name, tensor)`` for every weight, floating tensors in ``dtype``;
-        a linear stored quantized as one ``(name of its weight, QuantWeight)``."""
+        a linear stored quantized as one ``(name of its weight, QuantWeight)``. With
+        ``shard`` (a tensor-parallel rank's ``LlamaForCausalLM.weight_shard``), each float
+        tensor is only the rank's pieces of it, read as such where the format allows."""
 
 
 def open_model(path: str | os.PathLike) -> ModelSource:
@@ -210,11 +217,14 @@ class SafetensorsFolder:
         return [n for n in self.stored_names() if n not in packed] + \
             [f"{module}.weight" for module in linears]
 
-    def iterate_weights(self, dtype: torch.dtype, progress: bool = True
+    def iterate_weights(self, dtype: torch.dtype, progress: bool = True,
+                        shard: WeightShard | None = None
                         ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
         """Each file's tensors as stored, floating ones cast to ``dtype``, with a progress
         bar counting tensors across files; a quantized linear's tensors (from whichever
-        files hold them) as one ``QuantWeight``, where its first one is met."""
+        files hold them) as one ``QuantWeight``, where its first one is met. ``shard``'s
+        pieces are read as slices of the memory-mapped file: a rank never reads (or
+        holds) the whole of a tensor it has a share of."""
         from safetensors import safe_open
         from tqdm.auto import tqdm
 
@@ -231,7 +241,7 @@ class SafetensorsFolder:
             for handle in handles:
                 for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     if name not in module_of:
-                        tensor = handle.get_tensor(name)
+                        tensor = _read(handle, name, shard)
                         yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
                         bar.update(1)
                     elif module_of[name] not in done:  # NOTE: its first tensor met
@@ -242,3 +252,19 @@ class SafetensorsFolder:
                                  for last, full in stored.items()}
                         yield f"{module}.weight", quant_weight(module, fmt, parts)
                         bar.update(len(parts))
+
+
+def _read(handle, name: str, shard: WeightShard | None) -> torch.Tensor:
+    """Tensor ``name`` of a safetensors ``handle``, or only ``shard``'s pieces of it."""
+    if shard is None:
+        return handle.get_tensor(name)
+    view = handle.get_slice(name)
+    pieces = shard(name, tuple(view.get_shape()))
+    if pieces is None:
+        return handle.get_tensor(name)
+    parts = []
+    for dim, start, length in pieces:
+        index = [slice(None)] * len(view.get_shape())
+        index[dim] = slice(start, start + length)
+        parts.append(view[tuple(index)])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces[0][0])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,15 +36,17 @@ from pdserve.engine.config import ModelConfig, UnsupportedModelError
 class TensorParallel:
     """This process's place in its worker's tensor-parallel group.
 
-    ``rank`` in ``[0, size)``; ``group`` the ``torch.distributed`` process group of the
-    worker's ranks (gloo on CPU, NCCL on CUDA), None at ``size`` 1, where every collective
-    is the identity. Every collective on ``group`` has the group's timeout (set when the
-    executor made it): a dead rank fails the step, it never hangs it.
+    ``rank`` in ``[0, size)``; ``group`` the worker's ranks' process group
+    (``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on CUDA, made by
+    ``tp_executor.make_group`` and used directly, outside ``torch.distributed``'s default
+    group, which KV transfer's pair groups leave alone too), None at ``size`` 1, where
+    every collective is the identity. Every collective on ``group`` has the group's
+    timeout: a dead rank fails the step, it never hangs it.
     """
 
     rank: int = 0
     size: int = 1
-    group: dist.ProcessGroup | None = None
+    group: Any = None
 
     def shard(self, total: int) -> tuple[int, int]:
         """``(start, length)`` of this rank's share of a dimension of ``total`` split evenly.
@@ -89,20 +92,43 @@ class TensorParallel:
             attn_scale=config.softmax_scale)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group in place and return it (identity at size 1)."""
+        """Sum ``x`` over the group in place and return it (identity at size 1).
+
+        Raises:
+            RuntimeError: a rank died or the group's timeout passed.
+        """
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            self.group.allreduce([x]).wait()
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's ``x: [N, C]`` along its last dimension on rank 0
-        (``[N, size * C]``); other ranks get None. Identity at size 1."""
+        (``[N, size * C]``); other ranks get None. Identity at size 1.
+
+        Raises:
+            RuntimeError: a rank died or the group's timeout passed.
+        """
         if self.size == 1:
             return x
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=dist.get_global_rank(self.group, 0), group=self.group)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self.group.gather([parts], [x], opts).wait()
+            return torch.cat(parts, dim=-1)
+        self.group.gather([], [x], opts).wait()
+        return None
+
+
+def take_shard(tensor: torch.Tensor, pieces: list[tuple[int, int, int]] | None
+               ) -> torch.Tensor:
+    """The pieces ``(dim, start, length)`` of ``tensor`` (``LlamaForCausalLM.weight_shard``)
+    concatenated along their dimension; ``tensor`` itself for None."""
+    if pieces is None:
+        return tensor
+    parts = [tensor.narrow(dim, start, length) for dim, start, length in pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces[0][0])
 
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:

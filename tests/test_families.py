@@ -1,8 +1,8 @@
 """The families beyond Llama's (issue 25): Gemma 2 and 3, Phi-3, Mistral and Qwen2 with
 sliding windows shorter than the prompts, Llama 3.2 and SmolLM with tied embeddings. Each
 is a tiny random checkpoint written by transformers, whose greedy tokens and logprobs are
-the oracle: through ``LLM`` (with chunked prefill, so windows cross chunks, and with
-preemption), and through a disaggregated cluster (every prompt prefilled by the prefill
+the oracle: through ``LLM`` (with chunked prefill, so windows cross chunks, with
+preemption, and at tensor_parallel_size=2 over gloo), and through a disaggregated cluster (every prompt prefilled by the prefill
 worker, its KV pulled by the decode worker).
 """
 
@@ -63,7 +63,11 @@ NEW_TOKENS = 16
 # layer slides and the blocks before the windows are freed
 SETTINGS = {"chunked_prefill": {"max_num_batched_tokens": 24, "max_model_len": 256},
             "preemption": {"num_gpu_blocks_override": 8, "max_num_batched_tokens": 256,
-                           "max_model_len": 128}}
+                           "max_model_len": 128},
+            # issue 27: two ranks over gloo, each with 2 of the 4 heads, 1 of the 2 KV heads
+            # and half the MLP and vocabulary, chunked prefill across them
+            "tensor_parallel": {"tensor_parallel_size": 2, "max_num_batched_tokens": 24,
+                                "max_model_len": 256}}
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +126,7 @@ def test_greedy_matches_transformers(family, setting, checkpoints, oracle):
             assert position[token].logprob == pytest.approx(
                 ref_logprobs[step, token].item(), abs=1e-4)
     assert llm.engine.is_idle_and_clean()
+    llm.shutdown()
 
 
 def test_the_families_switches_are_read_from_their_configs(checkpoints):

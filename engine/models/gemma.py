@@ -15,6 +15,7 @@ from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.llama import MLP, Attention, AttentionMetadata, make_norm
+from pdserve.engine.parallel import TensorParallel
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -22,10 +23,11 @@ class GemmaDecoderLayer(nn.Module):
     ``(x, None)``: the layer's output with its residual adds done (each in the model's
     dtype, as transformers rounds them)."""
 
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer, tp)
+        self.mlp = MLP(config, tp)
         hidden = config.hidden_size
         self.input_layernorm = make_norm(config, hidden)
         self.post_attention_layernorm = make_norm(config, hidden)

@@ -24,6 +24,7 @@ from torch import nn
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding
 from pdserve.engine.models.quantization import install_quantized
+from pdserve.engine.parallel import TensorParallel
 from pdserve.kernels.kv_store import store_kv
 from pdserve.kernels.layers import gelu_tanh_and_mul_ref, rotary_embedding, silu_and_mul
 from pdserve.kernels.paged_decode_attention import paged_decode_attention
@@ -70,10 +71,15 @@ def make_norm(config: ModelConfig, dim: int) -> nn.Module:
 class Attention(nn.Module):
     """Layer ``layer``'s self-attention: fused q/k/v, optional q/k norm, RoPE, the KV
     store and paged attention (within the layer's sliding window, soft-capped where the
-    family does), the output projection."""
+    family does), the output projection.
 
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    ``config`` is the rank's (``TensorParallel.local_config``: its heads only); under
+    tensor parallelism ``o_proj``'s output is all-reduced over ``tp``'s group."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp or TensorParallel()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
@@ -123,14 +129,16 @@ class Attention(nn.Module):
                                         meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
                                         meta.prefill_seq_lens, *options),
             ])
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class MLP(nn.Module):
-    """The gated MLP: SwiGLU, or GeGLU (Gemma's ``gelu_pytorch_tanh``)."""
+    """The gated MLP: SwiGLU, or GeGLU (Gemma's ``gelu_pytorch_tanh``); ``config`` the
+    rank's (its share of ``intermediate_size``), ``down_proj``'s output all-reduced."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp or TensorParallel()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -138,16 +146,18 @@ class MLP(nn.Module):
                             else silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
+        x = self.act_and_mul(self.gate_up_proj(x))  # [T, 2I] -> [T, I]
+        return self.tp.all_reduce(self.down_proj(x))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer (Llama's), the residual adds fused into the norms."""
 
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -164,14 +174,39 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding, ``tp.vocab_shard``'s rows on each rank (all of them at size 1).
+
+    ``forward(input_ids [T] int64)`` -> ``[T, hidden]``: each rank looks up the ids in its
+    rows, zeros for the others, and the all-reduce sums them (exact: one rank adds the
+    row, the rest add zeros).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.start, rows = tp.vocab_shard(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         from pdserve.engine.models.gemma import GemmaDecoderLayer
 
+        tp = tp or TensorParallel()
+        local = tp.local_config(config)
         layer_class = GemmaDecoderLayer if config.sandwich_norm else DecoderLayer
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(layer_class(local, i, tp) for i in range(config.num_layers))
         self.norm = make_norm(config, config.hidden_size)
 
 
@@ -181,18 +216,24 @@ class LlamaForCausalLM(nn.Module):
     ``forward(input_ids [T] int64, positions [T] int64, kv_cache [L, 2, num_blocks,
     block_size, H_kv, D], meta, kv_scales [L, 2, num_blocks, H_kv] fp32 for a quantized
     cache)`` returns hidden states ``[T, hidden]``;
-    ``compute_logits(hidden [N, hidden])`` returns fp32 logits ``[N, vocab]``.
+    ``compute_logits(hidden [N, hidden])`` returns fp32 logits ``[N, vocab]`` (on rank 0;
+    None on the other ranks of a tensor-parallel group, ``engine/parallel.py``).
+
+    ``config`` is the whole model's; ``tp`` this process's rank (default: the only one),
+    whose share of every weight the model holds and loads.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.tp = tp or TensorParallel()
+        self.model = LlamaModel(config, self.tp)
         self.rotary_emb = RotaryEmbedding(config)
         # NOTE: Gemma 3's sliding layers rotate with a base of their own
         self.local_rotary_emb = (RotaryEmbedding(config, config.local_rope_parameters)
                                  if config.local_rope_parameters else None)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, self.tp.vocab_shard(config.vocab_size)[1],
+                                 bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -216,12 +257,48 @@ class LlamaForCausalLM(nn.Module):
                                 layer_cache, meta, scales)
         return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)  # [N, vocab]
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(hidden)  # [N, vocab / tp]
         cap = self.config.final_logit_softcapping
         if cap:  # Gemma 2: in the model's dtype, as transformers
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        logits = self.tp.gather_to_first(logits)  # [N, padded vocab] on rank 0
+        return None if logits is None else logits[:, :self.config.vocab_size].float()
+
+    def weight_shard(self, name: str, shape: tuple[int, ...]
+                     ) -> list[tuple[int, int, int]] | None:
+        """This rank's share of checkpoint tensor ``name`` of ``shape`` (transformers'
+        names; Phi-3's fused ones too): pieces ``(dim, start, length)`` to concatenate
+        along ``dim``, or None for the whole tensor (every tensor at size 1; norms).
+        A vocab-parallel piece may end before the rank's rows (the padding's)."""
+        tp = self.tp
+        if tp.size == 1:
+            return None
+        cfg = self.config
+        d, heads, kv_heads = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        q0, qn = tp.shard(heads)
+        k0, kn = tp.kv_head_shard(kv_heads)
+        i0, i_n = tp.shard(cfg.intermediate_size)
+        q = (q0 * d, qn * d)
+        k = (k0 * d, kn * d)
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            start, rows = tp.vocab_shard(cfg.vocab_size)
+            return [(0, start, max(0, min(rows, shape[0] - start)))]
+        if ".q_proj." in name:
+            return [(0, *q)]
+        if ".k_proj." in name or ".v_proj." in name:
+            return [(0, *k)]
+        if ".o_proj." in name:
+            return [(1, *q)]
+        if ".gate_proj." in name or ".up_proj." in name:
+            return [(0, i0, i_n)]
+        if ".down_proj." in name:
+            return [(1, i0, i_n)]
+        if ".qkv_proj." in name:  # Phi-3: [q; k; v] rows
+            return [(0, *q), (0, heads * d + k[0], k[1]), (0, (heads + kv_heads) * d + k[0], k[1])]
+        if ".gate_up_proj." in name:  # Phi-3: [gate; up] rows
+            return [(0, i0, i_n), (0, cfg.intermediate_size + i0, i_n)]
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]
                      ) -> set[str]:
@@ -237,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         q, kv = self.model.layers[0].self_attn.q_size, self.model.layers[0].self_attn.kv_size
-        inter = self.config.intermediate_size
+        inter = self.model.layers[0].mlp.intermediate_size  # NOTE: the rank's share
         shards = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
                   "v_proj": ("qkv_proj", q + kv, kv), "gate_proj": ("gate_up_proj", 0, inter),
                   "up_proj": ("gate_up_proj", inter, inter)}
@@ -265,6 +342,10 @@ class LlamaForCausalLM(nn.Module):
             else:
                 dest = params[target].data if size is None else \
                     params[target].data[start:start + size]
+                if target.endswith(("embed_tokens.weight", "lm_head.weight")) and \
+                        tensor.shape[0] < dest.shape[0]:  # the vocab shard's padding
+                    dest[tensor.shape[0]:].zero_()
+                    dest = dest[:tensor.shape[0]]
                 if dest.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
                                      f"expected {tuple(dest.shape)}")

@@ -19,6 +19,7 @@ from pdserve.engine.models.quantization import (
     drop_quantized_weights,
     quantize_linears,
 )
+from pdserve.engine.parallel import TensorParallel
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -70,20 +71,30 @@ def check_model(config: ModelConfig) -> None:
 
 
 def load_model(config: ModelConfig, device: torch.device, progress: bool = True,
-               source: ModelSource | None = None) -> LlamaForCausalLM:
+               source: ModelSource | None = None, tp: TensorParallel | None = None
+               ) -> LlamaForCausalLM:
     """Build the model on ``device`` in ``config.dtype`` and load its weights from
-    ``source`` (default: ``model_source.open_model(config.model)``).
+    ``source`` (default: ``model_source.open_model(config.model)``); under tensor
+    parallelism, only rank ``tp.rank``'s share of them (``engine/parallel.py``), read
+    as slices of the checkpoint.
 
     Raises:
         FileNotFoundError: no weights.
-        UnsupportedModelError: a tensor the model has no place for.
+        UnsupportedModelError: a tensor the model has no place for; quantized weights
+            under tensor parallelism.
         ValueError: tensors missing from the checkpoint, or of the wrong shape.
     """
     source = source or open_model(config.model)
+    tp = tp or TensorParallel()
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     check_weight_names(source, model)
     quantized = quantized_targets(source)
+    if tp.size > 1 and (quantized or config.quantization):
+        raise UnsupportedModelError(
+            f"tensor_parallel_size={tp.size} with quantized weights "
+            f"({config.quantization or source.quant_method()}) is not supported yet: "
+            "serve a float checkpoint, or tensor_parallel_size=1")
     drop_quantized_weights(model, quantized)
     # NOTE: cast on meta first, so the device never holds an fp32 copy of the weights
     model = model.to(config.dtype).to_empty(device=device)
@@ -94,7 +105,8 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = True,
     if model.local_rotary_emb is not None:
         model.local_rotary_emb = RotaryEmbedding(config, config.local_rope_parameters).to(device)
     with torch.no_grad():
-        model.load_weights(source.iterate_weights(config.dtype, progress))
+        shard = model.weight_shard if tp.size > 1 else None
+        model.load_weights(source.iterate_weights(config.dtype, progress, shard))
         if config.quantization in RTN_SCHEMES:
             quantize_linears(model, config.quantization, device)
     if device.type == "cpu":
