@@ -57,7 +57,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--num-threads", type=int, help="torch CPU threads for this engine")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="ranks the model is split over, each a process of its own on "
+                        "this machine (one GPU each, or a share of the CPUs over gloo)")
+    parser.add_argument("--num-threads", type=int, help="torch CPU threads for this engine "
+                        "(each rank's, under tensor parallelism)")
     parser.add_argument("--cpu-omp-threads-bind", default="auto",
                         help="CPU only (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto binds "
                         "intra-op thread i to the i-th CPU this process may use when the "
@@ -91,6 +95,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
         "gpu_memory_utilization": args.gpu_memory_utilization, "seed": args.seed,
         "device": args.device, "num_threads": args.num_threads,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "cpu_omp_threads_bind": args.cpu_omp_threads_bind,
         "model": args.model or str(ensure_demo_model()),
     }

@@ -32,6 +32,12 @@ import torch.distributed as dist
 from pdserve.engine.config import ModelConfig, UnsupportedModelError
 
 
+class RankFailedError(RuntimeError):
+    """A rank of this worker's tensor-parallel group died or stopped answering (a
+    collective failed or timed out, or the rank's process exited): the worker cannot
+    compute another step."""
+
+
 @dataclass(slots=True)
 class TensorParallel:
     """This process's place in its worker's tensor-parallel group.
@@ -95,10 +101,10 @@ class TensorParallel:
         """Sum ``x`` over the group in place and return it (identity at size 1).
 
         Raises:
-            RuntimeError: a rank died or the group's timeout passed.
+            RankFailedError: a rank died or the group's timeout passed.
         """
         if self.size > 1:
-            self.group.allreduce([x]).wait()
+            _wait(self.group.allreduce([x]), "all-reduce")
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -106,7 +112,7 @@ class TensorParallel:
         (``[N, size * C]``); other ranks get None. Identity at size 1.
 
         Raises:
-            RuntimeError: a rank died or the group's timeout passed.
+            RankFailedError: a rank died or the group's timeout passed.
         """
         if self.size == 1:
             return x
@@ -115,10 +121,17 @@ class TensorParallel:
         opts.rootRank = 0
         if self.rank == 0:
             parts = [torch.empty_like(x) for _ in range(self.size)]
-            self.group.gather([parts], [x], opts).wait()
+            _wait(self.group.gather([parts], [x], opts), "gather")
             return torch.cat(parts, dim=-1)
-        self.group.gather([], [x], opts).wait()
+        _wait(self.group.gather([], [x], opts), "gather")
         return None
+
+
+def _wait(work, what: str) -> None:
+    try:
+        work.wait()
+    except RuntimeError as exc:  # NOTE: gloo's connection reset, or its timeout
+        raise RankFailedError(f"tensor-parallel {what} failed: {exc}") from exc
 
 
 def take_shard(tensor: torch.Tensor, pieces: list[tuple[int, int, int]] | None

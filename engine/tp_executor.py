@@ -33,17 +33,12 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.parallel import RankFailedError, TensorParallel
 
 logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 60.0  # a step's collectives; the first one waits for kernels' builds
 START_TIMEOUT_S = 600.0  # a rank loads its share of the weights
-
-
-class RankFailedError(RuntimeError):
-    """A rank of this worker's tensor-parallel group died or stopped answering: the
-    worker cannot compute another step."""
 
 
 @dataclass(slots=True)
