@@ -27,6 +27,12 @@ transformers loads a GGUF file with ``gguf_file=``, dequantized, in ``--dtype``.
 KV cache dtype to the alternation, as an engine of its own (``pdserve:int8``), and prints
 its throughput as a ratio to pdserve's with the model's dtype (best over best, and per
 repeat).
+
+``--tensor-parallel-size 2`` (repeatable) adds pdserve split over that many ranks
+(``pdserve:tp2``; on the CPU each rank takes an equal share of the cores) and prints its
+throughput as a ratio to pdserve's at TP=1, with rank 0's time in the collectives (the
+two all-reduces per layer, the embedding's, the logits' gather: the transfer and the
+wait for the slower rank) per engine step, and their share of the run.
 """
 
 from __future__ import annotations
@@ -133,13 +139,14 @@ def decode_step_probe(llm, prompts: list[list[int]], params) -> dict:
 
 
 def pdserve_runner(model_dir: Path, prompts: list[list[int]], output_len: int, dtype: str,
-                   device: str, kv_cache_dtype: str = "auto"):
+                   device: str, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1):
     """Load pdserve's ``LLM`` and warm it up; return a function that generates W1 once
     and returns its wall seconds, and one that runs ``decode_step_probe``."""
     from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, max_model_len=1024, load_progress=False,
-              device=device, kv_cache_dtype=kv_cache_dtype)
+              device=device, kv_cache_dtype=kv_cache_dtype,
+              tensor_parallel_size=tensor_parallel_size)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     # Warm up on other tokens, so no benchmark prompt is prefix-cached.
     warmup = [[(t + 1) % 32000 for t in p] for p in prompts[:2]]
@@ -188,19 +195,59 @@ def transformers_runner(model_dir: Path, prompts: list[list[int]], output_len: i
     return run
 
 
+def time_collectives() -> dict:
+    """Count rank 0's seconds in tensor-parallel collectives and its engine steps from now
+    on (wraps ``TensorParallel``'s collectives and ``ModelRunner.execute``); returns the
+    live counters."""
+    from pdserve.engine import parallel
+    from pdserve.engine.model_runner import ModelRunner
+
+    counters = {"collective_s": 0.0, "collectives": 0, "steps": 0}
+
+    def timed(method):
+        def wrapper(self, x):
+            start = time.perf_counter()
+            try:
+                return method(self, x)
+            finally:
+                counters["collective_s"] += time.perf_counter() - start
+                counters["collectives"] += 1
+        return wrapper
+
+    def counted(method):
+        def wrapper(self, *args):
+            counters["steps"] += 1
+            return method(self, *args)
+        return wrapper
+
+    for attr in ("all_reduce", "gather_to_first"):
+        setattr(parallel.TensorParallel, attr, timed(getattr(parallel.TensorParallel, attr)))
+    ModelRunner.execute = counted(ModelRunner.execute)
+    return counters
+
+
 def _run_in_child(name: str, model_dir: Path, prompts: list[list[int]], output_len: int,
                   dtype: str, device: str, probe: bool, conn) -> None:
     """Child process: load and warm up one engine (``pdserve``, ``pdserve:<kv cache
-    dtype>`` or ``transformers``), time one W1 run, send the seconds (and pdserve's
-    ``decode_step_probe`` when ``probe``)."""
+    dtype>``, ``pdserve:tp<N>`` or ``transformers``), time one W1 run, send the seconds
+    (and pdserve's ``decode_step_probe`` when ``probe``, or the collectives' counters of a
+    ``tp`` run)."""
+    extra = None
     if name.startswith("pdserve"):
-        kv_cache_dtype = name.partition(":")[2] or "auto"
+        variant = name.partition(":")[2]
+        size = int(variant[2:]) if variant.startswith("tp") else 1
+        counters = time_collectives() if size > 1 else None
         run, probe_steps = pdserve_runner(model_dir, prompts, output_len, dtype, device,
-                                          kv_cache_dtype)
+                                          "auto" if size > 1 else variant or "auto", size)
+        if counters is not None:
+            counters.update(collective_s=0.0, collectives=0, steps=0)  # NOTE: W1's alone
+            extra = counters
     else:
         run = transformers_runner(model_dir, prompts, output_len, getattr(torch, dtype), device)
     seconds = run()
-    conn.send((seconds, probe_steps() if probe and name.startswith("pdserve") else None))
+    if probe and name.startswith("pdserve"):
+        extra = probe_steps()
+    conn.send((seconds, extra))
     conn.close()
 
 
@@ -247,6 +294,10 @@ def main() -> None:
                         choices=["int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
                         help="also time pdserve with this KV cache dtype (repeatable), "
                              "reported as a ratio to pdserve's with the model's dtype")
+    parser.add_argument("--tensor-parallel-size", action="append", default=[], type=int,
+                        help="also time pdserve split over this many ranks (repeatable), "
+                             "reported as a ratio to pdserve's at 1, with its collectives' "
+                             "time per step")
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -255,16 +306,21 @@ def main() -> None:
     prompts = torch.randint(0, 32000, (args.num_prompts, args.input_len), generator=gen).tolist()
     num_output = args.num_prompts * args.output_len
 
-    names = (["pdserve", *(f"pdserve:{kv}" for kv in args.kv_cache_dtype)]
+    names = (["pdserve", *(f"pdserve:{kv}" for kv in args.kv_cache_dtype),
+              *(f"pdserve:tp{n}" for n in args.tensor_parallel_size)]
              + ([] if args.skip_transformers else ["transformers"]))
     times: dict[str, list[float]] = {name: [] for name in names}
+    collectives: dict[str, list[dict]] = {}
     step_probe = None
     for repeat in range(args.repeats):
         for name in names:
-            seconds, probe = timed_run(name, model_dir, prompts, args.output_len, args.dtype,
+            seconds, extra = timed_run(name, model_dir, prompts, args.output_len, args.dtype,
                                        args.device, probe=repeat == 0 and name == "pdserve")
             times[name].append(seconds)
-            step_probe = step_probe or probe
+            if ":tp" in name:
+                collectives.setdefault(name, []).append(extra | {"seconds": seconds})
+            else:
+                step_probe = step_probe or extra
     machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                     f"{torch.get_num_threads()} threads")
@@ -290,6 +346,18 @@ def main() -> None:
         result[f"{name}_ratio_per_repeat"] = paired
         print(f"{kv} KV / {args.dtype} KV: {result[f'{name}_ratio']:.2f}x output tok/s (best "
               f"over best; per repeat {', '.join(f'{r:.2f}' for r in paired)})")
+    for n in args.tensor_parallel_size:
+        name = f"pdserve:tp{n}"
+        result[f"{name}_ratio"] = min(times["pdserve"]) / min(times[name])
+        paired = [one / tp for one, tp in zip(times["pdserve"], times[name])]
+        result[f"{name}_ratio_per_repeat"] = paired
+        result[f"{name}_collectives"] = collectives[name]
+        best = min(collectives[name], key=lambda c: c["seconds"])
+        print(f"TP={n} / TP=1: {result[f'{name}_ratio']:.2f}x output tok/s (best over best; "
+              f"per repeat {', '.join(f'{r:.2f}' for r in paired)}); rank 0 in collectives "
+              f"{best['collective_s'] / best['steps'] * 1e3:.2f} ms per step "
+              f"({best['collectives'] / best['steps']:.0f} per step, {best['steps']} steps), "
+              f"{best['collective_s'] / best['seconds']:.0%} of the run")
     if step_probe:
         print(f"decode step:  {step_probe['median_step_s'] * 1e3:8.2f} ms median over "
               f"{step_probe['decode_steps']} steps of {step_probe['batch']} sequences; "
