@@ -10,7 +10,9 @@ scale and soft-caps, the embedding scale, tied embeddings, and Gemma's sandwich 
 sequences (no padding) and reads and writes the paged KV cache through
 ``AttentionMetadata``; it knows nothing of scheduling. q/k/v and gate/up projections are
 fused for fewer, larger matmuls; ``load_weights`` maps transformers' parameter names onto
-them (Phi-3's checkpoints store them fused already).
+them (Phi-3's checkpoints store them fused already). Mixture-of-experts families
+(Mixtral, Qwen2-MoE, Qwen3-MoE) swap a layer's MLP for ``moe.MoEBlock``, which loads its
+own router and expert tensors.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding
+from pdserve.engine.models.moe import MoEBlock, load_moe_weight
 from pdserve.engine.models.quantization import install_quantized
+from pdserve.engine.parallel import TensorParallel
 from pdserve.kernels.kv_store import store_kv
 from pdserve.kernels.layers import gelu_tanh_and_mul_ref, rotary_embedding, silu_and_mul
 from pdserve.kernels.paged_decode_attention import paged_decode_attention
@@ -147,7 +151,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        # MoE layers: a sparse block (TP: pass the rank's TensorParallel, the full config)
+        self.mlp = (MoEBlock(config, TensorParallel()) if config.is_moe_layer(layer)
+                    else MLP(config))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -247,8 +253,13 @@ class LlamaForCausalLM(nn.Module):
         replaced = {f"{n}.weight" for n, m in self.named_modules()
                     if isinstance(m, nn.Linear) and m.weight is None}
         quantized: dict[str, list[tuple[int, QuantWeight | torch.Tensor]]] = {}
+        moe_blocks = {i: layer.mlp for i, layer in enumerate(self.model.layers)
+                      if isinstance(layer.mlp, MoEBlock)}
         for name, tensor in weights:
             if "rotary_emb" in name:
+                continue
+            if moe_blocks and (written := load_moe_weight(moe_blocks, name, tensor)):
+                loaded.add(written)  # NOTE: the router and experts load themselves
                 continue
             tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
             if tied_head and not isinstance(tensor, QuantWeight):
