@@ -11,8 +11,7 @@ import pytest
 import torch
 from triton_interpreter import device_params  # NOTE: before pdserve.kernels
 
-from pdserve.kernels import cpu_ext
-from pdserve.kernels import moe
+from pdserve.kernels import cpu_ext, moe
 from pdserve.kernels._triton_utils import HAS_TRITON
 
 DEVICES = device_params()
