@@ -24,6 +24,7 @@ from pdserve.engine.families import (
     check_fields,
     gemma_fields,
     layer_windows,
+    moe_fields,
     rope_parameters,
 )
 from pdserve.engine.quant_config import parse_quantization_config
@@ -75,7 +76,8 @@ def cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
 class ModelConfig:
     """The decoder-only transformer pdserve runs, as one decoder with switches
     (``engine/families.py``): Llama (3.1, 3.2), SmolLM, Mistral, Qwen2, Qwen3, Phi-3,
-    Gemma 2 and Gemma 3 (text).
+    Gemma 2 and Gemma 3 (text), and the mixtures of experts Mixtral, Qwen2-MoE and
+    Qwen3-MoE.
 
     ``rope_type`` selects the rotary frequencies (``llama3`` for Llama 3.1, ``longrope``
     for Phi-3); ``local_rope_parameters`` are those of the sliding layers where they
@@ -86,6 +88,14 @@ class ModelConfig:
     ``attn_scale`` (default ``head_dim ** -0.5``), the attention and final logit
     soft-caps. ``fused_checkpoint``: q/k/v and gate/up stored fused (Phi-3). Lengths are
     in tokens.
+
+    Mixture of experts (``num_experts`` > 0; ``engine/models/moe.py``): the layers whose
+    ``moe_layers`` entry is True replace the MLP with ``num_experts`` experts of
+    ``moe_intermediate_size``, ``num_experts_per_tok`` of them per token; the top-k
+    routing weights renormalised where ``norm_topk_prob``, kept in fp32 where
+    ``router_weights_fp32`` (Mixtral) else rounded to the activation dtype (Qwen); a
+    shared expert of ``shared_expert_intermediate_size`` (0: none) behind a sigmoid gate
+    (Qwen2-MoE). The other layers keep the dense MLP of ``intermediate_size``.
     """
 
     model: str
@@ -119,6 +129,17 @@ class ModelConfig:
     fused_checkpoint: bool = False
     # --quantization, else the checkpoint's quant_method: engine/models/quantization.py
     quantization: str | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_weights_fp32: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` is a sparse MoE block (else the dense MLP)."""
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     @property
     def softmax_scale(self) -> float:
@@ -188,6 +209,11 @@ class ModelConfig:
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
         num_layers = int(raw["num_hidden_layers"])
         extra = gemma_fields(raw, hidden, head_dim) if family.gemma else {}
+        extra.update(moe_fields(raw, arch, num_layers))
+        if family.moe and quant is not None:
+            raise UnsupportedModelError(
+                f"quantization_config.quant_method={quant.method!r} is not supported for "
+                f"{arch}: pdserve runs mixture-of-experts weights in bf16/fp16/fp32 only")
         return cls(
             model=model,
             architecture=arch,
@@ -204,7 +230,8 @@ class ModelConfig:
             max_model_len=max_model_len,
             dtype=parse_dtype(dtype, raw.get("dtype") or raw.get("torch_dtype")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=family.qkv_bias or bool(raw.get("attention_bias", False)),
+            qkv_bias=(family.qkv_bias and bool(raw.get("qkv_bias", True))
+                      or bool(raw.get("attention_bias", False))),
             qk_norm=family.qk_norm,
             rope_type=rope["rope_type"],
             rope_parameters=rope,

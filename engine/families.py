@@ -27,7 +27,10 @@ class Family:
     ``query_pre_attn_scalar ** -0.5`` and logit soft-capping. ``fused_checkpoint``: the
     checkpoint stores ``qkv_proj`` and ``gate_up_proj`` already fused (Phi-3).
     ``window_all_layers``: a ``sliding_window`` in the config applies to every layer
-    (Mistral, Phi-3); elsewhere ``layer_types`` says which layers slide.
+    (Mistral, Phi-3); elsewhere ``layer_types`` says which layers slide. ``moe``: a
+    sparse mixture-of-experts family (``engine/models/moe.py``), how it routes:
+    ``"mixtral"`` (top-k weights renormalised, kept in fp32) or ``"qwen"`` (renormalised
+    iff ``norm_topk_prob``, rounded to the activation dtype; Qwen2-MoE's shared expert).
     """
 
     qkv_bias: bool = False
@@ -35,6 +38,7 @@ class Family:
     gemma: bool = False
     fused_checkpoint: bool = False
     window_all_layers: bool = False
+    moe: str | None = None
 
 
 FAMILIES: dict[str, Family] = {
@@ -45,6 +49,9 @@ FAMILIES: dict[str, Family] = {
     "Phi3ForCausalLM": Family(fused_checkpoint=True, window_all_layers=True),
     "Gemma2ForCausalLM": Family(gemma=True),
     "Gemma3ForCausalLM": Family(gemma=True, qk_norm=True),
+    "MixtralForCausalLM": Family(window_all_layers=True, moe="mixtral"),
+    "Qwen2MoeForCausalLM": Family(qkv_bias=True, moe="qwen"),
+    "Qwen3MoeForCausalLM": Family(qk_norm=True, window_all_layers=True, moe="qwen"),
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _ROPE_ALIASES = {"su": "longrope"}  # NOTE: Phi-3's first configs named LongRoPE "su"
@@ -118,6 +125,8 @@ def layer_windows(raw: dict, arch: str, num_layers: int) -> tuple[int | None, ..
     """
     window = raw.get("sliding_window")
     types = raw.get("layer_types")
+    if arch == "Qwen3MoeForCausalLM" and not raw.get("use_sliding_window"):
+        window = None  # NOTE: transformers drops the window unless use_sliding_window
     if window is None:
         return (None,) * num_layers
     if types is None:
@@ -136,7 +145,7 @@ def _default_layer_types(raw: dict, arch: str, num_layers: int) -> list[str]:
     full, sliding = "full_attention", "sliding_attention"
     if FAMILIES[arch].window_all_layers:
         return [sliding] * num_layers
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
         first = int(raw.get("max_window_layers") or 0)
         return [sliding if raw.get("use_sliding_window") and i >= first else full
                 for i in range(num_layers)]
@@ -179,3 +188,46 @@ def gemma_fields(raw: dict, hidden_size: int, head_dim: int) -> dict[str, Any]:
         "attn_logit_softcapping": raw.get("attn_logit_softcapping") or None,
         "final_logit_softcapping": raw.get("final_logit_softcapping") or None,
     }
+
+
+def moe_fields(raw: dict, arch: str, num_layers: int) -> dict[str, Any]:
+    """A mixture-of-experts family's ``ModelConfig`` fields (empty for a dense family): the
+    expert count (``num_local_experts`` / ``num_experts``), ``num_experts_per_tok``, each
+    expert's intermediate size (Mixtral: ``intermediate_size``; Qwen:
+    ``moe_intermediate_size``), the routing (``norm_topk_prob``), Qwen2-MoE's shared
+    expert (``shared_expert_intermediate_size``, 0: none) and which layers are sparse:
+    Qwen's layer ``i`` unless it is in ``mlp_only_layers`` or ``(i + 1) %
+    decoder_sparse_step``; Mixtral's every layer.
+
+    Raises:
+        UnsupportedModelError: a missing or inconsistent expert field, naming it.
+    """
+    family = FAMILIES[arch]
+    if family.moe is None:
+        return {}
+    experts = raw.get("num_local_experts") or raw.get("num_experts")
+    top_k = raw.get("num_experts_per_tok")
+    if not experts:
+        raise UnsupportedModelError(f"{arch}: the config lacks num_local_experts/num_experts")
+    if not top_k or not 1 <= int(top_k) <= int(experts):
+        raise UnsupportedModelError(f"num_experts_per_tok={top_k} must be in [1, {experts}]")
+    if family.moe == "mixtral":
+        inter, shared, norm = int(raw["intermediate_size"]), 0, True
+        sparse = (True,) * num_layers
+    else:
+        inter = raw.get("moe_intermediate_size")
+        if not inter:
+            raise UnsupportedModelError(f"{arch}: the config lacks moe_intermediate_size")
+        inter = int(inter)
+        norm = bool(raw.get("norm_topk_prob", False))
+        shared = (int(raw.get("shared_expert_intermediate_size") or 0)
+                  if arch == "Qwen2MoeForCausalLM" else 0)
+        step = int(raw.get("decoder_sparse_step") or 1)
+        if step < 1:
+            raise UnsupportedModelError(f"decoder_sparse_step={step} must be >= 1")
+        dense = set(raw.get("mlp_only_layers") or ())
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return {"num_experts": int(experts), "num_experts_per_tok": int(top_k),
+            "moe_intermediate_size": inter, "norm_topk_prob": norm,
+            "router_weights_fp32": family.moe == "mixtral",
+            "shared_expert_intermediate_size": shared, "moe_layers": sparse}

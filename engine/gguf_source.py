@@ -156,7 +156,8 @@ class GGUFFile:
         experts = self._field("llama.expert_count")
         if experts:
             raise UnsupportedModelError(f"llama.expert_count={experts} in {self.path.name}: "
-                                        "mixture-of-experts models are not supported")
+                                        "mixture-of-experts GGUF files are not supported "
+                                        "(pdserve runs MoE safetensors checkpoints)")
         kv_heads = self._field("llama.attention.head_count_kv")
         if isinstance(kv_heads, list):
             raise UnsupportedModelError(

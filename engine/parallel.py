@@ -14,6 +14,9 @@ A worker at ``--tensor-parallel-size N`` is one scheduler and N rank processes
 - the embedding and the LM head (vocab-parallel): ``ceil(vocab / N)`` rows each, the last
   padded; a token's embedding row is on one rank (the others add zeros, so the all-reduce
   is exact) and rank 0 gathers the logits;
+- a mixture-of-experts block (``engine/models/moe.py``): every expert's ``1 / N`` of
+  the expert intermediate size (and of the shared expert's), the router whole,
+  all-reduced once after the block;
 - norms and everything else whole.
 
 A rank's KV cache holds its own KV heads only (``TensorParallel.local_config``), so the
@@ -162,6 +165,12 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         problems.append(f"num_key_value_heads={kv_heads} (nor does it divide it)")
     if config.intermediate_size % size:
         problems.append(f"intermediate_size={config.intermediate_size}")
+    # MoE: each rank holds every expert's (and the shared expert's) 1 / size columns
+    if config.moe_intermediate_size % size:
+        problems.append(f"moe_intermediate_size={config.moe_intermediate_size}")
+    if config.shared_expert_intermediate_size % size:
+        problems.append(f"shared_expert_intermediate_size="
+                        f"{config.shared_expert_intermediate_size}")
     if problems:
         raise UnsupportedModelError(
             f"tensor_parallel_size={size} does not divide {', '.join(problems)} of "

@@ -10,7 +10,9 @@ scale and soft-caps, the embedding scale, tied embeddings, and Gemma's sandwich 
 sequences (no padding) and reads and writes the paged KV cache through
 ``AttentionMetadata``; it knows nothing of scheduling. q/k/v and gate/up projections are
 fused for fewer, larger matmuls; ``load_weights`` maps transformers' parameter names onto
-them (Phi-3's checkpoints store them fused already).
+them (Phi-3's checkpoints store them fused already). Mixture-of-experts families
+(Mixtral, Qwen2-MoE, Qwen3-MoE) swap a layer's MLP for ``moe.MoEBlock``, which loads its
+own router and expert tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding
+from pdserve.engine.models.moe import MoEBlock, load_moe_weight
 from pdserve.engine.models.quantization import install_quantized
 from pdserve.engine.parallel import TensorParallel
 from pdserve.kernels.kv_store import store_kv
@@ -157,7 +160,9 @@ class DecoderLayer(nn.Module):
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer, tp)
-        self.mlp = MLP(config, tp)
+        # MoE layers: a sparse block that takes its own share of every expert
+        self.mlp = (MoEBlock(config, tp or TensorParallel()) if config.is_moe_layer(layer)
+                    else MLP(config, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -281,6 +286,8 @@ class LlamaForCausalLM(nn.Module):
         i0, i_n = tp.shard(cfg.intermediate_size)
         q = (q0 * d, qn * d)
         k = (k0 * d, kn * d)
+        if ".experts." in name or ".shared_expert." in name:
+            return None  # NOTE: a MoE block takes its own share (moe.MoEBlock.load_weight)
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             start, rows = tp.vocab_shard(cfg.vocab_size)
             return [(0, start, max(0, min(rows, shape[0] - start)))]
@@ -314,7 +321,8 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         q, kv = self.model.layers[0].self_attn.q_size, self.model.layers[0].self_attn.kv_size
-        inter = self.model.layers[0].mlp.intermediate_size  # NOTE: the rank's share
+        inter = next((layer.mlp.intermediate_size for layer in self.model.layers  # the rank's
+                      if isinstance(layer.mlp, MLP)), 0)  # NOTE: a dense layer's, if any
         shards = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
                   "v_proj": ("qkv_proj", q + kv, kv), "gate_proj": ("gate_up_proj", 0, inter),
                   "up_proj": ("gate_up_proj", inter, inter)}
@@ -324,8 +332,13 @@ class LlamaForCausalLM(nn.Module):
         replaced = {f"{n}.weight" for n, m in self.named_modules()
                     if isinstance(m, nn.Linear) and m.weight is None}
         quantized: dict[str, list[tuple[int, QuantWeight | torch.Tensor]]] = {}
+        moe_blocks = {i: layer.mlp for i, layer in enumerate(self.model.layers)
+                      if isinstance(layer.mlp, MoEBlock)}
         for name, tensor in weights:
             if "rotary_emb" in name:
+                continue
+            if moe_blocks and (written := load_moe_weight(moe_blocks, name, tensor)):
+                loaded.add(written)  # NOTE: the router and experts load themselves
                 continue
             tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
             if tied_head and not isinstance(tensor, QuantWeight):

@@ -14,6 +14,7 @@ from pdserve.engine.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.model_source import ModelSource, open_model
 from pdserve.engine.models.layers import RotaryEmbedding, pack_linears_for_cpu
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.moe import MoEBlock
 from pdserve.engine.models.quantization import (
     RTN_SCHEMES,
     drop_quantized_weights,
@@ -24,11 +25,20 @@ from pdserve.engine.parallel import TensorParallel
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def expected_checkpoint_names(model: LlamaForCausalLM) -> set[str]:
+def expected_checkpoint_names(model: LlamaForCausalLM, fused_experts: bool = False
+                              ) -> set[str]:
     """The transformers parameter names a complete checkpoint provides for ``model``
-    (its fused projections split, but where the family stores them fused: Phi-3)."""
+    (its fused projections split, but where the family stores them fused: Phi-3; an MoE
+    block's router and experts as ``MoEBlock.checkpoint_names`` says, per expert or, with
+    ``fused_experts``, stacked as transformers 5 holds them)."""
     names = set()
+    moe = {f"{n}.": m for n, m in model.named_modules() if isinstance(m, MoEBlock)}
+    for prefix, block in moe.items():
+        layer = prefix[:-len("mlp.")]
+        names.update(layer + n for n in block.checkpoint_names(fused_experts))
     for name, _ in model.named_parameters():
+        if moe and any(name.startswith(prefix) for prefix in moe):
+            continue
         fused = next((f for f in _FUSED if f".{f}." in name), None)
         if fused is None or model.config.fused_checkpoint:
             names.add(name)
@@ -44,8 +54,9 @@ def check_weight_names(source: ModelSource, model: LlamaForCausalLM) -> None:
         UnsupportedModelError: a tensor the model has no place for (naming it).
         ValueError: tensors the model needs that the source lacks.
     """
-    expected = expected_checkpoint_names(model)
     names = set(source.weight_names())
+    fused_experts = any(n.endswith(".experts.gate_up_proj") for n in names)
+    expected = expected_checkpoint_names(model, fused_experts)
     if model.config.tie_word_embeddings:  # NOTE: a tied checkpoint may still store lm_head
         expected.discard("lm_head.weight")
         names.discard("lm_head.weight")
@@ -65,9 +76,23 @@ def check_model(config: ModelConfig) -> None:
 
     Raises: as ``check_weight_names``.
     """
+    check_moe_quantization(config)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     check_weight_names(open_model(config.model), model)
+
+
+def check_moe_quantization(config: ModelConfig) -> None:
+    """Refuse a mixture-of-experts model with weight quantization (``--quantization``, a
+    quantized checkpoint): its experts run in bf16/fp16/fp32 only.
+
+    Raises:
+        UnsupportedModelError: naming ``quantization``.
+    """
+    if config.num_experts and config.quantization:
+        raise UnsupportedModelError(
+            f"quantization={config.quantization!r} is not supported for "
+            f"{config.architecture}: pdserve runs mixture-of-experts weights unquantized")
 
 
 def load_model(config: ModelConfig, device: torch.device, progress: bool = True,
@@ -84,6 +109,7 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = True,
             under tensor parallelism.
         ValueError: tensors missing from the checkpoint, or of the wrong shape.
     """
+    check_moe_quantization(config)
     source = source or open_model(config.model)
     tp = tp or TensorParallel()
     with torch.device("meta"):
