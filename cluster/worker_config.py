@@ -74,13 +74,14 @@ class WorkerConfig:
             raise ValueError(f"lease_s={self.lease_s} must be > 0")
         if self.kv_connect_timeout_s <= 0:
             raise ValueError(f"kv_connect_timeout_s={self.kv_connect_timeout_s} must be > 0")
-        if self.engine.tensor_parallel_size > 1:
-            # NOTE: a worker's KV sender and receiver move rank 0's cache, which holds only
-            # its share of the KV heads: refused rather than served wrong
+        if self.engine.tensor_parallel_size > 1 and (
+                self.engine.kv_cache_dtype != "auto" or self.engine.device.startswith("cuda")):
+            # NOTE: KVShards gathers and scatters float heads through shared memory
             raise ValueError(
                 f"tensor_parallel_size={self.engine.tensor_parallel_size} on a {self.role} "
-                "worker: KV transfer between tensor-parallel workers is not supported yet; "
-                "tensor parallelism runs offline (pdserve generate, the LLM class)")
+                f"worker with kv_cache_dtype={self.engine.kv_cache_dtype!r} on device="
+                f"{self.engine.device!r}: KV transfer between tensor-parallel workers runs "
+                "on the CPU with kv_cache_dtype 'auto' only, so far")
         if not self.worker_id:
             self.worker_id = default_worker_id(self.role)
 

@@ -229,10 +229,12 @@ class DecodeWorker(Worker):
     async def start(self) -> None:
         engine = await asyncio.to_thread(self.runtime.build_engine)
         runner = engine.engine.model_runner
+        cache = runner.transfer_cache()  # NOTE: every rank's heads under TP
         self.receiver = KVReceiver(
-            self.worker_id, runner.kv_cache, f"{self.config.kv_host}:{self.config.kv_port}",
+            self.worker_id, cache, f"{self.config.kv_host}:{self.config.kv_port}",
             timeout_s=self.config.kv_transfer_timeout_s,
-            connect_timeout_s=self.config.kv_connect_timeout_s, kv_scales=runner.kv_scales)
+            connect_timeout_s=self.config.kv_connect_timeout_s,
+            kv_scales=runner.kv_scales if cache is runner.kv_cache else None)
         self.service = DecodeService(engine, self.receiver, self.worker_id, self._request_kv,
                                      self.config.kv_transfer_timeout_s)
         servicer = DecodeWorkerServicer(self.service, self.runtime)

@@ -23,6 +23,7 @@ num_blocks, num_kv_heads]``, both with a block stride of one block's bytes.
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 from dataclasses import dataclass
 
@@ -131,6 +132,48 @@ class KVCacheLayout:
                    else torch.zeros(shape, dtype=torch.uint8, device=device))
         return self.views(storage)
 
+    def storage_shape(self, num_blocks: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """The block-major storage's shape and dtype for ``num_blocks`` blocks."""
+        if self.quantized:
+            return (num_blocks, self.block_bytes), torch.uint8
+        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
+                self.head_dim), self.dtype
+
+    def allocate_shared(self, num_blocks: int
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """A zeroed CPU cache in shared memory (a ``memfd``, advised onto huge pages),
+        for a tensor-parallel rank whose rank 0 maps it too (``map_shared``): its
+        layer-major ``(kv_cache, kv_scales)`` views and the file descriptor, which the
+        caller closes once rank 0 has it.
+
+        Raises:
+            OSError: no memfd (not Linux), or no memory for it.
+        """
+        shape, dtype = self.storage_shape(num_blocks)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            storage = _map(fd, nbytes, dtype, shape)
+        except BaseException:
+            os.close(fd)
+            raise
+        storage.zero_()
+        return (*self._layer_major(storage), fd)
+
+    def map_shared(self, fd: int, num_blocks: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Another process's ``allocate_shared`` cache of ``num_blocks`` blocks, from its
+        file descriptor: the same memory, as layer-major ``(kv_cache, kv_scales)``."""
+        shape, dtype = self.storage_shape(num_blocks)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        return self._layer_major(_map(fd, nbytes, dtype, shape))
+
+    def _layer_major(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.quantized:
+            return self.views(storage)
+        return storage.permute(1, 2, 0, 3, 4, 5), None
+
     def views(self, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A quantized cache's ``(kv_cache, kv_scales)`` over ``storage [num_blocks,
         block_bytes]`` uint8: values ``[num_layers, 2, num_blocks, block_size,
@@ -143,3 +186,14 @@ class KVCacheLayout:
         scales = scales.view(torch.float32).view(num_blocks, self.num_layers, 2,
                                                  self.num_kv_heads)
         return values.permute(1, 2, 0, 3, 4, 5), scales.permute(1, 2, 0, 3)
+
+
+def _map(fd: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``nbytes`` of file ``fd`` mapped shared, as a tensor of ``shape`` (which keeps the
+    mapping alive)."""
+    mapping = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, AttributeError):  # NOTE: shmem THP off (the default): plain pages
+        pass
+    return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)

@@ -10,6 +10,7 @@ part is B (``cu_seqlens_q=[0, 3]``, ``seq_lens=[7]``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ from pdserve.engine.sampler import Sampler, token_logprob
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.tp_executor import RankSpec, TensorParallelExecutor
 from pdserve.kernels import cpu_ext
+from pdserve.kernels.kv_shards import KVShard, KVShards
 from pdserve.kernels.layers import filter_rows
 
 
@@ -118,6 +120,7 @@ class ModelRunner:
             raise
         self.kv_cache = torch.empty(0)
         self.kv_scales: torch.Tensor | None = None
+        self.rank_kv_caches: list[torch.Tensor] = []  # rank 0: the other ranks' (CPU)
         self.sampler = Sampler(seed)
         # LongRoPE (Phi-3): sequences past this length take the long factors
         self._longrope_original = (int(config.rope_parameters["original_max_position_embeddings"])
@@ -137,6 +140,43 @@ class ModelRunner:
         if self.executor is not None:
             self.executor.send("allocate_kv_cache", num_blocks)
         self.kv_cache, self.kv_scales = self.kv_layout.allocate(num_blocks, self.device)
+        if self.executor is not None and self.device.type == "cpu":
+            fds = self.executor.receive_handles()
+            try:
+                self.rank_kv_caches = [self.kv_layout.map_shared(fd, num_blocks)[0]
+                                       for fd in fds]
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def _allocate_shared_kv_cache(self, num_blocks: int) -> int | None:
+        """A rank other than 0: its KV cache, in shared memory on the CPU; returns the
+        memory's file descriptor for rank 0 (None on CUDA)."""
+        if self.device.type != "cpu":
+            self.allocate_kv_cache(num_blocks)
+            return None
+        self.kv_cache, self.kv_scales, fd = self.kv_layout.allocate_shared(num_blocks)
+        return fd
+
+    def transfer_cache(self) -> torch.Tensor | KVShards:
+        """What KV transfer moves blocks of: this worker's ``kv_cache``, or under tensor
+        parallelism (rank 0, CPU) every rank's share of the heads (``KVShards``; the other
+        ranks' caches are shared memory that rank 0 maps).
+
+        Raises:
+            ValueError: tensor parallelism on CUDA or with a quantized KV cache (not
+                transferred yet).
+        """
+        if self.tp.size == 1:
+            return self.kv_cache
+        if self.device.type != "cpu" or self.kv_scales is not None:
+            raise ValueError("KV transfer between tensor-parallel workers runs on the CPU "
+                             "with a float KV cache only, so far")
+        caches = [self.kv_cache, *self.rank_kv_caches]
+        heads = self.config.num_kv_heads
+        return KVShards([
+            KVShard(cache, TensorParallel(rank, self.tp.size).kv_head_shard(heads)[0])
+            for rank, cache in enumerate(caches)])
 
     @torch.inference_mode()
     def profile_activation_bytes(self, num_tokens: int, num_seqs: int, max_model_len: int
@@ -227,9 +267,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.logits_rows])
 
     @torch.inference_mode()
-    def run_command(self, command: str, *args) -> None:
+    def run_command(self, command: str, *args) -> int | None:
         """Run one of rank 0's commands on another tensor-parallel rank
-        (``tp_executor``): ``step``, ``allocate_kv_cache`` or ``profile_activation_bytes``.
+        (``tp_executor``): ``step``, ``allocate_kv_cache`` (returns the shared memory's
+        file descriptor on the CPU) or ``profile_activation_bytes``.
 
         Raises:
             ValueError: an unknown command.
@@ -237,7 +278,7 @@ class ModelRunner:
         if command == "step":
             self._forward(*args)
         elif command == "allocate_kv_cache":
-            self.allocate_kv_cache(*args)
+            return self._allocate_shared_kv_cache(*args)
         elif command == "profile_activation_bytes":
             self.profile_activation_bytes(*args)
         else:

@@ -26,6 +26,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -173,6 +174,23 @@ class TensorParallelExecutor:
             except OSError as exc:
                 raise RankFailedError(f"tensor-parallel rank {rank} is gone: {exc}") from exc
 
+    def receive_handles(self, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list[int]:
+        """One file descriptor from each other rank, in rank order (its KV cache's shared
+        memory, sent after an ``allocate_kv_cache`` on the CPU); the caller closes them.
+
+        Raises:
+            RankFailedError: a rank exited or sent nothing within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        fds = []
+        for rank, (pipe, process) in enumerate(zip(self._pipes, self._processes), start=1):
+            while not pipe.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+                if not process.is_alive() or time.monotonic() >= deadline:
+                    raise RankFailedError(f"tensor-parallel rank {rank} sent no KV cache "
+                                          f"(exit code {process.exitcode})")
+            fds.append(reduction.recv_handle(pipe))
+        return fds
+
     def check_alive(self) -> None:
         """Raises ``RankFailedError`` when a rank has exited."""
         for rank, process in enumerate(self._processes, start=1):
@@ -229,7 +247,10 @@ def _rank_main(spec: RankSpec, rank: int, pipe: Connection) -> None:
         if command == "stop":
             return
         try:
-            runner.run_command(command, *args)
+            fd = runner.run_command(command, *args)
+            if fd is not None:  # NOTE: its KV cache's memory, for rank 0 to map
+                reduction.send_handle(pipe, fd, os.getppid())
+                os.close(fd)
         except Exception:  # a failed collective: rank 0 sees it too
             logger.exception("tensor-parallel rank %d: %s failed", rank, command)
             os._exit(1)

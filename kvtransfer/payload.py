@@ -39,6 +39,10 @@ A CUDA cache over gloo stages the whole payload through pinned host memory, whos
 are then sent or received in place; over NCCL a gathered payload is a CUDA tensor. A CPU
 cache's ring comes from a ``StagingPool`` (``staging.py``) when the caller passes one.
 
+A tensor-parallel worker's cache (``KVShards``: each rank's share of the KV heads) moves
+as whole blocks of all heads, every chunk staged: gathered from every rank's head range
+(sender), scattered into every rank's (receiver).
+
 A quantized cache (int8 / fp8 values, each block's fp32 scales in its own bytes) moves
 as its blocks' bytes: sender and receiver work on its ``wire_view``, the block storage
 seen as ``[1, 1, num_blocks, 1, 1, block_bytes]`` uint8, so every path above (in place,
@@ -53,6 +57,7 @@ import torch
 
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.block_copy import gather_blocks, scatter_blocks
+from pdserve.kernels.kv_shards import KVShards
 from pdserve.kvtransfer.protocol import KVGeometry, block_major
 from pdserve.kvtransfer.staging import StagingLease, StagingPool
 
@@ -284,7 +289,10 @@ class PayloadSource(_PayloadSide):
             return wire
         start, stop = self._plan.bounds[c]
         raw, blocks = self._plan.slot_view(self._lease.buffer, c)
-        gather_blocks(self.kv_cache, self._ids[start:stop], blocks)
+        if isinstance(self.kv_cache, KVShards):
+            self.kv_cache.gather(self._ids[start:stop], blocks)
+        else:
+            gather_blocks(self.kv_cache, self._ids[start:stop], blocks)
         return raw
 
 
@@ -359,8 +367,11 @@ class PayloadSink(_PayloadSide):
         if self.kv_cache is None or self._plan.slots[c] is None:
             return
         start, stop = self._plan.bounds[c]
-        scatter_blocks(self.kv_cache, self._ids[start:stop],
-                       self._plan.slot_view(self._lease.buffer, c)[1])
+        blocks = self._plan.slot_view(self._lease.buffer, c)[1]
+        if isinstance(self.kv_cache, KVShards):
+            self.kv_cache.scatter(self._ids[start:stop], blocks)
+        else:
+            scatter_blocks(self.kv_cache, self._ids[start:stop], blocks)
 
     def finish(self) -> None:
         """All chunks arrived: finish the copy into the cache (and wait for the GPU)."""

@@ -88,7 +88,14 @@ class KVGeometry:
         Raises ValueError unless ``kv_cache`` is a 6-d KV cache, contiguous or the
         layer-major view of block-major storage (``block_major``), or, with ``kv_scales``
         (``[num_layers, 2, num_blocks, num_kv_heads]`` fp32), the values view of
-        block storage whose blocks hold their scales (``engine/kv_cache_layout.py``)."""
+        block storage whose blocks hold their scales (``engine/kv_cache_layout.py``), or a
+        tensor-parallel worker's ``KVShards`` (all its ranks' heads, ``kernels/kv_shards.py``)."""
+        if not isinstance(kv_cache, torch.Tensor):  # KVShards: a float cache of all heads
+            num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+            values = (num_layers * 2 * block_size * num_kv_heads * head_dim
+                      * kv_cache.element_size())
+            return cls(num_layers, block_size, num_kv_heads, head_dim, kv_cache.dtype, 0,
+                       values)
         if (kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or not (
                 kv_cache.is_contiguous() or block_major(kv_cache) or kv_scales is not None)):
             raise ValueError("kv_cache must be [num_layers, 2, num_blocks, block_size, "
@@ -205,7 +212,10 @@ def block_major(kv_cache: torch.Tensor) -> bool:
     """Whether a 6-d ``kv_cache`` (``[num_layers, 2, num_blocks, block_size, num_kv_heads,
     head_dim]``) is the layer-major view of block-major storage ``[num_blocks,
     num_layers, 2, block_size, num_kv_heads, head_dim]``, as ``ModelRunner`` allocates
-    it: blocks ``b .. b + k - 1`` of all layers are then one contiguous region."""
+    it: blocks ``b .. b + k - 1`` of all layers are then one contiguous region. Never for
+    a tensor-parallel worker's ``KVShards`` (its chunks are always staged)."""
+    if not isinstance(kv_cache, torch.Tensor):
+        return False
     return kv_cache.permute(2, 0, 1, 3, 4, 5).is_contiguous()
 
 

@@ -90,7 +90,9 @@ class PrefillWorker(Worker):
     async def start(self) -> None:
         engine = await asyncio.to_thread(self.runtime.build_engine)
         runner = engine.engine.model_runner
-        sender = KVSender(self.worker_id, runner.kv_cache, kv_scales=runner.kv_scales,
+        cache = runner.transfer_cache()  # NOTE: every rank's heads under TP
+        sender = KVSender(self.worker_id, cache,
+                          kv_scales=runner.kv_scales if cache is runner.kv_cache else None,
                           host=self.config.kv_host, timeout_s=self.config.kv_transfer_timeout_s,
                           connect_timeout_s=self.config.kv_connect_timeout_s)
         self.service = PrefillService(engine, sender, self.worker_id, self.config.kv_host,
