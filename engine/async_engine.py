@@ -361,7 +361,9 @@ class AsyncEngine:
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self.engine.scheduler.requests):
             self.engine.abort_request(request_id)
-            self._deliver(request_id, EngineError(f"request {request_id} failed: {exc}"))
+            # NOTE: a dead engine's requests fail as UNAVAILABLE, so the router moves them
+            error = EngineDeadError if isinstance(exc, EngineDeadError) else EngineError
+            self._deliver(request_id, error(f"request {request_id} failed: {exc}"))
 
 
 @dataclass(slots=True, eq=False)

@@ -97,6 +97,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "e.g. '--max-num-batched-tokens 4096'")
     parser.add_argument("--decode-engine-args", default="", metavar="FLAGS",
                         help="engine flags for the decode pool only, e.g. '--max-num-seqs 512'")
+    for role in ("prefill", "decode"):
+        parser.add_argument(f"--{role}-tensor-parallel-size", type=int, metavar="N",
+                            help=f"ranks each {role} worker splits the model over (default: "
+                            "--tensor-parallel-size); the pools may differ")
     planner = parser.add_argument_group("SLO planner (--autoscale)")
     planner.add_argument("--autoscale", action="store_true",
                          help="size the pools from TTFT, TPOT, queues and KV usage "
@@ -247,8 +251,7 @@ class _ServeRun:
         from pdserve.engine.llm_engine import EngineConfig
 
         for role in ("prefill", "decode"):  # NOTE: a bad flag stops us before anything starts
-            pool_engine_config(EngineConfig("<model>"), getattr(args, f"{role}_engine_args"),
-                               role)
+            pool_engine_config(EngineConfig("<model>"), pool_flags(args, role), role)
         self.planner_config = planner_config_from_args(args) if args.autoscale else None
         from pdserve.router.flags import (
             grpc_limits_from_args,
@@ -423,7 +426,7 @@ class _ServeRun:
                   "kv_host": args.worker_host, "lease_s": args.kv_lease_s,
                   "drain_grace_s": args.drain_grace_s, "auth": auth}
         configs = {role: WorkerConfig(role, engine=pool_engine_config(
-                       spec.engine, getattr(args, f"{role}_engine_args"), role), **common)
+                       spec.engine, pool_flags(args, role), role), **common)
                    for role in ("prefill", "decode")}
         counts = {"prefill": spec.prefill_workers, "decode": spec.decode_workers}
         model = f"{spec.name}: " if len(self.models) > 1 else ""
@@ -511,6 +514,13 @@ def planner_config_from_args(args: argparse.Namespace):
 SHARED_ENGINE_FLAGS = ("model", "served_model_name", "block_size", "kv_cache_dtype",
                        "tokenizer", "revision", "download_dir", "generation_config",
                        "chat_template")
+
+
+def pool_flags(args: argparse.Namespace, role: str) -> str:
+    """``--<role>-engine-args``, with ``--<role>-tensor-parallel-size`` when given."""
+    flags = getattr(args, f"{role}_engine_args")
+    size = getattr(args, f"{role}_tensor_parallel_size", None)
+    return flags if size is None else f"{flags} --tensor-parallel-size {size}"
 
 
 def pool_engine_config(engine, flags: str, role: str):

@@ -22,7 +22,7 @@ import transformers
 from conftest import random_prompts
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.async_engine import AsyncEngine, EngineError
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.config import UnsupportedModelError
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.tp_executor import RankFailedError
@@ -148,7 +148,7 @@ def test_a_served_engine_whose_rank_dies_stops_and_fails_its_requests(mqa_checkp
         first = await asyncio.wait_for(anext(aiter(stream)), 30)
         assert first.new_token_ids
         os.kill(engine.engine.model_runner.executor.pids[0], signal.SIGKILL)
-        with pytest.raises(EngineError, match="the engine stopped: tensor-parallel"):
+        with pytest.raises(EngineDeadError, match="the engine stopped: tensor-parallel"):
             async with asyncio.timeout(30):
                 async for _ in stream:
                     pass
@@ -195,3 +195,27 @@ def test_the_other_ranks_exit_when_rank_0_is_killed(mqa_checkpoint):
         time.sleep(0.1)
     os.kill(rank, signal.SIGKILL)
     pytest.fail("rank 1 outlived its rank 0 by 15 s")
+
+
+def test_a_worker_refuses_tensor_parallelism_with_a_quantized_kv_cache(mqa_checkpoint):
+    from pdserve.cluster.worker_config import WorkerConfig
+
+    with pytest.raises(ValueError, match="kv_cache_dtype 'auto' only"):
+        WorkerConfig("decode", EngineConfig(mqa_checkpoint, tensor_parallel_size=2,
+                                            kv_cache_dtype="int8"))
+
+
+def test_serve_takes_a_tensor_parallel_size_per_pool():
+    import argparse
+
+    from pdserve.entrypoints.serve import add_serve_args, pool_engine_config, pool_flags
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--decode-tensor-parallel-size", "2",
+                              "--prefill-engine-args", "--max-num-seqs 8"])
+    base = EngineConfig("model")
+    decode = pool_engine_config(base, pool_flags(args, "decode"), "decode")
+    prefill = pool_engine_config(base, pool_flags(args, "prefill"), "prefill")
+    assert (decode.tensor_parallel_size, prefill.tensor_parallel_size) == (2, 1)
+    assert prefill.max_num_seqs == 8

@@ -9,21 +9,29 @@ processes of their own), real Redis, gRPC and gloo over 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import signal
 import threading
 import time
 
+import openai
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import random_prompts, write_tiny_checkpoint
 from disagg_client import TEST_AUTH, decode_stub, generate, prefill_stub
+from inproc_cluster import uvicorn_server
 
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
 from pdserve.engine import LLM, EngineConfig, SamplingParams
-from pdserve.entrypoints.redis_server import RedisServer
+from pdserve.engine.demo_model import VOCAB_SIZE, make_demo_model
+from pdserve.entrypoints.redis_server import RedisServer, free_port
 from pdserve.kernels.kv_shards import KVShard, KVShards
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender, KVTransferError
 from pdserve.prefill_worker.server import PrefillWorker
+from pdserve.router.http import build_app
+from pdserve.router.service import Router, RouterConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 # layers * (K, V) * block_size * kv heads * head dim * fp32: every head moves, whatever
@@ -37,9 +45,22 @@ def engine(path, tp: int) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_checkpoints):
-    """Prefill and decode workers at TP=1 and TP=2 each, keyed (role, tp)."""
-    path = tiny_checkpoints["llama"]
+def checkpoint(tmp_path_factory):
+    """A tiny Llama (2 layers, 4 heads, 2 KV heads of 16) with the demo model's tokenizer,
+    so the router can serve it."""
+    root = tmp_path_factory.mktemp("tp-disagg")
+    demo = make_demo_model(root / "demo")
+    path = write_tiny_checkpoint(root / "llama", "llama", vocab_size=VOCAB_SIZE)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def workers(checkpoint):
+    """Prefill and decode workers at TP=1 and TP=2 each, keyed (role, tp), the function
+    that runs a coroutine on their event loop, and that loop."""
+    path = checkpoint
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -56,7 +77,7 @@ def workers(tiny_checkpoints):
                                               kv_transfer_timeout_s=10.0, auth=TEST_AUTH))
                     call(worker.start())
                     started[role, tp] = worker
-            yield started, call
+            yield started, call, loop
         finally:
             for worker in started.values():
                 call(worker.stop())
@@ -65,18 +86,17 @@ def workers(tiny_checkpoints):
 
 
 @pytest.fixture(scope="module")
-def colocated(tiny_checkpoints):
-    return LLM(str(tiny_checkpoints["llama"]), dtype="float32", max_model_len=256,
-               load_progress=False)
+def colocated(checkpoint):
+    return LLM(str(checkpoint), dtype="float32", max_model_len=256, load_progress=False)
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 2)])
 def test_disaggregated_across_tensor_parallel_sizes_equals_colocated(
         workers, colocated, prefill_tp, decode_tp):
-    started, call = workers
+    started, call, _ = workers
     prefill, decode = started["prefill", prefill_tp], started["decode", decode_tp]
-    prompts = random_prompts([7, 40, 90], seed=40 + 3 * prefill_tp + decode_tp)
-    shared = random_prompts([96], seed=50 + 3 * prefill_tp + decode_tp)[0]  # 6 full blocks
+    prompts = random_prompts([7, 40, 90], VOCAB_SIZE, seed=40 + 3 * prefill_tp + decode_tp)
+    shared = random_prompts([96], VOCAB_SIZE, seed=50 + 3 * prefill_tp + decode_tp)[0]
     with_prefix = [shared + [1, 2, 3], shared + [4, 5, 6, 7]]
 
     async def main():
@@ -151,3 +171,55 @@ def test_a_layout_that_cannot_be_served_is_refused_within_5_s():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_decode_rank_killed_mid_stream_migrates_its_streams(workers, colocated,
+                                                              checkpoint):
+    """kill -9 of rank 1 of the TP=2 decode worker while streams run there: its engine
+    stops, the worker reports itself stopped (the router takes it out of routing), and
+    every stream finishes on the other decode worker with the colocated text. Runs last:
+    it leaves that worker dead."""
+    started, _, loop = workers
+    victim = started["decode", 2]
+    model = str(checkpoint)
+    router = Router(RouterConfig(model, victim.config.redis_url, max_model_len=256,
+                                 auth=TEST_AUTH, disaggregation="always"))
+    port = free_port()
+    server = uvicorn_server(build_app(router), port)
+    serving = asyncio.run_coroutine_threadsafe(server.serve(), loop)
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and not serving.done(), "uvicorn did not start"
+        time.sleep(0.02)
+    prompts = random_prompts([30 + i for i in range(8)], VOCAB_SIZE, seed=77)
+    expected = colocated.generate(prompts, SamplingParams(temperature=0.0, max_tokens=150,
+                                                          ignore_eos=True))
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                max_retries=0, timeout=120)
+
+    async def stream(prompt) -> str:
+        text = ""
+        response = await client.completions.create(
+            model=model, prompt=prompt, stream=True, max_tokens=150, temperature=0.0,
+            extra_body={"ignore_eos": True})
+        async for chunk in response:
+            text += "".join(choice.text for choice in chunk.choices)
+        return text
+
+    async def main() -> list[str]:
+        jobs = [asyncio.create_task(stream(p)) for p in prompts]
+        deadline = time.monotonic() + 60
+        while victim.runtime.health().num_running == 0:
+            assert time.monotonic() < deadline, "no stream reached the TP=2 decode worker"
+            await asyncio.sleep(0.01)
+        os.kill(victim.runtime.engine.engine.model_runner.executor.pids[0], signal.SIGKILL)
+        return await asyncio.wait_for(asyncio.gather(*jobs), 120)
+
+    try:
+        texts = asyncio.run(main())
+        assert texts == [o.outputs[0].text for o in expected]
+        assert not victim.runtime.engine.alive
+        assert victim.runtime.health().status == "stopped"
+    finally:
+        server.should_exit = True
+        serving.result(30)
