@@ -234,12 +234,16 @@ class RayLauncher:
         number splits the cores into each one's default CPU threads.
         """
         engine = config.engine
-        if engine.num_threads is None and not self.has_gpus:
-            engine = dataclasses.replace(engine, num_threads=default_num_threads(workers_on_node))
+        tp = engine.tensor_parallel_size
+        if engine.num_threads is None and not self.has_gpus:  # NOTE: each rank's share
+            engine = dataclasses.replace(
+                engine, num_threads=max(1, default_num_threads(workers_on_node) // tp))
         # NOTE: SPREAD puts the workers on as many nodes as there are (on one node, all
-        # there); the default packs them onto the first node with room
+        # there); the default packs them onto the first node with room. A tensor-parallel
+        # worker takes one GPU per rank, all on one node (one actor's resources always
+        # are: a STRICT_PACK placement of its ranks), and spawns its ranks there.
         options = {"max_restarts": -1, "max_task_retries": 3, "num_cpus": 0,
-                   "num_gpus": 1 if self.has_gpus else 0, "scheduling_strategy": "SPREAD"}
+                   "num_gpus": tp if self.has_gpus else 0, "scheduling_strategy": "SPREAD"}
         actors = []
         for _ in range(count):
             name = f"{config.role}-{self._num_started}"
