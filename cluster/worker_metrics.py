@@ -8,7 +8,10 @@ or ``decode``) labels. Names follow vLLM where vLLM has the metric:
 - ``vllm:num_preemptions_total`` (counter, preemptions by recompute);
 - ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total`` (counters,
   tokens: prompt tokens looked up in this worker's prefix cache, and found there);
-- ``vllm:iteration_tokens_total`` (histogram, tokens scheduled per engine step).
+- ``vllm:iteration_tokens_total`` (histogram, tokens scheduled per engine step);
+- ``vllm:spec_decode_num_drafts_total``, ``vllm:spec_decode_num_draft_tokens_total``,
+  ``vllm:spec_decode_num_accepted_tokens_total`` (counters: speculative decoding's
+  proposing steps, proposed tokens, and those accepted; 0 without speculation).
 
 pdserve's own use the ``pdserve:`` prefix:
 
@@ -91,6 +94,13 @@ class WorkerCollector(Collector):
                       "cache.", scheduler.prefix_cache_queries_total)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       scheduler.prefix_cache_hits_total)
+        yield counter("vllm:spec_decode_num_drafts", "Speculative decoding: steps in which "
+                      "a request proposed tokens.", scheduler.num_drafts_total)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Speculative decoding: tokens "
+                      "proposed.", scheduler.num_draft_tokens_total)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: "
+                      "proposed tokens the target model accepted.",
+                      scheduler.num_accepted_tokens_total)
         buckets, total = engine.iteration_tokens.snapshot()
         family = HistogramMetricFamily("vllm:iteration_tokens_total",
                                        "Tokens scheduled per engine step.", labels=LABELS)

@@ -60,6 +60,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="ranks the model is split over, each a process of its own on "
                         "this machine (one GPU each, or a share of the CPUs over gloo)")
+    parser.add_argument("--speculative-config", metavar="JSON",
+                        help="speculative decoding (vLLM's keys), e.g. '{\"method\": "
+                        "\"ngram\", \"num_speculative_tokens\": 3, "
+                        "\"prompt_lookup_max\": 4}'")
     parser.add_argument("--num-threads", type=int, help="torch CPU threads for this engine "
                         "(each rank's, under tensor parallelism)")
     parser.add_argument("--cpu-omp-threads-bind", default="auto",
@@ -96,6 +100,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "gpu_memory_utilization": args.gpu_memory_utilization, "seed": args.seed,
         "device": args.device, "num_threads": args.num_threads,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "speculative_config": args.speculative_config,
         "cpu_omp_threads_bind": args.cpu_omp_threads_bind,
         "model": args.model or str(ensure_demo_model()),
     }

@@ -29,6 +29,7 @@ from pdserve.engine.models.quantization import check_quantization
 from pdserve.engine.request import Logprob, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.spec_decode import SpeculativeConfig, ngram_propose, speculates
 from pdserve.engine.structured_output import GrammarCompiler, StructuredOutputSpec
 from pdserve.engine.tokenizer import eos_token_ids as checkpoint_eos_token_ids
 from pdserve.engine.tokenizer import load_tokenizer, read_chat_template
@@ -85,6 +86,11 @@ class EngineConfig:
     ``engine/tp_executor.py``): one CUDA device each from ``device``'s index on, or on the
     CPU ``num_threads`` threads each (default: an equal share of the CPUs).
     ``kv_cache_memory_bytes`` is then each rank's.
+
+    ``speculative_config`` (vLLM's ``--speculative-config``, JSON text or a dict, e.g.
+    ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}``):
+    decoding requests propose tokens and verify them in one forward pass
+    (``engine/spec_decode.py``).
     """
 
     model: str
@@ -111,6 +117,7 @@ class EngineConfig:
     cpu_omp_threads_bind: str = "auto"
     load_progress: bool = True
     tensor_parallel_size: int = 1
+    speculative_config: str | dict | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -123,6 +130,7 @@ class EngineConfig:
         if self.cpu_omp_threads_bind not in ("auto", "nobind"):
             parse_cpu_list(self.cpu_omp_threads_bind)
         canonical_kv_cache_dtype(self.kv_cache_dtype)  # NOTE: raises for an unknown name
+        SpeculativeConfig.parse(self.speculative_config)  # NOTE: raises, naming the key
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -291,10 +299,12 @@ class LLMEngine:
             root_block_hash(self.served_model_name, config.block_size, config.kv_cache_dtype),
             config.enable_prefix_caching, kv_event_callback, lease_s=kv_lease_s,
             sliding_window=self.model_config.kv_free_window)
+        self.speculative_config = SpeculativeConfig.parse(config.speculative_config)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self._token_budget(),
                             self.model_config.max_model_len),
-            self.kv_cache_manager)
+            self.kv_cache_manager,
+            self._propose if self.speculative_config is not None else None)
         self.iteration_tokens = TokenHistogram()
         self._grammar_compiler: GrammarCompiler | None = None  # made on first use
         self._grammar_compiler_lock = threading.Lock()
@@ -591,6 +601,19 @@ class LLMEngine:
         """Stop the other tensor-parallel ranks (none at ``tensor_parallel_size`` 1)."""
         self.model_runner.shutdown()
 
+    def _propose(self, request: Request) -> list[int]:
+        """A decoding request's proposals (``speculative_config``'s method), as many as
+        can stand before ``max_tokens`` or ``max_model_len``; [] where it does not
+        speculate (``spec_decode.speculates``)."""
+        spec = self.speculative_config
+        room = min(spec.num_speculative_tokens,
+                   request.max_tokens - request.num_output_tokens - 1,
+                   self.model_config.max_model_len - request.num_tokens)
+        if room <= 0 or not speculates(request):
+            return []
+        return ngram_propose(request.all_token_ids, room, spec.prompt_lookup_max,
+                             spec.prompt_lookup_min)
+
     def step(self) -> list[EngineOutput]:
         """Schedule, run the model once, and report each request's new tokens."""
         out = self.scheduler.schedule()
@@ -598,13 +621,15 @@ class LLMEngine:
             return []
         self.iteration_tokens.observe(out.total_num_scheduled_tokens)
         sampled = self.model_runner.execute(out, self.kv_cache_manager)
+        before = {r.request_id: (r.num_output_tokens, len(r.output_logprobs))
+                  for r in out.requests}
         outputs = []
         for request in self.scheduler.update_from_output(out, sampled):
-            _, logprob = sampled[request.request_id]
-            first = request.num_output_tokens == 1 and request.prompt_logprobs
+            num_before, logprobs_before = before[request.request_id]
+            first = num_before == 0 and request.prompt_logprobs
             outputs.append(EngineOutput(
-                request.request_id, [request.output_token_ids[-1]],
-                [logprob] if logprob is not None else [], request.status.finished,
+                request.request_id, request.output_token_ids[num_before:],
+                request.output_logprobs[logprobs_before:], request.status.finished,
                 request.status.finish_reason, request.stop_reason, request.num_prompt_tokens,
                 request.num_cached_tokens, list(request.prompt_logprobs) if first else None))
         return outputs

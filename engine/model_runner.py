@@ -242,9 +242,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager
-                ) -> dict[str, tuple[int, Logprob | None]]:
-        """Run the step; returns request id -> (sampled token, logprob) for every request
-        whose prompt (or recompute) is complete after this step."""
+                ) -> dict[str, list[tuple[int, Logprob | None]]]:
+        """Run the step; returns request id -> [(token, logprob)] for every request whose
+        prompt (or recompute) is complete after this step: one token, or for a request
+        that speculated its accepted proposals and the correction or bonus token
+        (``engine/spec_decode.py``)."""
         arrays, sampling_requests, prompt_chunks = self.prepare_inputs(out, kv)
         if self.executor is not None:
             self.executor.send("step", arrays)
@@ -252,9 +254,26 @@ class ModelRunner:
         self._prompt_logprobs(logits, prompt_chunks)
         if not sampling_requests:
             return {}
-        sampled = self.sampler.sample(logits[len(logits) - len(sampling_requests):],
-                                      sampling_requests)
-        return {r.request_id: s for r, s in zip(sampling_requests, sampled)}
+        # the sampling rows come last: one per request, 1 + k per speculating one
+        rows = logits[len(logits) - sum(1 + len(r.spec_token_ids) for r in sampling_requests):]
+        plain = [r for r in sampling_requests if not r.spec_token_ids]
+        result: dict[str, list[tuple[int, Logprob | None]]] = {}
+        if len(plain) == len(sampling_requests):
+            sampled = self.sampler.sample(rows, plain)
+            return {r.request_id: [s] for r, s in zip(plain, sampled)}
+        first, plain_rows = 0, []
+        for request in sampling_requests:
+            count = 1 + len(request.spec_token_ids)
+            if request.spec_token_ids:
+                result[request.request_id] = self.sampler.verify(
+                    rows[first:first + count], request)
+            else:
+                plain_rows.append(first)
+            first += count
+        if plain:
+            sampled = self.sampler.sample(rows[plain_rows], plain)
+            result.update((r.request_id, [s]) for r, s in zip(plain, sampled))
+        return result
 
     def _forward(self, arrays: StepArrays) -> torch.Tensor | None:
         """One forward pass over the step's tokens, the logits of ``arrays.logits_rows``
@@ -324,8 +343,9 @@ class ModelRunner:
         num_tokens = int(cu[-1])
         req_index = np.repeat(np.arange(len(requests)), num_new)  # [T]
         positions = starts[req_index] + np.arange(num_tokens) - cu[:-1][req_index]
+        # NOTE: a speculating request's chunk is its last token and its proposals
         input_ids = np.concatenate([
-            np.asarray(r.all_token_ids[s:s + n], dtype=np.int64)
+            np.asarray((r.all_token_ids[s:s + n] + r.spec_token_ids)[:n], dtype=np.int64)
             for r, s, n in zip(requests, starts.tolist(), num_new.tolist())])
         block_lists = [kv.block_ids(r.request_id) for r in requests]
         block_table = np.zeros((len(requests), max(map(len, block_lists))), dtype=np.int32)
@@ -335,7 +355,9 @@ class ModelRunner:
                         * self.block_size + positions % self.block_size)
         seq_lens = (starts + num_new).astype(np.int32)
         num_decodes = int((num_new == 1).sum())
-        samples = np.array([s == r.num_tokens for r, s in zip(requests, seq_lens.tolist())])
+        num_spec = np.array([len(r.spec_token_ids) for r in requests], dtype=np.int64)
+        samples = np.array([s == r.num_tokens + len(r.spec_token_ids)
+                            for r, s in zip(requests, seq_lens.tolist())])
         chunks, chunk_rows = self._prompt_chunks(requests, cu, num_new, starts)
         arrays = StepArrays(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
@@ -346,7 +368,10 @@ class ModelRunner:
             prefill_cu_seqlens_q=(cu[num_decodes:] - cu[num_decodes]).astype(np.int32),
             prefill_seq_lens=seq_lens[num_decodes:],
             rope_long=self._rope_long(requests, seq_lens, req_index),
-            logits_rows=np.concatenate([*chunk_rows, cu[1:][samples] - 1]).astype(np.int64))
+            logits_rows=np.concatenate([
+                np.zeros(0, dtype=np.int64), *chunk_rows, *(np.arange(end - 1 - k, end) for end, k in
+                               zip(cu[1:][samples].tolist(), num_spec[samples].tolist()))
+            ]).astype(np.int64))
         return arrays, [r for r, s in zip(requests, samples) if s], chunks
 
     @staticmethod

@@ -87,6 +87,9 @@ class Request:
     remote_decode: bool = False
     kv_consumer: str | None = None
     grammar: GrammarMatcher | None = None
+    # speculative decoding: the tokens proposed after the last one, scheduled this step
+    # beside it and verified by its logits (``engine/spec_decode.py``); [] otherwise
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -71,6 +71,35 @@ class Sampler:
         return [(t, token_logprob(raw_logprobs, i, t, p.logprobs))
                 for i, (t, p) in enumerate(zip(token_list, params))]
 
+    def verify(self, logits: torch.Tensor, request: Request
+               ) -> list[tuple[int, Logprob | None]]:
+        """A speculating request's tokens from its ``logits: [1 + k, vocab]`` fp32 (row
+        ``i`` after its last token and ``i`` proposals; ``engine/spec_decode.verify``):
+        the accepted proposals and the correction or bonus token, each with its logprob
+        from its row's raw logits when asked. Only for requests ``spec_decode.speculates``
+        lets speculate (no penalties, bias, grammar or pending ``min_tokens``)."""
+        from pdserve.engine.spec_decode import verify
+
+        params = request.sampling_params
+        raw = torch.log_softmax(logits, dim=-1) if params.logprobs is not None else None
+        probs = None if params.greedy else self.target_probs(logits, params)
+        tokens = verify(probs, logits, request.spec_token_ids, request, self.generator)
+        return [(t, token_logprob(raw, i, t, params.logprobs)) for i, t in enumerate(tokens)]
+
+    @staticmethod
+    def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
+        """``[R, vocab]`` fp32: the distribution a sampled token is drawn from, per row of
+        ``logits`` (temperature, then the min-p, top-k and top-p filters, as ``_draw``)."""
+        scaled = logits / params.temperature
+        rows = logits.shape[0]
+        if params.min_p > 0 or _filters([params.top_k], [params.top_p], logits.shape[1]):
+            device = logits.device
+            scaled = filter_rows(scaled, torch.full((rows,), params.min_p, device=device),
+                                 torch.full((rows,), params.top_k, dtype=torch.int64,
+                                            device=device),
+                                 torch.full((rows,), params.top_p, device=device))
+        return torch.softmax(scaled, dim=-1)
+
     def _draw(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """``[N]`` int64: the argmax of greedy rows, a draw from the others."""
         params = [r.sampling_params for r in requests]

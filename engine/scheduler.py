@@ -11,6 +11,7 @@ goes back to the front of the queue to be recomputed (prefix-cache hits make tha
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -52,9 +53,15 @@ class SchedulerOutput:
 class Scheduler:
     """Decides each step which requests run and how many tokens of each."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 propose: Callable[[Request], list[int]] | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        # speculative decoding: a decoding request's proposals (engine/spec_decode.py)
+        self.propose = propose
+        self.num_drafts_total = 0  # vLLM's spec_decode counters: steps that proposed,
+        self.num_draft_tokens_total = 0  # tokens proposed,
+        self.num_accepted_tokens_total = 0  # and proposals that stood
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -156,11 +163,16 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            request.spec_token_ids = []
+            if num_new == 1 and self.propose is not None:  # NOTE: a decode may speculate
+                request.spec_token_ids = self.propose(request)[:budget - 1]
+                num_new += len(request.spec_token_ids)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._pick_victim(out, request)
                 self._preempt(victim, out)
                 if victim is request:
                     num_new = 0
+                    request.spec_token_ids = []
                     break
             if num_new:
                 out.add(request, num_new)
@@ -208,20 +220,36 @@ class Scheduler:
             budget -= num_new
 
     def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, tuple[int, Logprob | None]]) -> list[Request]:
+                           sampled: dict[str, list[tuple[int, Logprob | None]]]
+                           ) -> list[Request]:
         """Advance ``num_computed_tokens``, append sampled tokens and finish stopped
-        requests. Returns the requests that got a new token this step."""
+        requests. Returns the requests that got new tokens this step.
+
+        ``sampled[request_id]`` holds one token, or for a request that speculated its
+        accepted proposals and the correction (or bonus) token: its computed tokens then
+        advance past its last token and the accepted proposals only (the rejected ones'
+        KV slots are overwritten later), and the tokens after one that stops it are
+        dropped."""
         updated = []
         for request, num_tokens in zip(out.requests, out.num_scheduled_tokens):
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted during the step
+            tokens = sampled.get(request.request_id)
+            proposed = len(request.spec_token_ids)
+            request.spec_token_ids = []
+            if proposed and tokens is not None:
+                num_tokens = len(tokens)  # 1 + the accepted proposals
+                self.num_drafts_total += 1
+                self.num_draft_tokens_total += proposed
+                self.num_accepted_tokens_total += len(tokens) - 1
             request.num_computed_tokens += num_tokens
-            if request.request_id not in sampled:
+            if tokens is None:
                 continue  # a prefill chunk short of the last prompt token
-            token_id, logprob = sampled[request.request_id]
-            request.append_output_token(token_id, logprob)
+            for token_id, logprob in tokens:
+                request.append_output_token(token_id, logprob)
+                status = request.check_stop(self.config.max_model_len)
+                if status is not None:
+                    self.finish(request, status)
+                    break
             updated.append(request)
-            status = request.check_stop(self.config.max_model_len)
-            if status is not None:
-                self.finish(request, status)
         return updated

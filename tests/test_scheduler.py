@@ -23,7 +23,7 @@ def make_scheduler(num_blocks=32, block_size=4, **config) -> Scheduler:
 def run_step(scheduler: Scheduler, token: int = 7):
     """Schedule, pretend the model ran, and sample ``token`` for each finished prompt."""
     out = scheduler.schedule()
-    sampled = {r.request_id: (token, None)
+    sampled = {r.request_id: [(token, None)]
                for r, n in zip(out.requests, out.num_scheduled_tokens)
                if r.num_computed_tokens + n == r.num_tokens}
     scheduler.update_from_output(out, sampled)

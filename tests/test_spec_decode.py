@@ -1,0 +1,179 @@
+"""Speculative decoding with n-gram proposals (issue 28; ``engine/spec_decode.py``): greedy
+output equal to decoding one token at a time for every family and k in {1, 3, 5}
+(chunked prefill, tensor parallelism and a disaggregated decode worker included), the
+rejection sampler following the target distribution, seeded requests repeating, the
+proposer, the flag's refusals, and the acceptance counters on ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts
+from test_families import FAMILIES, checkpoints  # noqa: F401 - the module's fixture
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.demo_model import VOCAB_SIZE
+from pdserve.engine.request import Request
+from pdserve.engine.spec_decode import SpeculativeConfig, ngram_propose, verify
+
+NEW_TOKENS = 24
+
+
+def spec(k: int) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}
+
+
+def repetitive_prompts() -> list[list[int]]:
+    """Prompts that repeat themselves (as a code edit repeats its file), and a random one."""
+    pieces = random_prompts([6, 11, 9], vocab_size=VOCAB_SIZE, seed=8)
+    return [pieces[0] * 4, pieces[1] * 3 + pieces[2], *random_prompts([30], VOCAB_SIZE, 9)]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):  # noqa: F811
+    """Each family's tokens and logprobs decoding one token at a time."""
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                            logprobs=2)
+    made = {}
+    for family, path in checkpoints.items():
+        llm = LLM(str(path), dtype="float32", load_progress=False, max_model_len=256)
+        made[family] = llm.generate(repetitive_prompts(), params)
+    return made
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_equals_decoding_one_token_at_a_time(family, k, checkpoints, reference):  # noqa: F811
+    llm = LLM(str(checkpoints[family]), dtype="float32", load_progress=False,
+              max_model_len=256, max_num_batched_tokens=24, speculative_config=spec(k))
+    outputs = llm.generate(repetitive_prompts(), SamplingParams(
+        temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2))
+    for out, ref in zip(outputs, reference[family]):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        for step, ref_step in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
+            assert step.keys() == ref_step.keys()
+            for token, lp in step.items():
+                assert lp.logprob == pytest.approx(ref_step[token].logprob, abs=1e-4)
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_accepted_tokens_total > 0  # proposals were made, and some stood
+    assert scheduler.num_accepted_tokens_total <= scheduler.num_draft_tokens_total
+    assert llm.engine.is_idle_and_clean()
+
+
+def test_greedy_speculation_under_tensor_parallelism(checkpoints, reference):  # noqa: F811
+    llm = LLM(str(checkpoints["qwen2"]), dtype="float32", load_progress=False,
+              max_model_len=256, tensor_parallel_size=2, speculative_config=spec(3))
+    try:
+        outputs = llm.generate(repetitive_prompts(), SamplingParams(
+            temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outputs] == \
+            [r.outputs[0].token_ids for r in reference["qwen2"]]
+        assert llm.engine.scheduler.num_accepted_tokens_total > 0
+    finally:
+        llm.shutdown()
+
+
+def test_the_rejection_sampler_follows_the_target_distribution():
+    """One proposal, deterministic (its own probability 1), over a 6-token vocabulary:
+    the first output token is distributed as the target's first row, and the bonus
+    token (the proposal stood) as its second; the total variation distance shrinks as
+    the sample count grows (vLLM's test_rejection_sampler does the same)."""
+    probs = torch.tensor([[0.05, 0.40, 0.10, 0.25, 0.15, 0.05],
+                          [0.30, 0.05, 0.05, 0.20, 0.10, 0.30]])
+    logits = probs.log()
+    request = Request("r", [1, 2, 3], SamplingParams(temperature=1.0), frozenset(), 100)
+    generator = torch.Generator().manual_seed(1234)
+    first, bonus = torch.zeros(6), torch.zeros(6)
+    distances = {}
+    drawn = 0
+    for total in (400, 4000, 40000):
+        while drawn < total:
+            out = verify(probs, logits, [1], request, generator)
+            first[out[0]] += 1
+            if len(out) == 2:
+                bonus[out[1]] += 1
+            drawn += 1
+        distances[total] = 0.5 * float((first / first.sum() - probs[0]).abs().sum())
+    assert distances[40000] < distances[4000] < distances[400]
+    assert distances[40000] < 0.01
+    assert bonus.sum() == pytest.approx(0.40 * 40000, rel=0.05)  # the proposal stood
+    assert 0.5 * float((bonus / bonus.sum() - probs[1]).abs().sum()) < 0.02
+
+
+def test_a_seeded_speculating_request_repeats_exactly(checkpoints):  # noqa: F811
+    llm = LLM(str(checkpoints["llama32"]), dtype="float32", load_progress=False,
+              max_model_len=256, speculative_config=spec(3))
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=42, max_tokens=NEW_TOKENS,
+                            ignore_eos=True)
+    prompts = repetitive_prompts()
+    alone = llm.generate(prompts[:1], seeded)[0].outputs[0].token_ids
+    unseeded = SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos=True)
+    batched = llm.generate(prompts, [seeded, unseeded, unseeded])[0].outputs[0].token_ids
+    assert alone == batched
+    assert llm.engine.scheduler.num_drafts_total > 0
+
+
+def test_the_ngram_proposer_takes_the_longest_latest_match():
+    assert ngram_propose([1, 2, 3, 9, 1, 2], 2, 2, 1) == [3, 9]
+    assert ngram_propose([1, 2, 3, 9, 1, 2], 5, 2, 1) == [3, 9, 1, 2]
+    assert ngram_propose([4, 1, 5, 2, 1], 2, 3, 1) == [5, 2]  # "1" at 1 is the latest
+    assert ngram_propose([7, 1, 8, 1], 2, 3, 2) == []  # no 2-gram repeats
+    assert ngram_propose([1, 2, 1, 2, 1, 2], 3, 4, 1) == [1, 2]  # "2 1 2" at 1: then 1, 2
+    assert ngram_propose([5], 3, 3, 1) == []
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"method": "eagle3", "num_speculative_tokens": 3}', "method='eagle3'"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown key 'model'"),
+    ('{"method": "ngram"}', "needs method and num_speculative_tokens"),
+    (('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+      '"prompt_lookup_max": 2}'), "prompt_lookup_min=4"),
+    ("ngram", "not JSON"),
+])
+def test_bad_speculative_configs_are_refused_naming_the_key(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)
+
+
+def test_vllm_defaults_for_the_lookup_window():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert (config.prompt_lookup_max, config.prompt_lookup_min) == (5, 5)
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
+                                      "prompt_lookup_max": 3})
+    assert (config.prompt_lookup_max, config.prompt_lookup_min) == (3, 3)
+
+
+def test_a_disaggregated_decode_worker_speculates_and_counts_on_metrics(tmp_path):
+    """A decode worker with ``--speculative-config`` gives the offline engine's greedy
+    text, and its ``/metrics`` acceptance counters are its scheduler's."""
+    from inproc_cluster import in_process_cluster
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.cluster.worker_metrics import WorkerCollector
+
+    prompt = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
+    with in_process_cluster(tmp_path, 256, disaggregation="always",
+                            local_prefill_threshold=4,
+                            decode_engine={"speculative_config": spec(3)}) as cluster:
+        reply = cluster.client().completions.create(
+            model=str(cluster.model), prompt=prompt, max_tokens=32, temperature=0.0,
+            extra_body={"ignore_eos": True})
+        assert reply.choices[0].text == cluster.expected(prompt, temperature=0.0,
+                                                         max_tokens=32, ignore_eos=True)
+        assert cluster.prefill_paths().get("remote", 0) >= 1
+        scheduler = cluster.decode.runtime.engine.engine.scheduler
+        assert scheduler.num_drafts_total > 0
+        registry = CollectorRegistry()  # NOTE: what the worker's /metrics serves
+        registry.register(WorkerCollector(cluster.decode.runtime,
+                                          cluster.decode.receiver.counters))
+        text = generate_latest(registry).decode()
+        for name, value in (("num_drafts", scheduler.num_drafts_total),
+                            ("num_draft_tokens", scheduler.num_draft_tokens_total),
+                            ("num_accepted_tokens", scheduler.num_accepted_tokens_total)):
+            line = next(line for line in text.splitlines()
+                        if line.startswith(f"vllm:spec_decode_{name}_total{{"))
+            assert float(line.rsplit(" ", 1)[1]) == value
+        cluster.wait_all_blocks_free()
