@@ -28,6 +28,9 @@ KV cache dtype to the alternation, as an engine of its own (``pdserve:int8``), a
 its throughput as a ratio to pdserve's with the model's dtype (best over best, and per
 repeat).
 
+``--speculative-config JSON`` adds pdserve with speculative decoding (``pdserve:spec``)
+and prints its throughput as a ratio to pdserve's without.
+
 ``--tensor-parallel-size 2`` (repeatable) adds pdserve split over that many ranks
 (``pdserve:tp2``; on the CPU each rank takes an equal share of the cores) and prints its
 throughput as a ratio to pdserve's at TP=1, with rank 0's time in the collectives (the
@@ -139,14 +142,15 @@ def decode_step_probe(llm, prompts: list[list[int]], params) -> dict:
 
 
 def pdserve_runner(model_dir: Path, prompts: list[list[int]], output_len: int, dtype: str,
-                   device: str, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1):
+                   device: str, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1,
+                   speculative_config: str | None = None):
     """Load pdserve's ``LLM`` and warm it up; return a function that generates W1 once
     and returns its wall seconds, and one that runs ``decode_step_probe``."""
     from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, max_model_len=1024, load_progress=False,
               device=device, kv_cache_dtype=kv_cache_dtype,
-              tensor_parallel_size=tensor_parallel_size)
+              tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     # Warm up on other tokens, so no benchmark prompt is prefix-cached.
     warmup = [[(t + 1) % 32000 for t in p] for p in prompts[:2]]
@@ -227,7 +231,8 @@ def time_collectives() -> dict:
 
 
 def _run_in_child(name: str, model_dir: Path, prompts: list[list[int]], output_len: int,
-                  dtype: str, device: str, probe: bool, conn) -> None:
+                  dtype: str, device: str, probe: bool, conn,
+                  speculative_config: str | None = None) -> None:
     """Child process: load and warm up one engine (``pdserve``, ``pdserve:<kv cache
     dtype>``, ``pdserve:tp<N>`` or ``transformers``), time one W1 run, send the seconds
     (and pdserve's ``decode_step_probe`` when ``probe``, or the collectives' counters of a
@@ -237,8 +242,10 @@ def _run_in_child(name: str, model_dir: Path, prompts: list[list[int]], output_l
         variant = name.partition(":")[2]
         size = int(variant[2:]) if variant.startswith("tp") else 1
         counters = time_collectives() if size > 1 else None
-        run, probe_steps = pdserve_runner(model_dir, prompts, output_len, dtype, device,
-                                          "auto" if size > 1 else variant or "auto", size)
+        spec = speculative_config if variant == "spec" else None
+        kv = "auto" if size > 1 or spec else variant or "auto"
+        run, probe_steps = pdserve_runner(model_dir, prompts, output_len, dtype, device, kv,
+                                          size, spec)
         if counters is not None:
             counters.update(collective_s=0.0, collectives=0, steps=0)  # NOTE: W1's alone
             extra = counters
@@ -252,14 +259,16 @@ def _run_in_child(name: str, model_dir: Path, prompts: list[list[int]], output_l
 
 
 def timed_run(name: str, model_dir: Path, prompts: list[list[int]], output_len: int,
-              dtype: str, device: str, probe: bool = False) -> tuple[float, dict | None]:
+              dtype: str, device: str, probe: bool = False,
+              speculative_config: str | None = None) -> tuple[float, dict | None]:
     """One timed W1 run of ``name`` in a fresh process, so neither engine's memory,
     threads or caches are there while the other runs; returns its wall seconds (and
     the decode step probe's result when ``probe``)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_run_in_child, args=(name, model_dir, prompts, output_len,
-                                                   dtype, device, probe, child))
+                                                   dtype, device, probe, child,
+                                                   speculative_config))
     proc.start()
     child.close()
     try:
@@ -298,6 +307,9 @@ def main() -> None:
                         help="also time pdserve split over this many ranks (repeatable), "
                              "reported as a ratio to pdserve's at 1, with its collectives' "
                              "time per step")
+    parser.add_argument("--speculative-config", metavar="JSON",
+                        help="also time pdserve with this speculative decoding config "
+                             "(pdserve:spec), reported as a ratio to pdserve without")
     args = parser.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -307,7 +319,8 @@ def main() -> None:
     num_output = args.num_prompts * args.output_len
 
     names = (["pdserve", *(f"pdserve:{kv}" for kv in args.kv_cache_dtype),
-              *(f"pdserve:tp{n}" for n in args.tensor_parallel_size)]
+              *(f"pdserve:tp{n}" for n in args.tensor_parallel_size),
+              *(["pdserve:spec"] if args.speculative_config else [])]
              + ([] if args.skip_transformers else ["transformers"]))
     times: dict[str, list[float]] = {name: [] for name in names}
     collectives: dict[str, list[dict]] = {}
@@ -315,7 +328,8 @@ def main() -> None:
     for repeat in range(args.repeats):
         for name in names:
             seconds, extra = timed_run(name, model_dir, prompts, args.output_len, args.dtype,
-                                       args.device, probe=repeat == 0 and name == "pdserve")
+                                       args.device, probe=repeat == 0 and name == "pdserve",
+                                       speculative_config=args.speculative_config)
             times[name].append(seconds)
             if ":tp" in name:
                 collectives.setdefault(name, []).append(extra | {"seconds": seconds})
@@ -346,6 +360,12 @@ def main() -> None:
         result[f"{name}_ratio_per_repeat"] = paired
         print(f"{kv} KV / {args.dtype} KV: {result[f'{name}_ratio']:.2f}x output tok/s (best "
               f"over best; per repeat {', '.join(f'{r:.2f}' for r in paired)})")
+    if args.speculative_config:
+        name = "pdserve:spec"
+        result[f"{name}_ratio"] = min(times["pdserve"]) / min(times[name])
+        paired = [off / on for off, on in zip(times["pdserve"], times[name])]
+        print(f"speculation on / off: {result[f'{name}_ratio']:.2f}x output tok/s (best over "
+              f"best; per repeat {', '.join(f'{r:.2f}' for r in paired)})")
     for n in args.tensor_parallel_size:
         name = f"pdserve:tp{n}"
         result[f"{name}_ratio"] = min(times["pdserve"]) / min(times[name])

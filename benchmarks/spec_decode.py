@@ -34,26 +34,26 @@ import torch
 
 SNIPPETS = [
     ("Rename the function `area` to `circle_area` and return the code.",
-     "import math\n\n\ndef area(radius):\n    \"\"\"The area of a circle of this radius.\"\"\"\n"
+     ("import math\n\n\ndef area(radius):\n    \"\"\"The area of a circle of this radius.\"\"\"\n"
      "    if radius < 0:\n        raise ValueError(\"radius must be positive\")\n"
      "    return math.pi * radius * radius\n\n\ndef perimeter(radius):\n"
      "    \"\"\"The perimeter of a circle of this radius.\"\"\"\n"
      "    if radius < 0:\n        raise ValueError(\"radius must be positive\")\n"
-     "    return 2 * math.pi * radius\n"),
+     "    return 2 * math.pi * radius\n")),
     ("Fix the typo in this text and write it out again.",
-     "The quick brown fox jumps over the lazy dog. The dog was not amused, and the fox "
+     ("The quick brown fox jumps over the lazy dog. The dog was not amused, and the fox "
      "ran back into the forrest before the farmer came out of the house. The farmer "
-     "looked around, saw nothing, and went back inside to finish his breakfast."),
+     "looked around, saw nothing, and went back inside to finish his breakfast.")),
     ("Add a docstring to this function and return the whole code.",
-     "def merge(left, right):\n    result = []\n    i = j = 0\n"
+     ("def merge(left, right):\n    result = []\n    i = j = 0\n"
      "    while i < len(left) and j < len(right):\n        if left[i] <= right[j]:\n"
      "            result.append(left[i])\n            i += 1\n        else:\n"
      "            result.append(right[j])\n            j += 1\n"
-     "    result.extend(left[i:])\n    result.extend(right[j:])\n    return result\n"),
+     "    result.extend(left[i:])\n    result.extend(right[j:])\n    return result\n")),
     ("Change every `print` to `logger.info` and return the code.",
-     "def report(items):\n    print(\"starting report\")\n    for item in items:\n"
+     ("def report(items):\n    print(\"starting report\")\n    for item in items:\n"
      "        print(\"item\", item.name, item.price)\n    print(\"total\", "
-     "sum(item.price for item in items))\n    print(\"done\")\n"),
+     "sum(item.price for item in items))\n    print(\"done\")\n")),
 ]
 
 
