@@ -31,6 +31,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.spec_decode import SpeculativeConfig, ngram_propose, speculates
 from pdserve.engine.structured_output import GrammarCompiler, StructuredOutputSpec
+from pdserve.engine.suffix_decoding import SuffixProposer
 from pdserve.engine.tokenizer import eos_token_ids as checkpoint_eos_token_ids
 from pdserve.engine.tokenizer import load_tokenizer, read_chat_template
 from pdserve.engine.tp_executor import threads_per_rank
@@ -299,12 +300,14 @@ class LLMEngine:
             root_block_hash(self.served_model_name, config.block_size, config.kv_cache_dtype),
             config.enable_prefix_caching, kv_event_callback, lease_s=kv_lease_s,
             sliding_window=self.model_config.kv_free_window)
-        self.speculative_config = SpeculativeConfig.parse(config.speculative_config)
+        self.speculative_config = spec = SpeculativeConfig.parse(config.speculative_config)
+        self.suffix_proposer = (SuffixProposer(spec.suffix)
+                                if spec is not None and spec.method == "suffix" else None)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self._token_budget(),
                             self.model_config.max_model_len),
-            self.kv_cache_manager,
-            self._propose if self.speculative_config is not None else None)
+            self.kv_cache_manager, self._propose if spec is not None else None,
+            self._request_finished if self.suffix_proposer is not None else None)
         self.iteration_tokens = TokenHistogram()
         self._grammar_compiler: GrammarCompiler | None = None  # made on first use
         self._grammar_compiler_lock = threading.Lock()
@@ -612,8 +615,18 @@ class LLMEngine:
         if (room <= 0 or len(self.scheduler.running) >= spec.disable_by_batch_size
                 or not speculates(request)):
             return []
+        if self.suffix_proposer is not None:
+            return self.suffix_proposer.propose(request.request_id, request.all_token_ids,
+                                                room)
         return ngram_propose(request.all_token_ids, room, spec.prompt_lookup_max,
                              spec.prompt_lookup_min)
+
+    def _request_finished(self, request: Request) -> None:
+        """SuffixDecoding: a request that ended leaves its tokens to the global index
+        (unless aborted) and drops its own."""
+        aborted = request.status == RequestStatus.FINISHED_ABORTED
+        self.suffix_proposer.finish(request.request_id,
+                                    [] if aborted else request.all_token_ids)
 
     def step(self) -> list[EngineOutput]:
         """Schedule, run the model once, and report each request's new tokens."""

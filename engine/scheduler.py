@@ -54,11 +54,13 @@ class Scheduler:
     """Decides each step which requests run and how many tokens of each."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 propose: Callable[[Request], list[int]] | None = None) -> None:
+                 propose: Callable[[Request], list[int]] | None = None,
+                 on_finish: Callable[[Request], None] | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         # speculative decoding: a decoding request's proposals (engine/spec_decode.py)
         self.propose = propose
+        self.on_finish = on_finish  # told of every request that ends (the proposer's state)
         self.num_drafts_total = 0  # vLLM's spec_decode counters: steps that proposed,
         self.num_draft_tokens_total = 0  # tokens proposed,
         self.num_accepted_tokens_total = 0  # and proposals that stood
@@ -96,6 +98,9 @@ class Scheduler:
         them until ``finish_kv_transfer`` (the transfer writes into them)."""
         in_transfer = request.status == RequestStatus.WAITING_FOR_KV
         request.status = status
+        request.spec_token_ids = []
+        if self.on_finish is not None:
+            self.on_finish(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -24,23 +24,27 @@ full of verified tokens (``KVCacheManager.cache_blocks`` stops at ``num_tokens``
 
 ``--speculative-config`` takes vLLM's JSON keys. Methods: ``ngram`` (prompt lookup: the
 last ``n`` tokens, ``prompt_lookup_max >= n >= prompt_lookup_min``, matched against the
-request's earlier tokens, the ``k`` tokens after the latest match proposed).
+request's earlier tokens, the ``k`` tokens after the latest match proposed) and
+``suffix`` (SuffixDecoding over the request's tokens and recent requests',
+``engine/suffix_decoding.py``, with vLLM's ``suffix_decoding_*`` keys).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
 
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import position_seed
+from pdserve.engine.suffix_decoding import SuffixSettings
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
+_SUFFIX_KEYS = {f"suffix_decoding_{f.name}": f.name for f in fields(SuffixSettings)}
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-              "disable_by_batch_size"}
+              "disable_by_batch_size", *_SUFFIX_KEYS}
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 _ACCEPT_STREAM, _RESIDUAL_STREAM = 0x5BEC_0001, 0x5BEC_0002  # seeded uniforms' purposes
 
@@ -56,7 +60,8 @@ class SpeculativeConfig:
     never turns speculation off): a step of many sequences is no longer bound by reading
     the weights, so each proposal's row costs about what a decode row does, and
     rejected ones are lost work (W1 at batch 32 on a 2-core CPU: 0.80x the throughput
-    with ngram k=4 on, at 61% acceptance).
+    with ngram k=4 on, at 61% acceptance). ``suffix``: the ``suffix_decoding_*`` keys
+    (``suffix_decoding.SuffixSettings``).
     """
 
     method: str
@@ -64,15 +69,22 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    suffix: SuffixSettings = field(default_factory=SuffixSettings)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method={self.method!r}: pdserve proposes "
-                             f"with {', '.join(METHODS)} (suffix and draft_model are not "
+                             f"with {', '.join(METHODS)} (draft_model and EAGLE are not "
                              "supported yet)")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"speculative_config.num_speculative_tokens="
                              f"{self.num_speculative_tokens} must be in [1, 16]")
+        settings = self.suffix
+        if not (1 < settings.max_tree_depth <= 256 and settings.max_cached_requests >= 0
+                and settings.max_spec_factor > 0 and 0 <= settings.min_token_prob <= 1):
+            raise ValueError(f"speculative_config: suffix_decoding_* out of range: "
+                             f"{settings} (max_tree_depth in [2, 256], max_cached_requests "
+                             ">= 0, max_spec_factor > 0, min_token_prob in [0, 1])")
         if self.disable_by_batch_size < 1:
             raise ValueError(f"speculative_config.disable_by_batch_size="
                              f"{self.disable_by_batch_size} must be >= 1")
@@ -112,9 +124,11 @@ class SpeculativeConfig:
                     "disable_by_batch_size"):
             if key in value and (not isinstance(value[key], int) or isinstance(value[key], bool)):
                 raise ValueError(f"speculative_config.{key} must be an integer")
+        suffix = SuffixSettings(**{name: value[key] for key, name in _SUFFIX_KEYS.items()
+                                   if key in value})
         return cls(str(value["method"]), value["num_speculative_tokens"], lookup_max,
                    lookup_min, value.get("disable_by_batch_size",
-                                         DEFAULT_DISABLE_BY_BATCH_SIZE))
+                                         DEFAULT_DISABLE_BY_BATCH_SIZE), suffix)
 
 
 def ngram_propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:

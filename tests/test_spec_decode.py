@@ -16,11 +16,16 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.demo_model import VOCAB_SIZE
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode import SpeculativeConfig, ngram_propose, verify
+from pdserve.engine.suffix_decoding import SuffixIndex, SuffixProposer, SuffixSettings
 
 NEW_TOKENS = 24
 
 
-def spec(k: int) -> dict:
+def spec(k: int, method: str = "ngram") -> dict:
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k,
+                "suffix_decoding_max_tree_depth": 12, "suffix_decoding_max_spec_factor": 2.0,
+                "suffix_decoding_min_token_prob": 0.05}
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
             "prompt_lookup_min": 1}
 
@@ -43,11 +48,14 @@ def reference(checkpoints):  # noqa: F811
     return made
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_equals_decoding_one_token_at_a_time(family, k, checkpoints, reference):  # noqa: F811
+def test_greedy_equals_decoding_one_token_at_a_time(family, k, method, checkpoints,  # noqa: F811
+                                                    reference):
     llm = LLM(str(checkpoints[family]), dtype="float32", load_progress=False,
-              max_model_len=256, max_num_batched_tokens=24, speculative_config=spec(k))
+              max_model_len=256, max_num_batched_tokens=24,
+              speculative_config=spec(k, method))
     outputs = llm.generate(repetitive_prompts(), SamplingParams(
         temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2))
     for out, ref in zip(outputs, reference[family]):
@@ -126,6 +134,8 @@ def test_the_ngram_proposer_takes_the_longest_latest_match():
 
 @pytest.mark.parametrize("value, message", [
     ('{"method": "eagle3", "num_speculative_tokens": 3}', "method='eagle3'"),
+    ('{"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_max_tree_depth": 1}',
+     "suffix_decoding_"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown key 'model'"),
     ('{"method": "ngram"}', "needs method and num_speculative_tokens"),
@@ -148,6 +158,50 @@ def test_speculation_turns_off_at_disable_by_batch_size(checkpoints):  # noqa: F
     assert llm.engine.scheduler.num_drafts_total == 0
     llm.generate(repetitive_prompts()[:2], params)
     assert llm.engine.scheduler.num_drafts_total > 0
+
+
+def test_the_suffix_index_counts_substrings_and_forgets_a_removed_sequence():
+    index = SuffixIndex(depth=3)
+    index.extend("a", [1, 2, 3])
+    index.extend("a", [1, 2])  # appended as it decodes: 1 2 3 1 2
+    node, length = index.match([9, 1, 2])
+    assert length == 2 and node.count == 2  # "1 2" twice
+    assert {t: c.count for t, c in node.children.items()} == {3: 1}  # depth 3: "1 2 3"
+    index.extend("b", [5, 1, 2])
+    assert index.match([1, 2])[0].count == 3
+    index.remove("a")
+    assert index.match([1, 2])[0].count == 1 and index.match([3])[0] is None
+    index.remove("b")
+    assert index.root.children == {}
+
+
+def test_suffix_proposals_come_from_the_request_and_from_finished_requests():
+    proposer = SuffixProposer(SuffixSettings(max_tree_depth=6, max_cached_requests=1))
+    assert proposer.propose("r", [4, 5, 6, 7, 4, 5], 4) == [6, 7]  # its own tokens
+    proposer.finish("r", [4, 5, 6, 7, 4, 5, 6, 7, 8])
+    # r's tokens continue another request's; "6 7 8" ended r: nothing follows it
+    assert proposer.propose("s", [1, 6, 7, 8], 3) == []
+    # as many as the match is long (max_spec_factor 1): "5 6" -> "7 4"
+    assert proposer.propose("t", [9, 5, 6], 3) == [7, 4]
+    proposer.finish("u", [30, 31])  # past max_cached_requests: r leaves the index
+    assert proposer.propose("v", [9, 5, 6], 3) == []
+    proposer.finish("t", [])  # an aborted request: its own index goes, nothing cached
+
+
+def test_an_agent_loop_repeats_itself_and_suffix_decoding_accepts_it(checkpoints):  # noqa: F811
+    """The same request again (an agent's next turn over the same tool output): its
+    output is proposed from the first one's, and nearly every proposal stands."""
+    llm = LLM(str(checkpoints["mistral"]), dtype="float32", load_progress=False,
+              max_model_len=256, speculative_config=spec(5, "suffix"))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompt = random_prompts([40], VOCAB_SIZE, seed=12)
+    first = llm.generate(prompt, params)[0].outputs[0].token_ids
+    scheduler = llm.engine.scheduler
+    proposed, accepted = scheduler.num_draft_tokens_total, scheduler.num_accepted_tokens_total
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == first
+    assert scheduler.num_accepted_tokens_total - accepted >= NEW_TOKENS // 2
+    assert (scheduler.num_accepted_tokens_total - accepted) / (
+        scheduler.num_draft_tokens_total - proposed) > 0.8
 
 
 def test_vllm_defaults_for_the_lookup_window():
