@@ -1,5 +1,11 @@
 """Speculative decoding against speculation off: batch-1 TPOT on a repetitive workload.
 
+Workload "agent" (``--workload agent``, default method suffix): an agent loop's requests,
+the same instruction over a weather tool's JSON result, each with its own city and
+figures, six per round, every round new ones; SuffixDecoding proposes from the request's
+own tokens and from the earlier requests' replies (which say the same sentence with other
+figures).
+
 Workload "edit" (the reply repeats or edits its prompt, as code edits do): chat requests
 that give the model a block of code or prose and ask for it back with a small change, one
 at a time (batch 1), greedy, ``--max-tokens`` output tokens (default 128, ``ignore_eos``
@@ -59,11 +65,34 @@ SNIPPETS = [
 ]
 
 
-def prompts_of(tokenizer) -> list[list[int]]:
-    """The workload's chat prompts as token ids."""
-    texts = [tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"{ask}\n\n{text}"}], add_generation_prompt=True,
-        tokenize=False) for ask, text in SNIPPETS]
+CITIES = ["Paris", "Lisbon", "Oslo", "Madrid", "Vienna", "Dublin", "Prague", "Athens",
+          "Berlin", "Rome", "Warsaw", "Helsinki"]
+
+
+def agent_messages(round_index: int, count: int = 6) -> list[str]:
+    """The agent loop's requests of one round: the same instruction over a tool's JSON
+    result, each with its own city and figures (no two requests, in any round, equal)."""
+    messages = []
+    for i in range(count):
+        city = CITIES[(round_index * count + i) % len(CITIES)]
+        temp, humidity, wind = 10 + (7 * i + 3 * round_index) % 20, 40 + (11 * i) % 50, 5 + i
+        messages.append(
+            "You are a weather agent. The weather tool returned this JSON:\n"
+            f'{{"city": "{city}", "temperature_c": {temp}, "humidity_pct": {humidity}, '
+            f'"wind_kmh": {wind}, "sky": "cloudy"}}\n'
+            "Report it to the user in one sentence of the form: The weather in CITY is "
+            "cloudy, with a temperature of T degrees Celsius, humidity of H percent and "
+            "wind at W km/h.")
+    return messages
+
+
+def prompts_of(tokenizer, workload: str, round_index: int = 0) -> list[list[int]]:
+    """The workload's chat prompts as token ids (``agent``: round ``round_index``'s)."""
+    contents = ([f"{ask}\n\n{text}" for ask, text in SNIPPETS] if workload == "edit"
+                else agent_messages(round_index))
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                           add_generation_prompt=True, tokenize=False)
+             for content in contents]
     return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
 
 
@@ -93,14 +122,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct's .gguf file")
     parser.add_argument("--model", type=Path, help="or a checkpoint folder")
-    parser.add_argument("--speculative-config", default=json.dumps(
-        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-         "prompt_lookup_min": 2}))
+    parser.add_argument("--workload", choices=["edit", "agent"], default="edit")
+    parser.add_argument("--speculative-config", help="default: ngram k=4, n-grams 4..2 for "
+                        "edit; suffix k=4 for agent")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.speculative_config is None:
+        args.speculative_config = json.dumps(
+            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+             "prompt_lookup_min": 2} if args.workload == "edit"
+            else {"method": "suffix", "num_speculative_tokens": 4})
     if args.model is None:
         if args.gguf is None:
             parser.error("give --gguf or --model")
@@ -116,19 +150,21 @@ def main() -> None:
                           max_model_len=2048),
                "on": LLM(str(args.model), dtype=args.dtype, load_progress=False,
                          max_model_len=2048, speculative_config=args.speculative_config)}
-    prompts = prompts_of(engines["off"].get_tokenizer())
-    for llm in engines.values():  # NOTE: warm-up, untimed
-        time_round(llm, prompts[:1], 8)
+    tokenizer = engines["off"].get_tokenizer()
+    for llm in engines.values():  # NOTE: warm-up, untimed (another round's agent prompts)
+        time_round(llm, prompts_of(tokenizer, args.workload, args.repeats)[:1], 8)
     scheduler = engines["on"].engine.scheduler
     drafts0, proposed0, accepted0 = (scheduler.num_drafts_total,
                                      scheduler.num_draft_tokens_total,
                                      scheduler.num_accepted_tokens_total)
     tpot: dict[str, list[float]] = {"off": [], "on": []}
-    outputs: dict[str, list[list[int]]] = {}
-    for _ in range(args.repeats):
+    outputs = {"off": [], "on": []}
+    for round_index in range(args.repeats):
+        prompts = prompts_of(tokenizer, args.workload, round_index)
         for name, llm in engines.items():
-            seconds, outputs[name] = time_round(llm, prompts, args.max_tokens)
+            seconds, round_outputs = time_round(llm, prompts, args.max_tokens)
             tpot[name].append(seconds)
+            outputs[name] += round_outputs
     # NOTE: in bf16 a verification row goes through prefill attention, which sums q . K
     # in another order than decode attention: a near-tie may then flip (docs/
     # architecture.md, Lifecycle and failure); in fp32 the outputs are equal (tests)
@@ -141,7 +177,8 @@ def main() -> None:
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                    f"torch {torch.__version__}",
-        "model": str(args.model), "speculative_config": json.loads(args.speculative_config),
+        "model": str(args.model), "workload": args.workload,
+        "speculative_config": json.loads(args.speculative_config),
         "tpot_s": tpot, "ratio": best["off"] / best["on"],
         "output_tokens": [len(o) for o in outputs["off"]],
         "equal_prefix_tokens": same,
