@@ -51,14 +51,19 @@ def ask_at_once(port: int, grpc_port: int) -> tuple[int, list[str]]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A running ``pdserve serve`` with 2 prefill workers and 1 decode worker."""
+    """A running ``pdserve serve`` with 2 prefill workers and 1 decode worker, which
+    speculates (ngram)."""
     grpc_port = free_port()
     with serve_process(tmp_path_factory, [
             "--grpc-port", str(grpc_port), "--prefill-workers", "2", "--decode-workers", "1",
             "--kv-lease-s", "10",
             # NOTE: every worker shares this machine's CPUs, where "auto" keeps prompts on
             # the decode worker; these tests are about the prefill pool
-            "--disaggregation", "always"]) as serve:
+            "--disaggregation", "always",
+            # issue 28: the decode worker speculates; greedy replies stay offline's and
+            # seeded ones repeat
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+            '"prompt_lookup_max": 3, "prompt_lookup_min": 1}']) as serve:
         first_http_status, first_grpc_models = ask_at_once(serve.port, grpc_port)
         yield Served(serve.model, serve.port, grpc_port, serve.redis, serve.log.read_text(),
                      first_http_status, first_grpc_models)
@@ -222,3 +227,19 @@ def test_redis_outage_keeps_serving_and_prefix_routing_resumes(served):
     time.sleep(1.0)
     again = api.completions.create(model="demo", prompt=shared + " two", max_tokens=2)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_the_decode_worker_counts_its_speculation_on_metrics(served):
+    """Through the router's service discovery: the speculating decode worker's vLLM
+    acceptance counters, after the replies above (equal to offline greedy) were made."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    targets = httpx.get(f"http://127.0.0.1:{served.port}/metrics/targets", timeout=10).json()
+    decode = [g for g in targets if g["labels"]["__meta_pdserve_role"] == "decode"]
+    text = httpx.get(f"http://{decode[0]['targets'][0]}/metrics", timeout=10).text
+    values = {s.name: s.value for f in text_string_to_metric_families(text)
+              for s in f.samples if s.name.startswith("vllm:spec_decode_")}
+    assert values["vllm:spec_decode_num_drafts_total"] > 0
+    assert 0 <= values["vllm:spec_decode_num_accepted_tokens_total"] <= \
+        values["vllm:spec_decode_num_draft_tokens_total"]
