@@ -22,6 +22,7 @@ import torch
 from pdserve.engine.block_hash import root_block_hash
 from pdserve.engine.block_pool import KVEvent
 from pdserve.engine.config import ModelConfig, cpu_compute_dtype
+from pdserve.engine.draft_proposer import PENDING
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.model_source import open_model
@@ -303,11 +304,19 @@ class LLMEngine:
         self.speculative_config = spec = SpeculativeConfig.parse(config.speculative_config)
         self.suffix_proposer = (SuffixProposer(spec.suffix)
                                 if spec is not None and spec.method == "suffix" else None)
+        self.draft_proposer = None
+        if spec is not None and spec.method == "draft_model":
+            from pdserve.engine.draft_proposer import DraftProposer
+            from pdserve.engine.hub import resolve_model
+
+            self.draft_proposer = DraftProposer(
+                resolve_model(spec.model, download_dir=config.download_dir),
+                self.model_config, config.block_size, self.num_blocks, self.device)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, self._token_budget(),
                             self.model_config.max_model_len),
             self.kv_cache_manager, self._propose if spec is not None else None,
-            self._request_finished if self.suffix_proposer is not None else None)
+            self._request_finished if spec is not None and spec.method != "ngram" else None)
         self.iteration_tokens = TokenHistogram()
         self._grammar_compiler: GrammarCompiler | None = None  # made on first use
         self._grammar_compiler_lock = threading.Lock()
@@ -618,12 +627,17 @@ class LLMEngine:
         if self.suffix_proposer is not None:
             return self.suffix_proposer.propose(request.request_id, request.all_token_ids,
                                                 room)
+        if self.draft_proposer is not None:  # NOTE: filled after scheduling (draft_proposer)
+            return [PENDING] * room
         return ngram_propose(request.all_token_ids, room, spec.prompt_lookup_max,
                              spec.prompt_lookup_min)
 
     def _request_finished(self, request: Request) -> None:
         """SuffixDecoding: a request that ended leaves its tokens to the global index
-        (unless aborted) and drops its own."""
+        (unless aborted) and drops its own; a draft model forgets its progress."""
+        if self.draft_proposer is not None:
+            self.draft_proposer.finish(request)
+            return
         aborted = request.status == RequestStatus.FINISHED_ABORTED
         self.suffix_proposer.finish(request.request_id,
                                     [] if aborted else request.all_token_ids)
@@ -634,11 +648,16 @@ class LLMEngine:
         if not out.requests:
             return []
         self.iteration_tokens.observe(out.total_num_scheduled_tokens)
+        if self.draft_proposer is not None:
+            self.draft_proposer.propose(out, self.kv_cache_manager)
         sampled = self.model_runner.execute(out, self.kv_cache_manager)
         before = {r.request_id: (r.num_output_tokens, len(r.output_logprobs))
                   for r in out.requests}
         outputs = []
-        for request in self.scheduler.update_from_output(out, sampled):
+        updated = self.scheduler.update_from_output(out, sampled)
+        if self.draft_proposer is not None:
+            self.draft_proposer.after_step(out)
+        for request in updated:
             num_before, logprobs_before = before[request.request_id]
             first = num_before == 0 and request.prompt_logprobs
             outputs.append(EngineOutput(

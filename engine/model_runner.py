@@ -367,7 +367,7 @@ class ModelRunner:
             prefill_block_tables=block_table[num_decodes:],
             prefill_cu_seqlens_q=(cu[num_decodes:] - cu[num_decodes]).astype(np.int32),
             prefill_seq_lens=seq_lens[num_decodes:],
-            rope_long=self._rope_long(requests, seq_lens, req_index),
+            rope_long=self._rope_long(requests, positions, req_index),
             logits_rows=np.concatenate([
                 np.zeros(0, dtype=np.int64), *chunk_rows, *(np.arange(end - 1 - k, end) for end, k in
                                zip(cu[1:][samples].tolist(), num_spec[samples].tolist()))
@@ -411,16 +411,18 @@ class ModelRunner:
                           positions=self._to_device(arrays.positions), meta=meta,
                           logits_rows=self._to_device(arrays.logits_rows))
 
-    def _rope_long(self, requests: list[Request], seq_lens: np.ndarray,
+    def _rope_long(self, requests: list[Request], positions: np.ndarray,
                    req_index: np.ndarray) -> np.ndarray | None:
-        """LongRoPE only: ``[T]`` bool, each token's sequence is past the original context
-        (its prompt, or its length after this step, as transformers decides per forward
-        pass over a whole sequence: an unchunked prompt and each decode step agree)."""
+        """LongRoPE only: ``[T]`` bool, each token's sequence is past the original context:
+        its prompt, or for an output token the sequence it ends (``position + 1``), as
+        transformers decides per forward pass over a whole sequence: the prompt in one
+        pass, then each output token in its own decode step. So a prompt in chunks, a
+        speculating request's verification chunk and a recompute after preemption each
+        give every token the factors one-token decoding gave it."""
         if self._longrope_original is None:
             return None
         prompt_lens = np.array([r.num_prompt_tokens for r in requests], dtype=np.int64)
-        long = np.maximum(prompt_lens, seq_lens) > self._longrope_original  # [N]
-        return long[req_index]
+        return np.maximum(prompt_lens[req_index], positions + 1) > self._longrope_original
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))

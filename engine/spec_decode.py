@@ -26,7 +26,8 @@ full of verified tokens (``KVCacheManager.cache_blocks`` stops at ``num_tokens``
 last ``n`` tokens, ``prompt_lookup_max >= n >= prompt_lookup_min``, matched against the
 request's earlier tokens, the ``k`` tokens after the latest match proposed) and
 ``suffix`` (SuffixDecoding over the request's tokens and recent requests',
-``engine/suffix_decoding.py``, with vLLM's ``suffix_decoding_*`` keys).
+``engine/suffix_decoding.py``, with vLLM's ``suffix_decoding_*`` keys) and
+``draft_model`` (a smaller model of the same tokenizer, ``engine/draft_proposer.py``).
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import position_seed
 from pdserve.engine.suffix_decoding import SuffixSettings
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 _SUFFIX_KEYS = {f"suffix_decoding_{f.name}": f.name for f in fields(SuffixSettings)}
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-              "disable_by_batch_size", *_SUFFIX_KEYS}
+              "disable_by_batch_size", "model", *_SUFFIX_KEYS}
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 _ACCEPT_STREAM, _RESIDUAL_STREAM = 0x5BEC_0001, 0x5BEC_0002  # seeded uniforms' purposes
 
@@ -61,7 +62,8 @@ class SpeculativeConfig:
     the weights, so each proposal's row costs about what a decode row does, and
     rejected ones are lost work (W1 at batch 32 on a 2-core CPU: 0.80x the throughput
     with ngram k=4 on, at 61% acceptance). ``suffix``: the ``suffix_decoding_*`` keys
-    (``suffix_decoding.SuffixSettings``).
+    (``suffix_decoding.SuffixSettings``). ``model``: the draft model of ``draft_model``
+    (a folder, ``.gguf`` file or hub id in the cache; ``engine/draft_proposer.py``).
     """
 
     method: str
@@ -70,12 +72,16 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     suffix: SuffixSettings = field(default_factory=SuffixSettings)
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method={self.method!r}: pdserve proposes "
-                             f"with {', '.join(METHODS)} (draft_model and EAGLE are not "
+                             f"with {', '.join(METHODS)} (EAGLE and MTP are not "
                              "supported yet)")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model names the draft model, for method "
+                             "draft_model (and only for it)")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"speculative_config.num_speculative_tokens="
                              f"{self.num_speculative_tokens} must be in [1, 16]")
@@ -128,7 +134,8 @@ class SpeculativeConfig:
                                    if key in value})
         return cls(str(value["method"]), value["num_speculative_tokens"], lookup_max,
                    lookup_min, value.get("disable_by_batch_size",
-                                         DEFAULT_DISABLE_BY_BATCH_SIZE), suffix)
+                                         DEFAULT_DISABLE_BY_BATCH_SIZE), suffix,
+                   value.get("model"))
 
 
 def ngram_propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:

@@ -62,8 +62,8 @@ def served(tmp_path_factory):
             "--disaggregation", "always",
             # issue 28: the decode worker speculates; greedy replies stay offline's and
             # seeded ones repeat
-            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
-            '"prompt_lookup_max": 3, "prompt_lookup_min": 1}']) as serve:
+            "--speculative-config", ('{"method": "ngram", "num_speculative_tokens": 3, '
+            '"prompt_lookup_max": 3, "prompt_lookup_min": 1}')]) as serve:
         first_http_status, first_grpc_models = ask_at_once(serve.port, grpc_port)
         yield Served(serve.model, serve.port, grpc_port, serve.redis, serve.log.read_text(),
                      first_http_status, first_grpc_models)

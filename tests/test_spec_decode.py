@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from conftest import random_prompts
-from test_families import FAMILIES, checkpoints  # noqa: F401 - the module's fixture
+from test_families import BASE, FAMILIES, checkpoints  # noqa: F401 - the module's fixture
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.demo_model import VOCAB_SIZE
@@ -21,7 +22,9 @@ from pdserve.engine.suffix_decoding import SuffixIndex, SuffixProposer, SuffixSe
 NEW_TOKENS = 24
 
 
-def spec(k: int, method: str = "ngram") -> dict:
+def spec(k: int, method: str = "ngram", draft: str | None = None) -> dict:
+    if method == "draft_model":
+        return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": k,
                 "suffix_decoding_max_tree_depth": 12, "suffix_decoding_max_spec_factor": 2.0,
@@ -37,6 +40,23 @@ def repetitive_prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
+def drafts(tmp_path_factory) -> dict:
+    """Each family's draft model: the same family and tokenizer, 2 layers instead of 4,
+    its own random weights (so it proposes well sometimes, and badly often)."""
+    root = tmp_path_factory.mktemp("drafts")
+    made = {}
+    for name, (config_cls, model_cls, extra) in FAMILIES.items():
+        fields = {**BASE, **extra, "num_hidden_layers": 2}
+        if "layer_types" in fields:
+            fields["layer_types"] = fields["layer_types"][:2]
+        torch.manual_seed(1)
+        config = getattr(transformers, config_cls)(**fields)
+        getattr(transformers, model_cls)(config).eval().save_pretrained(root / name)
+        made[name] = root / name
+    return made
+
+
+@pytest.fixture(scope="module")
 def reference(checkpoints):  # noqa: F811
     """Each family's tokens and logprobs decoding one token at a time."""
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
@@ -48,14 +68,14 @@ def reference(checkpoints):  # noqa: F811
     return made
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_equals_decoding_one_token_at_a_time(family, k, method, checkpoints,  # noqa: F811
-                                                    reference):
+                                                    drafts, reference):
     llm = LLM(str(checkpoints[family]), dtype="float32", load_progress=False,
               max_model_len=256, max_num_batched_tokens=24,
-              speculative_config=spec(k, method))
+              speculative_config=spec(k, method, str(drafts[family])))
     outputs = llm.generate(repetitive_prompts(), SamplingParams(
         temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2))
     for out, ref in zip(outputs, reference[family]):
@@ -65,7 +85,11 @@ def test_greedy_equals_decoding_one_token_at_a_time(family, k, method, checkpoin
             for token, lp in step.items():
                 assert lp.logprob == pytest.approx(ref_step[token].logprob, abs=1e-4)
     scheduler = llm.engine.scheduler
-    assert scheduler.num_accepted_tokens_total > 0  # proposals were made, and some stood
+    # proposals were made, and some stood (a random draft's may all fall: the self-draft
+    # test below has every one stand)
+    assert scheduler.num_draft_tokens_total > 0
+    if method != "draft_model":
+        assert scheduler.num_accepted_tokens_total > 0
     assert scheduler.num_accepted_tokens_total <= scheduler.num_draft_tokens_total
     assert llm.engine.is_idle_and_clean()
 
@@ -81,6 +105,28 @@ def test_greedy_speculation_under_tensor_parallelism(checkpoints, reference):  #
         assert llm.engine.scheduler.num_accepted_tokens_total > 0
     finally:
         llm.shutdown()
+
+
+def test_a_draft_model_that_is_the_target_has_every_proposal_accepted(checkpoints):  # noqa: F811
+    """The draft's own KV cache (its catch-up over the prompt, the one-token passes, the
+    rollback to the verified tokens) is right: the target as its own draft agrees with
+    itself on every proposal, through chunked prefill and preemption."""
+    path = str(checkpoints["llama32"])
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = repetitive_prompts()
+    expected = LLM(path, dtype="float32", load_progress=False,
+                   max_model_len=256).generate(prompts, params)
+    llm = LLM(path, dtype="float32", load_progress=False, max_model_len=128,
+              max_num_batched_tokens=24, num_gpu_blocks_override=8,
+              speculative_config=spec(4, "draft_model", path))
+    outputs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == \
+        [o.outputs[0].token_ids for o in expected]
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_preemptions_total > 0
+    assert scheduler.num_draft_tokens_total > 0
+    assert scheduler.num_accepted_tokens_total == scheduler.num_draft_tokens_total
+    assert llm.engine.draft_proposer.draft_computed == {}  # forgotten as requests ended
 
 
 def test_the_rejection_sampler_follows_the_target_distribution():
@@ -137,7 +183,9 @@ def test_the_ngram_proposer_takes_the_longest_latest_match():
     ('{"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_max_tree_depth": 1}',
      "suffix_decoding_"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown key 'model'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "modell": "x"}', "unknown key 'modell'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "for method draft_model"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "for method draft_model"),
     ('{"method": "ngram"}', "needs method and num_speculative_tokens"),
     (('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
       '"prompt_lookup_max": 2}'), "prompt_lookup_min=4"),
@@ -243,3 +291,14 @@ def test_a_disaggregated_decode_worker_speculates_and_counts_on_metrics(tmp_path
                         if line.startswith(f"vllm:spec_decode_{name}_total{{"))
             assert float(line.rsplit(" ", 1)[1]) == value
         cluster.wait_all_blocks_free()
+
+
+def test_a_draft_of_another_vocabulary_is_refused(checkpoints, tmp_path):  # noqa: F811
+    from pdserve.engine.config import UnsupportedModelError
+
+    config = transformers.LlamaConfig(**{**BASE, "vocab_size": BASE["vocab_size"] + 7})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "other")
+    with pytest.raises(UnsupportedModelError, match="vocab_size=.* is not the target's"):
+        LLM(str(checkpoints["llama32"]), dtype="float32", load_progress=False,
+            max_model_len=256, speculative_config=spec(2, "draft_model",
+                                                       str(tmp_path / "other")))
