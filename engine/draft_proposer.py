@@ -110,8 +110,9 @@ class DraftProposer:
 
     def _forward(self, chunks: list[tuple[Request, int, list[int]]],
                  kv: KVCacheManager) -> list[int]:
-        """One draft forward pass over ``chunks`` ((request, first position, tokens)),
-        every chunk on the prefill path; the argmax after each chunk's last token."""
+        """One draft forward pass over ``chunks`` ((request, first position, tokens)): on
+        the decode path when every chunk is one token, else on the prefill path; the
+        argmax after each chunk's last token."""
         lens = np.array([len(t) for _, _, t in chunks], dtype=np.int64)
         starts = np.array([s for _, s, _ in chunks], dtype=np.int64)
         cu = np.zeros(len(chunks) + 1, dtype=np.int64)
@@ -130,11 +131,20 @@ class DraftProposer:
             return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
         empty = np.zeros((0, 1), dtype=np.int32)
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots), num_decode_tokens=0,
-            decode_block_tables=tensor(empty), decode_seq_lens=tensor(empty[:, 0]),
-            prefill_block_tables=tensor(table), prefill_cu_seqlens_q=tensor(cu.astype(np.int32)),
-            prefill_seq_lens=tensor((starts + lens).astype(np.int32)))
+        seq_lens = (starts + lens).astype(np.int32)
+        if (lens == 1).all():  # NOTE: the one-token passes take the decode kernel
+            meta = AttentionMetadata(
+                slot_mapping=tensor(slots), num_decode_tokens=len(chunks),
+                decode_block_tables=tensor(table), decode_seq_lens=tensor(seq_lens),
+                prefill_block_tables=tensor(empty), prefill_cu_seqlens_q=tensor(
+                    np.zeros(1, dtype=np.int32)), prefill_seq_lens=tensor(empty[:, 0]))
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=tensor(slots), num_decode_tokens=0,
+                decode_block_tables=tensor(empty), decode_seq_lens=tensor(empty[:, 0]),
+                prefill_block_tables=tensor(table),
+                prefill_cu_seqlens_q=tensor(cu.astype(np.int32)),
+                prefill_seq_lens=tensor(seq_lens))
         ids = tensor(np.concatenate([np.asarray(t, dtype=np.int64) for _, _, t in chunks]))
         hidden = self.model(ids, tensor(positions), self.kv_cache, meta)
         logits = self.model.compute_logits(hidden[tensor(cu[1:] - 1)])
