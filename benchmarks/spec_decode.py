@@ -19,7 +19,9 @@ Greedy output is compared with and without speculation (each request's tokens eq
 to where; in bf16 a near-tie can flip, verification rows taking the prefill attention
 kernel, see ``docs/architecture.md``). Prints both
 TPOTs, their ratio, and the acceptance rate (accepted / proposed tokens) with the mean
-tokens per verification step.
+tokens per verification step, and checks the engine's acceptance counters (those a
+worker's ``/metrics`` serves as ``vllm:spec_decode_*``) against its own count of each
+verification's proposals and tokens.
 
 ``--draft-layers N`` speculates with a draft model instead: the model's own first ``N``
 layers with its embedding, final norm and LM head (an early-exit draft of the same
@@ -118,6 +120,32 @@ def truncated_draft(model: Path, num_layers: int) -> Path:
     return out
 
 
+def count_verifications(llm) -> dict:
+    """This benchmark's own count of speculation, kept apart from the engine's counters
+    (which a worker's ``/metrics`` serves): around each step's ``execute``, the requests
+    that carried proposals, how many, and how many of the tokens they got back were
+    proposals that stood (all but the last, which the target chose)."""
+    runner = llm.engine.model_runner
+    execute = runner.execute
+    counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+
+    def counted(out, kv):
+        proposals = {r.request_id: list(r.spec_token_ids) for r in out.requests
+                     if r.spec_token_ids}
+        sampled = execute(out, kv)
+        for request_id, proposed in proposals.items():
+            tokens = [t for t, _ in sampled[request_id]]
+            counts["num_drafts"] += 1
+            counts["num_draft_tokens"] += len(proposed)
+            counts["num_accepted_tokens"] += next(
+                (i for i, (a, b) in enumerate(zip(tokens, proposed)) if a != b),
+                len(tokens) - 1)
+        return sampled
+
+    runner.execute = counted
+    return counts
+
+
 def time_round(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
     """One round of the workload at batch 1: summed decode seconds over summed decode
     tokens (the TPOT of the round), and each request's output tokens."""
@@ -188,6 +216,7 @@ def main() -> None:
     drafts0, proposed0, accepted0 = (scheduler.num_drafts_total,
                                      scheduler.num_draft_tokens_total,
                                      scheduler.num_accepted_tokens_total)
+    own = count_verifications(engines["on"])
     tpot: dict[str, list[float]] = {"off": [], "on": []}
     outputs = {"off": [], "on": []}
     for round_index in range(args.repeats):
@@ -217,6 +246,7 @@ def main() -> None:
         "tokens_per_verification": (accepted + drafts) / max(drafts, 1),
         "counters": {"num_drafts": drafts, "num_draft_tokens": proposed,
                      "num_accepted_tokens": accepted},
+        "own_count": own,
     }
     for name in ("off", "on"):
         print(f"speculation {name + ':':4} TPOT {best[name] * 1e3:7.2f} ms (best of "
@@ -225,8 +255,13 @@ def main() -> None:
           f"of {proposed} proposed tokens, {result['tokens_per_verification']:.2f} tokens "
           f"per verification step; outputs {result['output_tokens']} tokens, equal for "
           f"the first {same} with speculation")
+    agree = own == result["counters"]
+    print(f"counters (as /metrics serves them) {result['counters']}; this benchmark's own "
+          f"count {own}: {'agree' if agree else 'DIFFER'}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    if not agree:
+        raise SystemExit("the engine's speculation counters differ from the benchmark's")
 
 
 if __name__ == "__main__":

@@ -260,18 +260,22 @@ def test_vllm_defaults_for_the_lookup_window():
     assert (config.prompt_lookup_max, config.prompt_lookup_min) == (3, 3)
 
 
-def test_a_disaggregated_decode_worker_speculates_and_counts_on_metrics(tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+def test_a_disaggregated_decode_worker_speculates_and_counts_on_metrics(tmp_path, method):
     """A decode worker with ``--speculative-config`` gives the offline engine's greedy
-    text, and its ``/metrics`` acceptance counters are its scheduler's."""
+    text (its prompt's KV pulled from the prefill worker: a draft model computes its own
+    first), and its ``/metrics`` acceptance counters are its scheduler's."""
+    from pdserve.engine.demo_model import make_demo_model
     from inproc_cluster import in_process_cluster
     from prometheus_client import CollectorRegistry, generate_latest
 
     from pdserve.cluster.worker_metrics import WorkerCollector
 
     prompt = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
-    with in_process_cluster(tmp_path, 256, disaggregation="always",
-                            local_prefill_threshold=4,
-                            decode_engine={"speculative_config": spec(3)}) as cluster:
+    demo = make_demo_model(tmp_path / "demo")  # NOTE: its own draft, for draft_model
+    with in_process_cluster(tmp_path, 256, model=demo, disaggregation="always",
+                            local_prefill_threshold=4, decode_engine={
+                                "speculative_config": spec(3, method, str(demo))}) as cluster:
         reply = cluster.client().completions.create(
             model=str(cluster.model), prompt=prompt, max_tokens=32, temperature=0.0,
             extra_body={"ignore_eos": True})
