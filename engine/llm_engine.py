@@ -624,13 +624,17 @@ class LLMEngine:
         if (room <= 0 or len(self.scheduler.running) >= spec.disable_by_batch_size
                 or not speculates(request)):
             return []
-        if self.suffix_proposer is not None:
-            return self.suffix_proposer.propose(request.request_id, request.all_token_ids,
-                                                room)
         if self.draft_proposer is not None:  # NOTE: filled after scheduling (draft_proposer)
-            return [PENDING] * room
-        return ngram_propose(request.all_token_ids, room, spec.prompt_lookup_max,
-                             spec.prompt_lookup_min)
+            return [] if request.grammar is not None else [PENDING] * room
+        if self.suffix_proposer is not None:
+            proposals = self.suffix_proposer.propose(request.request_id,
+                                                     request.all_token_ids, room)
+        else:
+            proposals = ngram_propose(request.all_token_ids, room, spec.prompt_lookup_max,
+                                      spec.prompt_lookup_min)
+        if request.grammar is not None:  # NOTE: only what the grammar allows is verified
+            proposals = proposals[:request.grammar.valid_prefix(proposals)]
+        return proposals
 
     def _request_finished(self, request: Request) -> None:
         """SuffixDecoding: a request that ended leaves its tokens to the global index

@@ -76,12 +76,23 @@ class Sampler:
         """A speculating request's tokens from its ``logits: [1 + k, vocab]`` fp32 (row
         ``i`` after its last token and ``i`` proposals; ``engine/spec_decode.verify``):
         the accepted proposals and the correction or bonus token, each with its logprob
-        from its row's raw logits when asked. Only for requests ``spec_decode.speculates``
-        lets speculate (no penalties, bias, grammar or pending ``min_tokens``)."""
+        from its row's raw logits when asked; a structured output's rows masked by its
+        grammar at each row's position. Only for requests ``spec_decode.speculates`` lets
+        speculate (no penalties, bias or pending ``min_tokens``)."""
         from pdserve.engine.spec_decode import verify
 
         params = request.sampling_params
         raw = torch.log_softmax(logits, dim=-1) if params.logprobs is not None else None
+        if request.grammar is not None:  # NOTE: row i under the grammar after i proposals
+            import xgrammar as xgr
+
+            rows, width = logits.shape[0], bitmask_width(logits.shape[1])
+            mask = torch.empty(rows, width, dtype=torch.int32)
+            request.grammar.fill_bitmasks_along(request.spec_token_ids, mask)
+            logits = logits.clone()
+            xgr.apply_token_bitmask_inplace(
+                logits, mask if logits.device.type == "cpu" else mask.to(logits.device),
+                vocab_size=logits.shape[1])
         probs = None if params.greedy else self.target_probs(logits, params)
         tokens = verify(probs, logits, request.spec_token_ids, request, self.generator)
         return [(t, token_logprob(raw, i, t, params.logprobs)) for i, t in enumerate(tokens)]

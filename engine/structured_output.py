@@ -200,6 +200,35 @@ class GrammarMatcher:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` ``accept``s (speculative decoding's proposals)."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, in order, the grammar accepts from here (the matcher
+        is left where it was)."""
+        count = 0
+        for token in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                break
+            count += 1
+        self.rollback(count)
+        return count
+
+    def fill_bitmasks_along(self, tokens: Sequence[int], bitmask: torch.Tensor) -> None:
+        """Rows ``0 .. len(tokens)`` of ``bitmask``: the tokens allowed after each prefix
+        ``tokens[:i]`` of proposals the grammar accepts (``valid_prefix``; after a stop
+        token that completes it, every token); the matcher is left where it was."""
+        for row in range(len(tokens) + 1):
+            if self._matcher.is_terminated():  # NOTE: a proposed stop token ended it: the
+                bitmask[row] = -1  # rows after are never sampled (the request stops there)
+            else:
+                self._matcher.fill_next_token_bitmask(bitmask, row)
+            if row < len(tokens):
+                self._matcher.accept_token(tokens[row])
+        self.rollback(len(tokens))
+
     @property
     def terminated(self) -> bool:
         """True once a stop token was accepted after a complete output."""

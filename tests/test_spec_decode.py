@@ -265,11 +265,11 @@ def test_a_disaggregated_decode_worker_speculates_and_counts_on_metrics(tmp_path
     """A decode worker with ``--speculative-config`` gives the offline engine's greedy
     text (its prompt's KV pulled from the prefill worker: a draft model computes its own
     first), and its ``/metrics`` acceptance counters are its scheduler's."""
-    from pdserve.engine.demo_model import make_demo_model
     from inproc_cluster import in_process_cluster
     from prometheus_client import CollectorRegistry, generate_latest
 
     from pdserve.cluster.worker_metrics import WorkerCollector
+    from pdserve.engine.demo_model import make_demo_model
 
     prompt = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
     demo = make_demo_model(tmp_path / "demo")  # NOTE: its own draft, for draft_model
@@ -306,3 +306,46 @@ def test_a_draft_of_another_vocabulary_is_refused(checkpoints, tmp_path):  # noq
         LLM(str(checkpoints["llama32"]), dtype="float32", load_progress=False,
             max_model_len=256, speculative_config=spec(2, "draft_model",
                                                        str(tmp_path / "other")))
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_structured_output_speculates_with_its_grammar_checking_the_proposals(tmp_path,
+                                                                              method):
+    """A JSON-schema request speculates: its grammar cuts the proposals at the first
+    token it forbids and masks each verification row as that position's step would, so
+    greedy output is one-token decoding's and sampled output always validates."""
+    import json
+
+    from test_structured_output import SCHEMAS
+
+    from pdserve.engine.demo_model import make_demo_model
+    from pdserve.engine.structured_output import json_schema_spec
+
+    demo = str(make_demo_model(tmp_path / "demo"))
+    prompts = [f"Request {i}: answer in JSON, then answer in JSON again." for i in range(6)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=200,
+                             structured_output=json_schema_spec(SCHEMAS[i % 4]))
+              for i in range(6)]
+    expected = LLM(demo, dtype="float32", load_progress=False,
+                   max_model_len=512).generate(prompts, greedy)
+    llm = LLM(demo, dtype="float32", load_progress=False, max_model_len=512,
+              speculative_config={**spec(4, method), "disable_by_batch_size": 64})
+    outputs = llm.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in outputs] == \
+        [o.outputs[0].token_ids for o in expected]
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_accepted_tokens_total > 0
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=200,
+                              structured_output=json_schema_spec(SCHEMAS[i % 4]))
+               for i in range(24)]
+    compiler = llm.engine.grammar_compiler()
+    for params, output in zip(sampled, llm.generate(prompts * 4, sampled)):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop"
+        # NOTE: replayed through a fresh matcher, not jsonschema: with the demo model's
+        # byte tokens xgrammar's maxLength and jsonschema's can disagree, speculation or
+        # not (prompt 22 of these, seed 22: the same text either way)
+        matcher = compiler.matcher(params.structured_output)
+        assert all(matcher.accept(t) for t in completion.token_ids), completion.text
+        assert json.loads(completion.text) is not None
+    assert llm.engine.is_idle_and_clean()
