@@ -260,27 +260,32 @@ def test_vllm_defaults_for_the_lookup_window():
     assert (config.prompt_lookup_max, config.prompt_lookup_min) == (3, 3)
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
-def test_a_disaggregated_decode_worker_speculates_and_counts_on_metrics(tmp_path, method):
-    """A decode worker with ``--speculative-config`` gives the offline engine's greedy
-    text (its prompt's KV pulled from the prefill worker: a draft model computes its own
-    first), and its ``/metrics`` acceptance counters are its scheduler's."""
+DISAGGREGATED = [(family, ("ngram", "suffix", "draft_model")[i % 3], (1, 3, 5)[i % 3])
+                 for i, family in enumerate(FAMILIES)]
+
+
+@pytest.mark.parametrize("family, method, k", DISAGGREGATED)
+def test_a_disaggregated_decode_worker_speculates_and_counts_on_metrics(
+        tmp_path, checkpoints, family, method, k):  # noqa: F811
+    """Each family served disaggregated, the decode worker speculating (the methods and
+    k in turn; a draft model computes its own KV of the prompt the prefill worker sent):
+    the offline engine's greedy text, and ``/metrics`` counters that are its
+    scheduler's."""
     from inproc_cluster import in_process_cluster
     from prometheus_client import CollectorRegistry, generate_latest
 
     from pdserve.cluster.worker_metrics import WorkerCollector
-    from pdserve.engine.demo_model import make_demo_model
 
+    model = checkpoints[family]  # NOTE: its own draft, for draft_model
     prompt = "the cat sat on the mat and the cat sat on the mat and the cat sat on the"
-    demo = make_demo_model(tmp_path / "demo")  # NOTE: its own draft, for draft_model
-    with in_process_cluster(tmp_path, 256, model=demo, disaggregation="always",
+    with in_process_cluster(tmp_path, 256, model=model, disaggregation="always",
                             local_prefill_threshold=4, decode_engine={
-                                "speculative_config": spec(3, method, str(demo))}) as cluster:
+                                "speculative_config": spec(k, method, str(model))}) as cluster:
         reply = cluster.client().completions.create(
-            model=str(cluster.model), prompt=prompt, max_tokens=32, temperature=0.0,
+            model=str(cluster.model), prompt=prompt, max_tokens=64, temperature=0.0,
             extra_body={"ignore_eos": True})
         assert reply.choices[0].text == cluster.expected(prompt, temperature=0.0,
-                                                         max_tokens=32, ignore_eos=True)
+                                                         max_tokens=64, ignore_eos=True)
         assert cluster.prefill_paths().get("remote", 0) >= 1
         scheduler = cluster.decode.runtime.engine.engine.scheduler
         assert scheduler.num_drafts_total > 0
