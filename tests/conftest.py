@@ -52,6 +52,23 @@ def random_prompts(lengths, vocab_size: int = TINY["vocab_size"], seed: int = 0)
     return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
+def transformers_greedy(model, prompts, new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' greedy ``generate`` of exactly ``new_tokens`` tokens after each
+    prompt (no EOS stop) with a loaded ``model``: per prompt (token ids, ``[steps,
+    vocab]`` log-softmax of each step's logits), the oracle ``assert_matches_transformers``
+    takes."""
+    results = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             eos_token_id=None, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+        results.append((out.sequences[0, len(prompt):].tolist(),
+                        torch.stack(out.logits)[:, 0].log_softmax(-1)))
+    return results
+
+
 def assert_matches_transformers(outputs, expected, abs_tol: float = 1e-4) -> None:
     """Each pdserve output's greedy tokens equal transformers' (``expected``: per prompt,
     (token ids, [steps, vocab] log-softmax), as ``transformers_greedy`` gives), and each

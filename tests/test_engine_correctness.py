@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, random_prompts
+from conftest import ARCHITECTURES, random_prompts, transformers_greedy
 from transformers import AutoModelForCausalLM
 
 from pdserve.engine import LLM, SamplingParams
@@ -15,25 +15,16 @@ NEW_TOKENS = 32
 NUM_LOGPROBS = 3
 
 
-def transformers_greedy(model_dir, prompts, new_tokens: int = NEW_TOKENS):
+def hf_greedy(model_dir, prompts, new_tokens: int = NEW_TOKENS):
     """Per prompt: (token ids, [new_tokens, vocab] log-softmax of the logits) from HF."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    results = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             eos_token_id=None, pad_token_id=0, output_logits=True,
-                             return_dict_in_generate=True)
-        logprobs = torch.stack(out.logits)[:, 0].log_softmax(-1)
-        results.append((out.sequences[0, len(prompt):].tolist(), logprobs))
-    return results
+    return transformers_greedy(model, prompts, new_tokens)
 
 
 @pytest.fixture(scope="module")
 def oracle(tiny_checkpoints):
     prompts = random_prompts(PROMPT_LENGTHS)
-    return prompts, {arch: transformers_greedy(path, prompts)
+    return prompts, {arch: hf_greedy(path, prompts)
                      for arch, path in tiny_checkpoints.items()}
 
 

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 import transformers
-from conftest import random_prompts
+from conftest import random_prompts, transformers_greedy
 from inproc_cluster import in_process_cluster
 
 from pdserve.engine import LLM, SamplingParams
@@ -88,24 +88,15 @@ def checkpoints(tmp_path_factory) -> dict:
     return made
 
 
-def transformers_greedy(path, prompts):
+def hf_greedy(path, prompts):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    results = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             eos_token_id=None, pad_token_id=0, output_logits=True,
-                             return_dict_in_generate=True)
-        results.append((out.sequences[0, len(prompt):].tolist(),
-                        torch.stack(out.logits)[:, 0].log_softmax(-1)))
-    return results
+    return transformers_greedy(model, prompts, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def oracle(checkpoints):
     prompts = random_prompts(PROMPT_LENGTHS, vocab_size=VOCAB_SIZE, seed=4)
-    return prompts, {name: transformers_greedy(path, prompts)
+    return prompts, {name: hf_greedy(path, prompts)
                      for name, path in checkpoints.items()}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import assert_matches_transformers, random_prompts
+from conftest import assert_matches_transformers, random_prompts, transformers_greedy
 from gguf_files import TINY_GGUF, write_tiny_gguf
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -19,26 +19,17 @@ from pdserve.engine.model_source import open_model
 NEW_TOKENS = 12
 
 
-def transformers_greedy(path, prompts):
+def gguf_greedy(path, prompts):
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                  dtype=torch.float32).eval()
-    results = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             eos_token_id=None, pad_token_id=0, output_logits=True,
-                             return_dict_in_generate=True)
-        logprobs = torch.stack(out.logits)[:, 0].log_softmax(-1)
-        results.append((out.sequences[0, len(prompt):].tolist(), logprobs))
-    return results
+    return transformers_greedy(model, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED_TENSOR_TYPES)
 def test_each_tensor_type_gives_transformers_tokens(qtype, tmp_path):
     path = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype, tied=qtype == "Q8_0")
     prompts = random_prompts([3, 17, 40])
-    expected = transformers_greedy(path, prompts)
+    expected = gguf_greedy(path, prompts)
     llm = LLM(str(path), dtype="float32", max_model_len=128, load_progress=False)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                    ignore_eos=True, logprobs=0))

@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 import transformers
-from conftest import assert_matches_transformers, random_prompts
+from conftest import assert_matches_transformers, random_prompts, transformers_greedy
 from safetensors.torch import load_file
 
 from pdserve.engine import LLM, SamplingParams
@@ -77,18 +77,8 @@ def hf_models(checkpoints) -> dict:
 @pytest.fixture(scope="module")
 def oracle(hf_models):
     prompts = random_prompts(PROMPT_LENGTHS, vocab_size=VOCAB_SIZE, seed=5)
-    expected = {}
-    for name, model in hf_models.items():
-        results = []
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 eos_token_id=None, pad_token_id=0, output_logits=True,
-                                 return_dict_in_generate=True)
-            results.append((out.sequences[0, len(prompt):].tolist(),
-                            torch.stack(out.logits)[:, 0].log_softmax(-1)))
-        expected[name] = results
+    expected = {name: transformers_greedy(model, prompts, NEW_TOKENS)
+                for name, model in hf_models.items()}
     return prompts, expected
 
 

@@ -15,7 +15,7 @@ import torch
 from conftest import assert_matches_transformers, random_prompts, write_tiny_checkpoint
 from quant_checkpoints import quantize, write_quantized
 from safetensors.torch import load_file, save_file
-from test_engine_correctness import transformers_greedy
+from test_engine_correctness import hf_greedy
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import ModelConfig, UnsupportedModelError
@@ -136,7 +136,7 @@ def test_checkpoint_loads_exactly_and_gives_transformers_tokens(name, tmp_path):
             assert torch.equal(library, qz.dequantize()), module
 
     prompts = random_prompts([3, 17, 40], seed=3)
-    expected = transformers_greedy(twin, prompts, NEW_TOKENS)
+    expected = hf_greedy(twin, prompts, NEW_TOKENS)
     llm = LLM(str(path), dtype="float32", max_model_len=128, load_progress=False)
     model = llm.engine.model_runner.model
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}

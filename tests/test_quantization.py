@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from conftest import assert_matches_transformers, random_prompts
 from gguf_files import write_tiny_gguf
-from test_gguf import NEW_TOKENS, transformers_greedy
+from test_gguf import NEW_TOKENS, gguf_greedy
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.models.quantization import ConcatLinear, QuantizedLinear
@@ -36,7 +36,7 @@ def test_gguf_quantized_tensors_stay_quantized_and_give_transformers_tokens(qtyp
                                                                             tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype, tied=tied)
     prompts = random_prompts([3, 17, 40])
-    expected = transformers_greedy(path, prompts)
+    expected = gguf_greedy(path, prompts)
     llm = LLM(str(path), dtype="float32", max_model_len=128, load_progress=False)
     layers = linears(llm)
     if callable(qtype):
