@@ -353,28 +353,26 @@ def main() -> None:
         result["ratio_per_repeat"] = paired
         print(f"ratio:        {result['ratio']:8.2f}x (best over best; per repeat "
               f"{', '.join(f'{r:.2f}' for r in paired)})")
-    for kv in args.kv_cache_dtype:
-        name = f"pdserve:{kv}"
+
+    def against_pdserve(name: str) -> str:
+        """Record ``name``'s throughput over pdserve's (best over best, and per repeat);
+        return them in words."""
         result[f"{name}_ratio"] = min(times["pdserve"]) / min(times[name])
-        paired = [auto / quant for auto, quant in zip(times["pdserve"], times[name])]
+        paired = [base / other for base, other in zip(times["pdserve"], times[name])]
         result[f"{name}_ratio_per_repeat"] = paired
-        print(f"{kv} KV / {args.dtype} KV: {result[f'{name}_ratio']:.2f}x output tok/s (best "
-              f"over best; per repeat {', '.join(f'{r:.2f}' for r in paired)})")
+        return (f"{result[f'{name}_ratio']:.2f}x output tok/s (best over best; per repeat "
+                f"{', '.join(f'{r:.2f}' for r in paired)})")
+
+    for kv in args.kv_cache_dtype:
+        print(f"{kv} KV / {args.dtype} KV: {against_pdserve(f'pdserve:{kv}')}")
     if args.speculative_config:
-        name = "pdserve:spec"
-        result[f"{name}_ratio"] = min(times["pdserve"]) / min(times[name])
-        paired = [off / on for off, on in zip(times["pdserve"], times[name])]
-        print(f"speculation on / off: {result[f'{name}_ratio']:.2f}x output tok/s (best over "
-              f"best; per repeat {', '.join(f'{r:.2f}' for r in paired)})")
+        print(f"speculation on / off: {against_pdserve('pdserve:spec')}")
     for n in args.tensor_parallel_size:
         name = f"pdserve:tp{n}"
-        result[f"{name}_ratio"] = min(times["pdserve"]) / min(times[name])
-        paired = [one / tp for one, tp in zip(times["pdserve"], times[name])]
-        result[f"{name}_ratio_per_repeat"] = paired
+        ratio = against_pdserve(name)
         result[f"{name}_collectives"] = collectives[name]
         best = min(collectives[name], key=lambda c: c["seconds"])
-        print(f"TP={n} / TP=1: {result[f'{name}_ratio']:.2f}x output tok/s (best over best; "
-              f"per repeat {', '.join(f'{r:.2f}' for r in paired)}); rank 0 in collectives "
+        print(f"TP={n} / TP=1: {ratio}; rank 0 in collectives "
               f"{best['collective_s'] / best['steps'] * 1e3:.2f} ms per step "
               f"({best['collectives'] / best['steps']:.0f} per step, {best['steps']} steps), "
               f"{best['collective_s'] / best['seconds']:.0%} of the run")
