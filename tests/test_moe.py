@@ -49,7 +49,15 @@ SETTINGS = {"whole_prefill": {"max_model_len": 256},
             # two ranks over gloo: each holds half of every expert (and of the shared
             # expert, the dense layers' MLP, the heads and the vocabulary)
             "tensor_parallel": {"tensor_parallel_size": 2, "max_num_batched_tokens": 24,
-                                "max_model_len": 256}}
+                                "max_model_len": 256},
+            # issue 28: speculative decoding's greedy output is one-token decoding's
+            "ngram_k1": {"max_model_len": 256, "speculative_config": {
+                "method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max": 2,
+                "prompt_lookup_min": 1}},
+            "suffix_k5": {"max_model_len": 256, "speculative_config": {
+                "method": "suffix", "num_speculative_tokens": 5,
+                "suffix_decoding_max_tree_depth": 12, "suffix_decoding_max_spec_factor": 3.0,
+                "suffix_decoding_min_token_prob": 0.0}}}
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +159,8 @@ def test_greedy_matches_transformers(family, setting, checkpoints, oracle):
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                    ignore_eos=True, logprobs=2))
     assert_matches_transformers(outputs, expected[family])
+    if "speculative_config" in SETTINGS[setting]:
+        assert llm.engine.scheduler.num_draft_tokens_total > 0
     assert llm.engine.is_idle_and_clean()
     llm.shutdown()
 
