@@ -101,7 +101,7 @@ class ClusterAuth:
     Picklable (Ray passes it to worker actors); its repr shows no secret.
     """
 
-    __slots__ = ("_record_key", "_rpc_key", "tls")
+    __slots__ = ("_kv_key", "_record_key", "_rpc_key", "tls")
 
     def __init__(self, secret: bytes, tls: ClusterTLS | None = None) -> None:
         if len(secret) < MIN_SECRET_BYTES:
@@ -109,6 +109,7 @@ class ClusterAuth:
                                    f"at least {MIN_SECRET_BYTES}")
         self._rpc_key = _derive(secret, b"pdserve rpc v1")
         self._record_key = _derive(secret, b"pdserve registry record v1")
+        self._kv_key = _derive(secret, b"pdserve kv transfer v1")
         self.tls = tls
 
     @classmethod
@@ -120,10 +121,17 @@ class ClusterAuth:
         return f"ClusterAuth(tls={self.tls is not None})"
 
     def __getstate__(self) -> tuple:
-        return self._rpc_key, self._record_key, self.tls
+        return self._rpc_key, self._record_key, self._kv_key, self.tls
 
     def __setstate__(self, state: tuple) -> None:
-        self._rpc_key, self._record_key, self.tls = state
+        self._rpc_key, self._record_key, self._kv_key, self.tls = state
+
+    @property
+    def kv_key(self) -> bytes:
+        """32 bytes, the KV path's own key (``HMAC-SHA256(secret, "pdserve kv transfer
+        v1")``): the KV store's handshake and every transfer's digest key derive from it
+        (``pdserve.kvtransfer.auth``)."""
+        return self._kv_key
 
     # RPCs
 
