@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import multiprocessing as mp
 import os
 import statistics
@@ -58,6 +59,8 @@ from pdserve.engine.kv_cache_layout import KVCacheLayout
 from pdserve.kernels.kv_quant import KV_CACHE_DTYPE_NAMES, kv_cache_torch_dtype
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender
 from pdserve.kvtransfer.payload import wire_view
+
+KV_KEY = hashlib.sha256(b"pdserve test cluster: kv").digest()  # both processes
 
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
@@ -137,7 +140,7 @@ def prefill_main(conn, geometry: str, num_blocks: int, plain_address: str,
     torch.set_num_threads(threads)
     use_device(device, 0)
     cache = make_cache(geometry, num_blocks, 1, device, kv_cache_dtype)
-    sender = KVSender("bench-prefill", cache[0], kv_scales=cache[1], timeout_s=120)
+    sender = KVSender("bench-prefill", cache[0], kv_key=KV_KEY, kv_scales=cache[1], timeout_s=120)
     group = plain_group(plain_address, 0, device)
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
@@ -189,7 +192,8 @@ def run(geometry: str, reps: int, threads: int,
     use_device(device, 1)
     num_blocks = max(prompt_tokens) // BLOCK_SIZE + 64
     cache = make_cache(geometry, num_blocks, None, device, kv_cache_dtype)
-    receiver = KVReceiver("bench-decode", cache[0], kv_scales=cache[1], timeout_s=120)
+    receiver = KVReceiver("bench-decode", cache[0],
+                          kv_key=KV_KEY, kv_scales=cache[1], timeout_s=120)
     plain_address = f"127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()

@@ -85,6 +85,16 @@ class WorkerConfig:
         if not self.worker_id:
             self.worker_id = default_worker_id(self.role)
 
+    @property
+    def kv_key(self) -> bytes:
+        """The KV path's key (``ClusterAuth.kv_key``); a worker built in-process without
+        ``auth`` (no authentication anywhere) uses a well-known one."""
+        if self.auth is None:
+            from pdserve.kvtransfer.auth import UNAUTHENTICATED_KV_KEY
+
+            return UNAUTHENTICATED_KV_KEY
+        return self.auth.kv_key
+
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``python -m pdserve.{prefill,decode}_worker`` beyond the engine's."""

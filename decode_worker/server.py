@@ -232,7 +232,7 @@ class DecodeWorker(Worker):
         cache = runner.transfer_cache()  # NOTE: every rank's heads under TP
         self.receiver = KVReceiver(
             self.worker_id, cache, f"{self.config.kv_host}:{self.config.kv_port}",
-            timeout_s=self.config.kv_transfer_timeout_s,
+            kv_key=self.config.kv_key, timeout_s=self.config.kv_transfer_timeout_s,
             connect_timeout_s=self.config.kv_connect_timeout_s,
             kv_scales=runner.kv_scales if cache is runner.kv_cache else None)
         self.service = DecodeService(engine, self.receiver, self.worker_id, self._request_kv,

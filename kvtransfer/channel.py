@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pdserve.kvtransfer.auth import TRAILER_NUMEL, PayloadDigest
 from pdserve.kvtransfer.payload import PayloadSink, PayloadSource
 from pdserve.kvtransfer.protocol import HEADER_NUMEL, KVTransferError
 
@@ -189,8 +190,10 @@ class PairGroup:
         return cls(rank, gloo, nccl)
 
     def send(self, make_header: Callable[[int], torch.Tensor], source: PayloadSource,
-             tag: int, deadline: float) -> int:
-        """Send a header, then the payload's chunks; return the payload bytes.
+             tag: int, deadline: float, digest: PayloadDigest) -> int:
+        """Send a header, then the payload's chunks, then (gloo) the tag of both
+        (``auth.PayloadDigest``, fed each chunk while gloo sends it); return the payload
+        bytes.
 
         Args:
             make_header: seq -> int64[HEADER_NUMEL]; seq numbers this group's payloads
@@ -200,6 +203,8 @@ class PairGroup:
                 overlaps the sends of the chunks before it.
             tag: the transfer's gloo tag, from the receiver's ticket.
             deadline: ``time.monotonic()`` seconds by which everything must be sent.
+            digest: this transfer's, fresh (gloo only; NOTE: payloads over NCCL are not
+                tagged yet).
 
         Raises:
             KVTransferError: posting or waiting failed, or the deadline passed.
@@ -217,6 +222,8 @@ class PairGroup:
                 self._next_send_seq += 1
                 works.append(("header", self._gloo.send([header], self.peer, tag)))
                 payload_group = self._nccl or self._gloo
+                if self._nccl is None:
+                    digest.update(header)
                 for c in range(source.num_chunks):
                     slot = source.slot_of(c)
                     if slot is not None and slot in slot_sends:
@@ -226,7 +233,11 @@ class PairGroup:
                     works.append((f"chunk {c}", payload_group.send([wire], self.peer, tag)))
                     if slot is not None:
                         slot_sends[slot] = len(works) - 1
+                    if self._nccl is None:  # NOTE: while gloo sends it
+                        digest.update(wire)
                     num_bytes += wire.numel()
+                if self._nccl is None:
+                    works.append(("tag", self._gloo.send([digest.trailer()], self.peer, tag)))
         except KVTransferError:
             raise
         except Exception as exc:
@@ -287,10 +298,11 @@ class PairGroup:
 
     def recv(self, sink: PayloadSink, tag: int, deadline: float,
              check_header: Callable[[torch.Tensor], int],
-             posted: PostedRecv | None = None) -> None:
-        """Receive a header, then the payload's chunks into the sink (scattering each
-        staged one as it lands, and posting the receive of the next chunk its ring slot
-        serves).
+             posted: PostedRecv | None = None, digest: PayloadDigest | None = None) -> None:
+        """Receive a header, then the payload's chunks into the sink (feeding each to
+        ``digest`` in order as it lands, scattering each staged one, and posting the
+        receive of the next chunk its ring slot serves), then (gloo) the sender's tag,
+        which must equal ``digest``'s.
 
         Args:
             sink: where the chunks go; its sizes come from the receiver's ticket.
@@ -299,12 +311,15 @@ class PairGroup:
             check_header: validates the int64[HEADER_NUMEL] header (raising
                 KVTransferError) and returns its seq.
             posted: what ``post_recv(sink, tag)`` returned, if called before.
+            digest: this transfer's, fresh; None receives the tag without checking it
+                (a drained payload, discarded anyway).
 
         Over NCCL the payload (one chunk) is posted after the header, in the sender's seq
-        order.
+        order, and carries no tag yet.
 
         Raises:
-            KVTransferError: a bad header, a failed or timed-out receive.
+            KVTransferError: a bad header, a failed or timed-out receive, or a payload
+                whose tag is not the sender's (then nothing of it may be used).
         """
         if posted is None:
             posted = self.post_recv(sink, tag)
@@ -318,20 +333,30 @@ class PairGroup:
         self.post_more(sink, tag, posted)
         _wait(posted.header_work, deadline, "receiving the header")
         check_header(posted.header)
-        waited = -1
-        if sink.uses_ring:
-            for c in range(sink.num_chunks):
-                slot = sink.slot_of(c)
-                if slot is None:
-                    continue  # NOTE: lands in place; the last wait below covers it
-                _wait(posted.chunk_works[c], deadline, f"receiving chunk {c}")
-                waited = c
+        if digest is not None:
+            digest.update(posted.header)
+        trailer = torch.zeros(TRAILER_NUMEL, dtype=torch.int64)
+        trailer_work = None
+        for c in range(sink.num_chunks):
+            if trailer_work is None and len(posted.chunk_works) == sink.num_chunks:
+                trailer_work = self._post(self._gloo, [trailer], tag)[0]  # NOTE: after them
+            slot = sink.slot_of(c)
+            if slot is None and digest is None:
+                continue  # NOTE: lands in place; a later wait covers it
+            _wait(posted.chunk_works[c], deadline, f"receiving chunk {c}")
+            if digest is not None:  # NOTE: in wire order, while later chunks arrive
+                digest.update(sink.buffer(c))
+            if slot is not None:
                 sink.chunk_done(c)
                 posted.busy_slots.discard(slot)
                 self.post_more(sink, tag, posted)
-        last = sink.num_chunks - 1
-        if waited < last:
-            _wait(posted.chunk_works[last], deadline, f"receiving chunk {last}")
+        if trailer_work is None:
+            trailer_work = self._post(self._gloo, [trailer], tag)[0]
+        _wait(trailer_work, deadline, "receiving the payload's tag")
+        if digest is not None and not digest.verify(trailer):
+            raise KVTransferError("the payload's tag is not its sender's: its bytes were "
+                                  "altered or injected, or the sender holds another "
+                                  "cluster secret")
 
     def _post_in_turn(self, sink: PayloadSink, tag: int, seq: int, deadline: float) -> list:
         with self._turn:

@@ -31,7 +31,9 @@ import torch
 
 HEADER_NUMEL = 16
 _MAGIC = 0x70645F6B76  # "pd_kv"
-_VERSION = 3  # 3: geometry with scales and block bytes; 2: block-major chunks; 1: planes
+# 4: a Poly1305 tag after the payload (kvtransfer/auth.py); 3: geometry with scales and
+# block bytes; 2: block-major chunks; 1: planes
+_VERSION = 4
 
 # NOTE: codes are part of the wire format; append, never renumber.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -238,7 +240,8 @@ def request_hash(request_id: str) -> int:
 class Ticket:
     """The decode side's offer for one pull: which channel (``incarnation`` of the
     receiver, ``generation`` of the pair's group), the gloo ``tag``, how many blocks and
-    of what geometry it expects."""
+    of what geometry it expects, and ``nonce``, 32 hex digits drawn for this pull alone,
+    which keys the payload's tag (``auth.transfer_key``)."""
 
     incarnation: str
     generation: int
@@ -248,9 +251,14 @@ class Ticket:
     chunks: tuple[int, ...] = ()
     """The gloo payload's cut into messages, in blocks (``payload.plan_chunks``): sums to
     ``num_blocks``. Encoded run-length: ``"10*102 4 1*3"`` is 102 tens, a four, 3 ones."""
+    nonce: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.nonce) != 32 or any(c not in "0123456789abcdef" for c in self.nonce):
+            raise ValueError(f"ticket nonce {self.nonce!r} is not 32 hex digits")
 
     def encode(self) -> str:
-        fields = [self.incarnation, self.generation, self.tag, self.num_blocks,
+        fields = [self.incarnation, self.nonce, self.generation, self.tag, self.num_blocks,
                   *self.geometry.fields()]
         runs: list[list[int]] = []
         for size in self.chunks:
@@ -266,9 +274,9 @@ class Ticket:
         """Raises ValueError (or KVTransferError for an unknown dtype) on a malformed
         ticket, including chunks that are not positive or do not sum to the block count."""
         parts = (text.decode() if isinstance(text, bytes) else text).split()
-        first_chunk = 4 + GEOMETRY_FIELDS
-        numbers = [int(p) for p in parts[1:first_chunk]]
-        if len(numbers) != first_chunk - 1:
+        first_chunk = 5 + GEOMETRY_FIELDS
+        numbers = [int(p) for p in parts[2:first_chunk]]
+        if len(numbers) != first_chunk - 2:
             raise ValueError(f"ticket {parts} is too short")
         chunks: list[int] = []
         for token in parts[first_chunk:]:
@@ -277,7 +285,7 @@ class Ticket:
         if any(c <= 0 for c in chunks) or sum(chunks) != numbers[2]:
             raise ValueError(f"ticket chunks {parts[first_chunk:]} do not cut {numbers[2]} blocks")
         return cls(parts[0], numbers[0], numbers[1], numbers[2],
-                   KVGeometry.from_fields(numbers[3:]), tuple(chunks))
+                   KVGeometry.from_fields(numbers[3:]), tuple(chunks), parts[1])
 
 
 def pair_prefix(prefill_worker_id: str, decode_worker_id: str) -> str:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import secrets
-import socket
 import threading
 import time
 from collections import deque
@@ -39,6 +38,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from pdserve.kvtransfer.auth import PayloadDigest, transfer_key
 from pdserve.kvtransfer.channel import CLOSE_ABORT_WAIT_S, PairGroup
 from pdserve.kvtransfer.payload import (
     PayloadSink,
@@ -70,6 +70,7 @@ from pdserve.kvtransfer.protocol import (
 )
 from pdserve.kvtransfer.pull import KVPull, RecvChannel
 from pdserve.kvtransfer.staging import DEFAULT_STAGING_BYTES, StagingPool
+from pdserve.kvtransfer.store import KVStoreServer
 from pdserve.kvtransfer.threads import TransferThreads
 
 _WATCH_TIMEOUT = datetime.timedelta(days=1)
@@ -82,10 +83,13 @@ _BOOTSTRAP_POLL_S = 0.02  # how often a pull waiting for a new channel checks it
 
 
 class KVReceiver:
-    """Decode-worker side of KV transfer; hosts the pair channels' ``TCPStore``.
+    """Decode-worker side of KV transfer; hosts the pair channels' store
+    (``store.KVStoreServer``: only cluster members get in).
 
     Args:
         worker_id: this decode worker's id (the registry's).
+        kv_key: the cluster's KV key (``ClusterAuth.kv_key``): the store's handshake and
+            every payload's tag (``auth``) need it.
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
             contiguous or over block-major storage (``ModelRunner``'s: then chunks of
             consecutive ids land in place), any wire dtype; pulled blocks are written
@@ -108,7 +112,7 @@ class KVReceiver:
     """
 
     def __init__(self, worker_id: str, kv_cache: torch.Tensor, address: str = "127.0.0.1:0",
-                 *, timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
+                 *, kv_key: bytes, timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
                  staging_bytes: int = DEFAULT_STAGING_BYTES,
                  kv_scales: torch.Tensor | None = None) -> None:
         self.worker_id = worker_id
@@ -119,12 +123,10 @@ class KVReceiver:
         self.connect_timeout_s = connect_timeout_s
         self.staging = StagingPool(staging_bytes)
         self._host, port = split_address(address)
-        # NOTE: TCPStore's own server listens on every interface; it gets a socket bound
-        # to the advertised host instead
-        self._store = dist.TCPStore(self._host, port, None, True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=connect_timeout_s),
-                                    master_listen_fd=_listen(self._host, port))
-        self.address = f"{self._host}:{self._store.port}"
+        self._kv_key = kv_key
+        self._server = KVStoreServer(self._host, port, kv_key, connect_timeout_s)
+        self._store = self._server.local()
+        self.address = f"{self._host}:{self._server.port}"
         self._incarnation = secrets.token_hex(6)
         self._lock = threading.Lock()
         self._channels: dict[str, RecvChannel] = {}
@@ -167,7 +169,8 @@ class KVReceiver:
                 channel = self._channel(prefill_worker_id, prefix)
                 ticket = Ticket(self._incarnation, channel.generation, channel.next_tag(),
                                 len(ids), self.geometry,
-                                tuple(plan_chunks(self.kv_cache, ids, self.geometry)))
+                                tuple(plan_chunks(self.kv_cache, ids, self.geometry)),
+                                secrets.token_hex(16))
                 pull = KVPull(request_id, prefill_worker_id, ids, channel, ticket, deadline)
                 self._store.set(ticket_key(prefix, request_id), ticket.encode())
             except (RuntimeError, dist.DistError) as exc:
@@ -210,6 +213,7 @@ class KVReceiver:
         deadline = time.monotonic() + self.connect_timeout_s + 1.0
         for thread in self._connecting:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._server.close()
         self.staging.close()
 
     def _channel(self, prefill_worker_id: str, prefix: str) -> RecvChannel:
@@ -384,13 +388,17 @@ class KVReceiver:
                                        list(pull.ticket.chunks), group.device_payload, drain,
                                        staging=self.staging)
                     pull._sink, posted = sink, None
+                digest = None if drain else PayloadDigest(transfer_key(
+                    self._kv_key, pull.prefill_worker_id, self.worker_id, pull.request_id,
+                    pull.ticket))
                 group.recv(sink, pull.ticket.tag, deadline,
-                           lambda header: self._check_header(pull, header), posted)
+                           lambda header: self._check_header(pull, header), posted, digest)
                 if not drain:
                     sink.finish()
-        except KVTransferError:
+        except KVTransferError as exc:
             pull.channel.fail()
-            raise
+            raise KVTransferError(f"pull of {pull.request_id} from prefill worker "
+                                  f"{pull.prefill_worker_id}: {exc}") from exc
         if drain:
             raise KVTransferError(f"pull of request {pull.request_id} was cancelled; its "
                                   "payload was received and discarded")
@@ -423,22 +431,3 @@ class KVReceiver:
             with contextlib.suppress(RuntimeError):  # best effort; keys are per request
                 self._store.delete_key(key)
 
-
-def _listen(host: str, port: int) -> int:
-    """A listening TCP socket bound to ``host:port`` only, as a file descriptor that the
-    caller owns (``TCPStore`` closes it with the store).
-
-    Raises:
-        RuntimeError: the address cannot be bound (taken, or not this machine's).
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(512)
-    except OSError as exc:
-        sock.close()
-        raise RuntimeError(f"cannot listen on {host}:{port} for the KV store: "
-                           f"{exc.strerror or exc}") from None
-    return sock.detach()

@@ -10,14 +10,13 @@ one for its next pull.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import threading
 import time
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
+from pdserve.kvtransfer.auth import PayloadDigest, transfer_key
 from pdserve.kvtransfer.channel import CLOSE_ABORT_WAIT_S, PairGroup
 from pdserve.kvtransfer.handle import KVTransfer
 from pdserve.kvtransfer.payload import PayloadSource, load_copy_kernels, on_device, wire_view
@@ -44,33 +43,41 @@ from pdserve.kvtransfer.protocol import (
     ticket_key,
 )
 from pdserve.kvtransfer.staging import DEFAULT_STAGING_BYTES, StagingPool
+from pdserve.kvtransfer.store import RemoteStore
 
 _ABSENT = "\x00absent"  # never a ticket
 
 
 class _Peer:
-    """One decode worker as seen from here: a client of its store, the current group."""
+    """One decode worker as seen from here: an authenticated client of its store, the
+    current group."""
 
-    def __init__(self, address: str, prefix: str) -> None:
+    def __init__(self, address: str, decode_worker_id: str, prefix: str,
+                 kv_key: bytes) -> None:
         self.address = address
+        self.decode_worker_id = decode_worker_id
         self.prefix = prefix
         self.lock = threading.Lock()  # guards group making
-        self.store: dist.TCPStore | None = None
+        self.store: RemoteStore | None = None
         self.group: PairGroup | None = None
         self.group_key: tuple[str, int] | None = None
+        self._kv_key = kv_key
 
-    def connect(self, timeout_s: float) -> dist.TCPStore:
+    def connect(self, timeout_s: float) -> RemoteStore:
+        """The store client, connected (and the handshake done) within ``timeout_s``.
+        Raises RuntimeError (DistNetworkError, StoreAuthError) if it cannot be."""
         store = self.store
         if store is None:
             host, port = split_address(self.address)
-            store = dist.TCPStore(host, port, None, False, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
+            store = RemoteStore(host, port, self._kv_key, timeout_s)
             self.store = store
         return store
 
     def close(self) -> None:
         if self.group is not None:
             self.group.abort(wait_s=CLOSE_ABORT_WAIT_S)
+        if self.store is not None:
+            self.store.close()
         self.group, self.group_key, self.store = None, None, None
 
 
@@ -80,6 +87,8 @@ class KVSender:
 
     Args:
         worker_id: this prefill worker's id (the registry's).
+        kv_key: the cluster's KV key (``ClusterAuth.kv_key``): it proves this worker to
+            decode workers' stores and keys every payload's tag (``auth``).
         kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
             contiguous or over block-major storage (``ModelRunner``'s: then chunks of
             consecutive ids are sent in place); blocks are read from it.
@@ -98,10 +107,11 @@ class KVSender:
     """
 
     def __init__(self, worker_id: str, kv_cache: torch.Tensor, host: str = "127.0.0.1",
-                 *, timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
+                 *, kv_key: bytes, timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
                  staging_bytes: int = DEFAULT_STAGING_BYTES,
                  kv_scales: torch.Tensor | None = None) -> None:
         self.worker_id = worker_id
+        self._kv_key = kv_key
         self.geometry = KVGeometry.of(kv_cache, kv_scales)
         self.kv_cache = wire_view(kv_cache, kv_scales)  # what blocks are sent from
         load_copy_kernels(kv_cache)
@@ -194,7 +204,8 @@ class KVSender:
             if peer is None or peer.address != address:
                 if peer is not None:
                     peer.close()
-                peer = _Peer(address, pair_prefix(self.worker_id, decode_worker_id))
+                peer = _Peer(address, decode_worker_id,
+                             pair_prefix(self.worker_id, decode_worker_id), self._kv_key)
                 self._peers[decode_worker_id] = peer
             return peer
 
@@ -316,13 +327,16 @@ class KVSender:
         def make_header(seq: int) -> torch.Tensor:
             return Header(rid_hash, len(ids), self.geometry, seq).encode()
 
+        digest = PayloadDigest(transfer_key(self._kv_key, self.worker_id, peer.decode_worker_id,
+                                            transfer.request_id, ticket))
+
         sent = False
         try:
             with on_device(self.kv_cache):
                 source = PayloadSource(self.kv_cache, ids, self.geometry, list(ticket.chunks),
                                        group.device_payload, self.staging)
                 try:
-                    num_bytes = group.send(make_header, source, ticket.tag, deadline)
+                    num_bytes = group.send(make_header, source, ticket.tag, deadline, digest)
                     sent = True
                 finally:  # NOTE: after a failed send gloo may still read the ring
                     source.release(reusable=sent)
@@ -330,7 +344,7 @@ class KVSender:
             group.abort()
             gen = ticket.generation
             # NOTE: only over a store connection already made: a decode worker that died
-            # refuses new ones, and TCPStore retries those until its timeout, which would
+            # refuses new ones, and reconnecting waits up to the timeout, which would
             # hold this failed send (and its blocks) that long
             store = peer.store
             with contextlib.suppress(RuntimeError):  # the decode side sees the closed group

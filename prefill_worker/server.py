@@ -91,7 +91,7 @@ class PrefillWorker(Worker):
         engine = await asyncio.to_thread(self.runtime.build_engine)
         runner = engine.engine.model_runner
         cache = runner.transfer_cache()  # NOTE: every rank's heads under TP
-        sender = KVSender(self.worker_id, cache,
+        sender = KVSender(self.worker_id, cache, kv_key=self.config.kv_key,
                           kv_scales=runner.kv_scales if cache is runner.kv_cache else None,
                           host=self.config.kv_host, timeout_s=self.config.kv_transfer_timeout_s,
                           connect_timeout_s=self.config.kv_connect_timeout_s)

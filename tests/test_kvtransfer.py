@@ -6,6 +6,7 @@ spawned child processes driven over a pipe.
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import os
 import threading
@@ -18,6 +19,8 @@ from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender, KVTransferErro
 from pdserve.kvtransfer.protocol import KVGeometry, Ticket
 from pdserve.kvtransfer.staging import StagingPool, size_class
 from pdserve.kvtransfer.threads import TransferThreads
+
+KV_KEY = hashlib.sha256(b"pdserve test cluster: kv").digest()  # both processes
 
 NUM_BLOCKS = 16
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -69,7 +72,7 @@ def _prefill_main(conn, senders: dict[str, tuple[str, str]], stall_s: float) -> 
                 time.sleep(stall_s)
             return super().chunk(c)
 
-    by_id = {wid: KVSender(wid, make_cache(DTYPES[name], 7, layout), timeout_s=10,
+    by_id = {wid: KVSender(wid, make_cache(DTYPES[name], 7, layout), kv_key=KV_KEY, timeout_s=10,
                            connect_timeout_s=10)
              for wid, (name, layout) in senders.items()}
     conn.send("ready")
@@ -132,7 +135,7 @@ def receivers():
     layouts = {"f32": "block", "bf16": "layer"}
     made = {name: KVReceiver(f"decode-{name}", make_cache(dtype, None, layouts[name]),
                              "127.0.0.1:0",
-                             timeout_s=10, connect_timeout_s=10)
+                             kv_key=KV_KEY, timeout_s=10, connect_timeout_s=10)
             for name, dtype in DTYPES.items()}
     yield made
     for receiver in made.values():
@@ -402,40 +405,60 @@ def test_chunk_plans_and_their_ticket_encoding():
         assert payload.plan_chunks(layer, [5, 2, 3], geometry) == [1, 1, 1]
     finally:
         payload.BLOCK_MESSAGE_BYTES = original
-    ticket = Ticket("abc", 2, 5, 10, geometry, (3, 1, 2, 3, 1))
-    # geometry: layers, block size, kv heads, head dim, dtype code, scales offset (none),
-    # block bytes
-    assert ticket.encode() == "abc 2 5 10 2 4 2 8 1 0 1024 3 1 2 3 1"
+    nonce = "0123456789abcdef" * 2
+    ticket = Ticket("abc", 2, 5, 10, geometry, (3, 1, 2, 3, 1), nonce)
+    # incarnation, nonce, generation, tag, blocks; geometry: layers, block size, kv heads,
+    # head dim, dtype code, scales offset (none), block bytes; chunks
+    assert ticket.encode() == f"abc {nonce} 2 5 10 2 4 2 8 1 0 1024 3 1 2 3 1"
     assert Ticket.decode(ticket.encode()) == ticket
-    many = Ticket("abc", 2, 5, 1030, geometry, (3,) * 300 + (1,) * 130)
+    many = Ticket("abc", 2, 5, 1030, geometry, (3,) * 300 + (1,) * 130, nonce)
     assert many.encode().endswith(" 3*300 1*130") and Ticket.decode(many.encode()) == many
-    for bad in ("abc 2 5 10 2 4 2 8 1 0 1024 3 3", "abc 2 5 10 2 4 2 8 1 0 1024 10 0",
-                "abc 2 5 10 2 4 2 8 1 0 1024"):
+    for bad in ("3 3", "10 0", ""):
         with pytest.raises(ValueError, match="do not cut 10 blocks"):
-            Ticket.decode(bad)
+            Ticket.decode(f"abc {nonce} 2 5 10 2 4 2 8 1 0 1024 {bad}")
+    for nonce in ("", "abc", "0123456789ABCDEF" * 2):  # NOTE: a pull's tag key needs one
+        with pytest.raises(ValueError, match="nonce"):
+            Ticket("abc", 2, 5, 10, geometry, (10,), nonce)
+
+
+def _pair_groups(name: str):
+    """Both ranks of a real 2-rank gloo pair group in this process, rendezvoused through
+    an authenticated KV store; and the store's server (close it)."""
+    from pdserve.kvtransfer.channel import PairGroup
+    from pdserve.kvtransfer.store import KVStoreServer, RemoteStore
+
+    server = KVStoreServer("127.0.0.1", 0, KV_KEY, timeout_s=10)
+    stores = {0: RemoteStore("127.0.0.1", server.port, KV_KEY, 10), 1: server.local()}
+    groups: dict = {}
+    makers = [threading.Thread(target=lambda r=r: groups.__setitem__(r, PairGroup.make(
+        stores[r], name, r, "127.0.0.1", torch.device("cpu"), 10))) for r in (0, 1)]
+    for thread in makers:
+        thread.start()
+    for thread in makers:
+        thread.join(15)
+    return groups, server
+
+
+def _send_in_thread(group, source, ids, geometry, tag, deadline, digest) -> list:
+    from pdserve.kvtransfer.protocol import Header
+
+    sent: list = []
+    thread = threading.Thread(target=lambda: sent.append(group.send(
+        lambda seq: Header(1, len(ids), geometry, seq).encode(), source, tag, deadline,
+        digest)))
+    thread.start()
+    return [thread, sent]
 
 
 def test_a_drained_payload_of_more_chunks_than_ring_slots_is_received_whole():
     """A pull cancelled after its sender claimed it, with no receives posted early,
     receives the payload into its ring and discards it: every chunk, re-posting as slots
-    free (6 chunks, 2 slots), on a real 2-rank gloo group in this process."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from pdserve.kvtransfer.channel import PairGroup
+    free (6 chunks, 2 slots), and the payload's tag, on a real 2-rank gloo group in this
+    process."""
+    from pdserve.kvtransfer.auth import PayloadDigest
     from pdserve.kvtransfer.protocol import Header
 
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=10))
-    groups: dict[int, PairGroup] = {}
-    makers = [threading.Thread(target=lambda r=r: groups.__setitem__(r, PairGroup.make(
-        store if r else store.clone(), "drain-test", r, "127.0.0.1", torch.device("cpu"), 10)))
-        for r in (0, 1)]
-    for thread in makers:
-        thread.start()
-    for thread in makers:
-        thread.join(15)
+    groups, server = _pair_groups("drain-test")
     source_cache = make_cache(torch.float32, 7, "block")
     geometry = KVGeometry.of(source_cache)
     ids = list(range(NUM_BLOCKS))[::-1]  # 16 blocks of 1 KiB, 3 per chunk
@@ -444,17 +467,53 @@ def test_a_drained_payload_of_more_chunks_than_ring_slots_is_received_whole():
     receiving = make_cache(torch.float32, None)
     sink = payload.PayloadSink(receiving, ids, geometry, sizes, False, drain=True)
     deadline = time.monotonic() + 10
-    sent = []
-    sender = threading.Thread(target=lambda: sent.append(groups[0].send(
-        lambda seq: Header(1, len(ids), geometry, seq).encode(),
-        payload.PayloadSource(source_cache, ids, geometry, sizes, False), 5, deadline)))
-    sender.start()
+    thread, sent = _send_in_thread(
+        groups[0], payload.PayloadSource(source_cache, ids, geometry, sizes, False), ids,
+        geometry, 5, deadline, PayloadDigest(b"k" * 32))
     groups[1].recv(sink, 5, deadline, lambda header: Header.decode(header).seq)
-    sender.join(10)
+    thread.join(10)
     assert sent == [NUM_BLOCKS * geometry.block_bytes]
     assert not receiving.any()  # drained, not written
     for group in groups.values():
         group.abort()
+    server.close()
+
+
+@pytest.mark.parametrize("layout", ["block", "layer"])
+def test_a_payload_whose_tag_is_not_its_senders_is_refused(layout):
+    """The receiver computes the payload's Poly1305 tag as chunks land and compares it
+    with the sender's: the same key passes (bytes equal); bytes tagged under another key
+    (someone without the cluster secret) fail the pull however they arrived (in place, or
+    through the staging ring)."""
+    from pdserve.kvtransfer.auth import PayloadDigest
+    from pdserve.kvtransfer.protocol import Header
+
+    groups, server = _pair_groups(f"tag-test-{layout}")
+    source_cache = make_cache(torch.float32, 7, layout)
+    geometry = KVGeometry.of(source_cache)
+    ids = [3, 4, 5, 9, 1]
+    for tag, sender_key, ok in ((5, b"k" * 32, True), (6, b"x" * 32, False)):
+        receiving = make_cache(torch.float32, None, layout)
+        sizes = payload.plan_chunks(receiving, ids, geometry)
+        sink = payload.PayloadSink(receiving, ids, geometry, sizes, False)
+        deadline = time.monotonic() + 10
+        thread, sent = _send_in_thread(
+            groups[0], payload.PayloadSource(source_cache, ids, geometry, sizes, False), ids,
+            geometry, tag, deadline, PayloadDigest(sender_key))
+        check = PayloadDigest(b"k" * 32)
+        if ok:
+            groups[1].recv(sink, tag, deadline, lambda h: Header.decode(h).seq, digest=check)
+            sink.finish()
+            assert torch.equal(receiving[:, :, ids], source_cache[:, :, ids])
+        else:
+            with pytest.raises(KVTransferError, match="tag is not its sender's"):
+                groups[1].recv(sink, tag, deadline, lambda h: Header.decode(h).seq,
+                               digest=check)
+        thread.join(10)
+        assert sent == [len(ids) * geometry.block_bytes]
+    for group in groups.values():
+        group.abort()
+    server.close()
 
 
 def test_a_failed_pull_gives_back_its_staging_buffer_and_drops_it(receivers, prefill):

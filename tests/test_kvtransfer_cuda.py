@@ -9,6 +9,7 @@ a spawned child driven over a pipe.
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import os
 import threading
@@ -18,6 +19,8 @@ import pytest
 import torch
 
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender, KVTransferError
+
+KV_KEY = hashlib.sha256(b"pdserve test cluster: kv").digest()  # both processes
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -74,7 +77,8 @@ def _sender_main(conn, worker_id: str, host_id: str, stall_s: float) -> None:
 
     make_nccl = channel_module._make_nccl
     channel_module._make_nccl = lambda *args: StallingSends(make_nccl(*args))
-    sender = KVSender(worker_id, make_cuda_cache(7), timeout_s=20, connect_timeout_s=20)
+    sender = KVSender(worker_id, make_cuda_cache(7),
+                      kv_key=KV_KEY, timeout_s=20, connect_timeout_s=20)
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
         rid, decode_id, address, block_ids, timeout_s = cmd
@@ -124,7 +128,8 @@ class SenderProcess:
 def receiver():
     os.environ["NCCL_HOSTID"] = DECODE_HOST_ID
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    made = KVReceiver("decode-cuda", make_cuda_cache(None), "127.0.0.1:0", timeout_s=20,
+    made = KVReceiver("decode-cuda", make_cuda_cache(None), "127.0.0.1:0",
+                      kv_key=KV_KEY, timeout_s=20,
                       connect_timeout_s=60)
     yield made
     made.close()

@@ -5,6 +5,7 @@ naming both, within a few seconds."""
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import time
 
@@ -14,6 +15,8 @@ import torch
 from pdserve.engine.kv_cache_layout import KVCacheLayout
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender, KVTransferError, payload
 from pdserve.kvtransfer.protocol import KVGeometry
+
+KV_KEY = hashlib.sha256(b"pdserve test cluster: kv").digest()  # both processes
 
 NUM_BLOCKS = 16
 CHUNK_BYTES = 2 * 1024  # several chunks per payload, so rings are reused
@@ -41,7 +44,8 @@ def _prefill_main(conn) -> None:
     senders = {}
     for worker_id, name in SENDERS.items():
         kv_cache, kv_scales = make_cache(name, 7)
-        senders[worker_id] = KVSender(worker_id, kv_cache, kv_scales=kv_scales, timeout_s=10,
+        senders[worker_id] = KVSender(worker_id, kv_cache,
+                                      kv_key=KV_KEY, kv_scales=kv_scales, timeout_s=10,
                                       connect_timeout_s=10)
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
@@ -72,7 +76,8 @@ def receivers():
     made = {}
     for name in ("int8", "bf16"):
         kv_cache, kv_scales = make_cache(name, None)
-        made[name] = KVReceiver(f"decode-{name}", kv_cache, kv_scales=kv_scales, timeout_s=10,
+        made[name] = KVReceiver(f"decode-{name}", kv_cache,
+                                kv_key=KV_KEY, kv_scales=kv_scales, timeout_s=10,
                                 connect_timeout_s=10)
     yield made
     for receiver in made.values():

@@ -9,6 +9,7 @@ processes of their own), real Redis, gRPC and gloo over 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
 import signal
@@ -32,6 +33,8 @@ from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender, KVTransferErro
 from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.router.http import build_app
 from pdserve.router.service import Router, RouterConfig
+
+KV_KEY = hashlib.sha256(b"pdserve test cluster: kv").digest()  # both processes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 # layers * (K, V) * block_size * kv heads * head dim * fp32: every head moves, whatever
@@ -152,8 +155,9 @@ def test_a_layout_that_cannot_be_served_is_refused_within_5_s():
     sender_shards = KVShards([KVShard(torch.zeros(2, 2, 8, 16, 1, 16), 0),
                               KVShard(torch.zeros(2, 2, 8, 16, 1, 16), 1)])
     receiver = KVReceiver("decode-4-heads", torch.zeros(2, 2, 8, 16, 4, 16), "127.0.0.1:0",
-                          timeout_s=5.0, connect_timeout_s=5.0)
-    sender = KVSender("prefill-tp2", sender_shards, timeout_s=5.0, connect_timeout_s=5.0)
+                          kv_key=KV_KEY, timeout_s=5.0, connect_timeout_s=5.0)
+    sender = KVSender("prefill-tp2", sender_shards,
+                      kv_key=KV_KEY, timeout_s=5.0, connect_timeout_s=5.0)
     try:
         pull = receiver.init("r", "prefill-tp2", [0, 1])
         started = time.monotonic()
