@@ -30,7 +30,10 @@ are in place (pair: the pull's SUCCESS). Each pair transfer follows a plain one,
 two see the same drift in this machine's speed. Printed: the KV dtype and bytes per token
 (a block's bytes, scales included, over its tokens), GB/s of the median of ``--reps``
 runs, the ratio of the medians pair / plain, and in brackets the lowest and highest ratio
-of a pair transfer to the plain one just before it. Run:
+of a pair transfer to the plain one just before it. Every pair transfer is also run again
+right after, on the same blocks, without its Poly1305 tags (``kvtransfer/auth.py``; a
+stand-in digest that computes and checks nothing, in both processes): the "tags" line is
+pair throughput with tags over without (medians). Run:
 ``python benchmarks/kv_transfer.py --kv-cache-dtype auto --kv-cache-dtype int8``.
 
 ``--device cuda`` puts both caches on the GPU (both processes on GPU 0: two CUDA
@@ -58,6 +61,9 @@ import torch.distributed as dist
 from pdserve.engine.kv_cache_layout import KVCacheLayout
 from pdserve.kernels.kv_quant import KV_CACHE_DTYPE_NAMES, kv_cache_torch_dtype
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender
+from pdserve.kvtransfer import receiver as kv_receiver
+from pdserve.kvtransfer import sender as kv_sender
+from pdserve.kvtransfer.auth import TRAILER_NUMEL, PayloadDigest
 from pdserve.kvtransfer.payload import wire_view
 
 KV_KEY = hashlib.sha256(b"pdserve test cluster: kv").digest()  # both processes
@@ -133,6 +139,30 @@ def plain_group(address: str, rank: int, device: str = "cpu"):
     return dist.ProcessGroupGloo(dist.PrefixStore("bench/plain", store), rank, 2, opts)
 
 
+class _UntaggedDigest:
+    """What the pair transfer costs without its Poly1305 tags (``kvtransfer/auth.py``):
+    the same messages (an all-zero tag), nothing computed or checked. Only for this
+    benchmark's "untagged" runs; the KV path has no such mode."""
+
+    def __init__(self, key: bytes) -> None:
+        pass
+
+    def update(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def trailer(self) -> torch.Tensor:
+        return torch.zeros(TRAILER_NUMEL, dtype=torch.int64)
+
+    def verify(self, trailer: torch.Tensor) -> bool:
+        return True
+
+
+def set_tags(tagged: bool) -> None:
+    """Tag payloads (the KV path as it is) or not (``_UntaggedDigest``), in this process."""
+    digest = PayloadDigest if tagged else _UntaggedDigest
+    kv_sender.PayloadDigest = kv_receiver.PayloadDigest = digest
+
+
 def prefill_main(conn, geometry: str, num_blocks: int, plain_address: str,
                  threads: int, device: str = "cpu", kv_cache_dtype: str = "auto") -> None:
     """The sending process: answers ("pair", rid, decode_id, address, ids, timeout_s,
@@ -147,6 +177,8 @@ def prefill_main(conn, geometry: str, num_blocks: int, plain_address: str,
         if cmd[0] == "plain":
             group.send([leading_bytes(cache, cmd[1])], 1, 0).wait()
             finish(device)
+        elif cmd[0] == "tags":
+            set_tags(cmd[1])
         else:
             sender.send(*cmd[1:])
         conn.send("done")
@@ -164,7 +196,11 @@ def time_plain(conn, group, payload: torch.Tensor) -> float:
     return elapsed
 
 
-def time_pair(conn, receiver: KVReceiver, rid: str, src: list[int], dst: list[int]) -> float:
+def time_pair(conn, receiver: KVReceiver, rid: str, src: list[int], dst: list[int],
+              tagged: bool = True) -> float:
+    set_tags(tagged)
+    conn.send(("tags", tagged))
+    conn.recv()
     start = time.perf_counter()
     pull = receiver.init(rid, "bench-prefill", dst, timeout_s=120)
     # NOTE: with the ticket, as the decode worker's SendKV passes it
@@ -208,6 +244,7 @@ def run(geometry: str, reps: int, threads: int,
         n = tokens // BLOCK_SIZE
         num_bytes = n * receiver.geometry.block_bytes
         times: dict[str, list[float]] = {k: [] for k in ("plain", *LAYOUTS)}
+        untagged: dict[str, list[float]] = {k: [] for k in LAYOUTS}
         for rep in range(reps + 1):  # NOTE: the first round warms up and is dropped
             for layout in LAYOUTS:
                 # NOTE: a plain transfer just before each pair transfer, for its ratio
@@ -217,6 +254,9 @@ def run(geometry: str, reps: int, threads: int,
                                 gen)
                 times[layout].append(time_pair(conn, receiver, f"{tokens}-{layout}-{rep}",
                                                src, dst))
+                # NOTE: the same blocks again without tags, for the tags' cost
+                untagged[layout].append(time_pair(conn, receiver, f"{tokens}-{layout}-{rep}u",
+                                                  src, dst, tagged=False))
         row = {"geometry": geometry, "kv_cache_dtype": kv_cache_dtype, "tokens": tokens,
                "blocks": n, "bytes": num_bytes, "bytes_per_token": num_bytes / tokens,
                "plain_gbps": num_bytes / statistics.median(times["plain"][len(LAYOUTS):]) / 1e9}
@@ -227,6 +267,9 @@ def run(geometry: str, reps: int, threads: int,
             row[f"{layout}_gbps"] = num_bytes / statistics.median(pair) / 1e9
             row[f"{layout}_ratio"] = row[f"{layout}_gbps"] / row["plain_gbps"]
             row[f"{layout}_ratio_range"] = (ratios[0], ratios[-1])
+            # NOTE: throughput with tags / without: time without / time with
+            row[f"{layout}_tagged_ratio"] = (statistics.median(untagged[layout][1:])
+                                             / statistics.median(pair))
         rows.append(row)
     conn.send(None)
     child.join(30)
@@ -260,7 +303,8 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()}: both processes on GPU 0, NCCL "
               "(distinct NCCL_HOSTID: its network transport)")
     print("GB/s: median of the timed runs; ratio: pair / plain of the medians (lowest-highest "
-          "of each pair run against the plain run before it)")
+          "of each pair run against the plain run before it); tags: pair throughput with "
+          "its Poly1305 tags / without (medians; the same blocks right after)")
     print(f"{'geometry':>10} {'kv':>8} {'B/token':>7} {'prompt':>6} {'MiB':>6} {'plain':>6}"
           + "".join(f" {layout:>11} {'ratio':>15}" for layout in LAYOUTS))
     for geometry in args.geometry or GEOMETRIES:
@@ -275,6 +319,9 @@ def main() -> None:
                     line += (f" {r[f'{layout}_gbps']:>11.2f} {r[f'{layout}_ratio']:>5.2f} "
                              f"({low:.2f}-{high:.2f})")
                 print(line, flush=True)
+                print(f"{'':>10} {'':>8} {'':>7} {'':>6} {'':>6} {'tags':>6}" + "".join(
+                    f" {'':>11} {r[f'{layout}_tagged_ratio']:>5.2f} {'':>9}"
+                    for layout in LAYOUTS), flush=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ def test_kv_transfer_benchmark_moves_every_layout_and_reports_ratios(monkeypatch
                 row[f"{layout}_gbps"] / row["plain_gbps"])
             low, high = row[f"{layout}_ratio_range"]
             assert 0 < low <= high
+            assert row[f"{layout}_tagged_ratio"] > 0  # the tags' cost, measured beside
 
 
 def test_kv_transfer_benchmark_moves_int8_caches_at_half_the_bytes_a_token(monkeypatch):
