@@ -31,7 +31,7 @@ two see the same drift in this machine's speed. Printed: the KV dtype and bytes 
 (a block's bytes, scales included, over its tokens), GB/s of the median of ``--reps``
 runs, the ratio of the medians pair / plain, and in brackets the lowest and highest ratio
 of a pair transfer to the plain one just before it. Every pair transfer is also run again
-right after, on the same blocks, without its Poly1305 tags (``kvtransfer/auth.py``; a
+right after, on the same blocks, without its GMAC tags (``kvtransfer/auth.py``; a
 stand-in digest that computes and checks nothing, in both processes): the "tags" line is
 pair throughput with tags over without (medians). Run:
 ``python benchmarks/kv_transfer.py --kv-cache-dtype auto --kv-cache-dtype int8``.
@@ -140,7 +140,7 @@ def plain_group(address: str, rank: int, device: str = "cpu"):
 
 
 class _UntaggedDigest:
-    """What the pair transfer costs without its Poly1305 tags (``kvtransfer/auth.py``):
+    """What the pair transfer costs without its GMAC tags (``kvtransfer/auth.py``):
     the same messages (an all-zero tag), nothing computed or checked. Only for this
     benchmark's "untagged" runs; the KV path has no such mode."""
 
@@ -304,7 +304,7 @@ def main() -> None:
               "(distinct NCCL_HOSTID: its network transport)")
     print("GB/s: median of the timed runs; ratio: pair / plain of the medians (lowest-highest "
           "of each pair run against the plain run before it); tags: pair throughput with "
-          "its Poly1305 tags / without (medians; the same blocks right after)")
+          "its GMAC tags / without (medians; the same blocks right after)")
     print(f"{'geometry':>10} {'kv':>8} {'B/token':>7} {'prompt':>6} {'MiB':>6} {'plain':>6}"
           + "".join(f" {layout:>11} {'ratio':>15}" for layout in LAYOUTS))
     for geometry in args.geometry or GEOMETRIES:

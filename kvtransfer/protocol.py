@@ -31,7 +31,7 @@ import torch
 
 HEADER_NUMEL = 16
 _MAGIC = 0x70645F6B76  # "pd_kv"
-# 4: a Poly1305 tag after the payload (kvtransfer/auth.py); 3: geometry with scales and
+# 4: a GMAC tag after the payload (kvtransfer/auth.py); 3: geometry with scales and
 # block bytes; 2: block-major chunks; 1: planes
 _VERSION = 4
 

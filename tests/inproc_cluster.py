@@ -16,6 +16,7 @@ from typing import Any
 
 import openai
 
+from pdserve.cluster.auth import ClusterAuth
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
 from pdserve.engine import LLM, EngineConfig, SamplingParams
@@ -78,12 +79,13 @@ def in_process_cluster(folder: Path, max_model_len: int, *, model: Path | None =
                        oracle: LLM | None = None, num_gpu_blocks: int = 64,
                        http_timeouts: HTTPTimeouts | None = None,
                        prefill_engine: dict | None = None, decode_engine: dict | None = None,
-                       **router_kwargs) -> Iterator[Cluster]:
+                       auth: ClusterAuth | None = None, **router_kwargs) -> Iterator[Cluster]:
     """The cluster on ``model`` (default: the demo model, written under ``folder``), each
     worker with ``num_gpu_blocks`` KV blocks; ``oracle`` (default: a new ``LLM``) is the
     offline engine to compare with; ``http_timeouts`` go to ``build_app``;
     ``prefill_engine`` / ``decode_engine``: ``EngineConfig`` fields that differ in that
-    worker (e.g. ``kv_cache_dtype``); ``router_kwargs`` go to ``RouterConfig``."""
+    worker (e.g. ``kv_cache_dtype``); ``auth``: the cluster's secret (default: none,
+    no authentication anywhere); ``router_kwargs`` go to ``RouterConfig``."""
     model = model or make_demo_model(folder / "demo")
     engine = EngineConfig(str(model), dtype="float32", max_model_len=max_model_len,
                           load_progress=False, num_gpu_blocks_override=num_gpu_blocks,
@@ -98,14 +100,14 @@ def in_process_cluster(folder: Path, max_model_len: int, *, model: Path | None =
     with RedisServer() as redis:
         prefill = PrefillWorker(WorkerConfig(
             "prefill", dataclasses.replace(engine, **(prefill_engine or {})),
-            redis_url=redis.url, kv_transfer_timeout_s=10.0))
+            redis_url=redis.url, kv_transfer_timeout_s=10.0, auth=auth))
         decode = DecodeWorker(WorkerConfig(
             "decode", dataclasses.replace(engine, **(decode_engine or {})),
-            redis_url=redis.url, kv_transfer_timeout_s=10.0))
+            redis_url=redis.url, kv_transfer_timeout_s=10.0, auth=auth))
         call(prefill.start())
         call(decode.start())
         router = Router(RouterConfig(str(model), redis.url, max_model_len=max_model_len,
-                                     **router_kwargs))
+                                     auth=auth, **router_kwargs))
         port = free_port()
         app = build_app(router, http_timeouts=http_timeouts)
         server = uvicorn_server(app, port)

@@ -481,7 +481,7 @@ def test_a_drained_payload_of_more_chunks_than_ring_slots_is_received_whole():
 
 @pytest.mark.parametrize("layout", ["block", "layer"])
 def test_a_payload_whose_tag_is_not_its_senders_is_refused(layout):
-    """The receiver computes the payload's Poly1305 tag as chunks land and compares it
+    """The receiver computes the payload's GMAC tag as chunks land and compares it
     with the sender's: the same key passes (bytes equal); bytes tagged under another key
     (someone without the cluster secret) fail the pull however they arrived (in place, or
     through the staging ring)."""
