@@ -2,8 +2,10 @@
 own and those of the local Ray it starts, binds a loopback address.
 
 pdserve's own listeners: the router's HTTP (``--port``) and gRPC (``--grpc-port``), the
-private Redis, each worker's gRPC, and the KV transfer's: the decode worker's TCPStore and
-both ends' gloo (made by the first remote prefill, so the test sends one). Ray's: the GCS,
+private Redis, each worker's gRPC, and the KV transfer's: the decode worker's KV store and
+both ends' gloo pair channel (made by the first remote prefill, so the test sends one).
+The workers' gRPC servers and the KV store must also refuse a client without the cluster
+secret (the store: a ``TCPStore`` client, and a pdserve store client with another key). Ray's: the GCS,
 the raylet (node manager, object manager), every core worker (the driver's, the actors',
 idle workers'), the dashboard agent, runtime-env agent, and the metrics exporters of the
 dashboard head and the autoscaler monitor. Ray binds all of these to loopback once its node
@@ -44,7 +46,7 @@ from pdserve.entrypoints.launcher import node_ip_for
 from pdserve.entrypoints.redis_server import free_port
 
 START_TIMEOUT_S = 150
-READY = re.compile(r"(prefill|decode) worker \d+/\d+ ready \(gRPC \S+:(\d+), KV \S+, "
+READY = re.compile(r"(prefill|decode) worker \d+/\d+ ready \(gRPC \S+:(\d+), KV (\S+), "
                    r"metrics \S+:(\d+), id \S+-(\d+), node \w+\)")
 RAY_GRPC_LOG = re.compile(r"^\[\S+ \S+ \w (\d+) \d+\].* (\w+) server started, "
                           r"listening on port (\d+)\.", re.MULTILINE)
@@ -150,12 +152,53 @@ def classify(listener: Listener, router_ports: dict[int, str], worker_ports: dic
     elif (pid, port) in ray or (None, port) in ray:
         owner, purpose = "ray", ray.get((pid, port)) or ray[None, port]
     elif pid in worker_pids:
-        ends = "TCPStore, gloo" if worker_pids[pid] == "decode" else "gloo"
-        owner, purpose = "pdserve", f"{worker_pids[pid]} KV transfer ({ends})"
+        owner, purpose = "pdserve", f"{worker_pids[pid]} KV transfer (gloo pair channel)"
     else:
         owner, purpose = "ray", RAY_PROCESSES.get(listener.process, "unknown")
     return Listener(pid, listener.process, listener.transport, listener.ip, port, owner,
                     purpose)
+
+
+def probe_unauthenticated(ready: list[tuple[str, ...]]) -> dict[str, str]:
+    """Call each worker's gRPC server (``Health``) with no cluster credentials, and the
+    decode worker's KV store as a ``TCPStore`` client and as a pdserve store client with
+    another cluster's key: what each answered."""
+    import datetime
+
+    import grpc
+    import torch.distributed as dist
+
+    from pdserve.kvtransfer.store import RemoteStore, StoreAuthError
+    from pdserve.proto import common_pb2
+
+    answers = {}
+    for role, grpc_port, kv, _, _ in ready:
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        service = "PrefillWorker" if role == "prefill" else "DecodeWorker"
+        health = channel.unary_unary(f"/pdserve.v1.{service}/Health",
+                                     request_serializer=common_pb2.HealthRequest.SerializeToString,
+                                     response_deserializer=common_pb2.HealthResponse.FromString)
+        try:
+            health(common_pb2.HealthRequest(), timeout=10)
+            answers[f"{role} worker gRPC"] = "OK"
+        except grpc.RpcError as exc:
+            answers[f"{role} worker gRPC"] = exc.code().name
+        channel.close()
+        if role == "decode":
+            host, _, port = kv.rpartition(":")
+            try:
+                dist.TCPStore(host, int(port), None, False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=2)).set("pdkv/x", "1")
+                answers["decode worker KV store"] = "a TCPStore client got in"
+                continue
+            except (RuntimeError, OSError):
+                pass
+            try:
+                RemoteStore(host, int(port), b"another cluster".ljust(32), 5).set("x", "1")
+                answers["decode worker KV store"] = "another key got in"
+            except StoreAuthError:
+                answers["decode worker KV store"] = "refused a TCPStore client and another key"
+    return answers
 
 
 @pytest.fixture(scope="module")
@@ -170,16 +213,20 @@ def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monke
     port, grpc_port = free_port(), free_port()
     proc = start_serve(model, log_path, mark, "--port", str(port), "--grpc-port",
                        str(grpc_port), "--served-model-name", "demo",
-                       "--local-prefill-threshold", "0")  # every prompt is prefilled remotely
+                       "--local-prefill-threshold", "0",  # every prompt is prefilled remotely
+                       "--disaggregation", "always")
     try:
         log = wait_for_line(proc, log_path, "pdserve serving", START_TIMEOUT_S)
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                           json={"model": "demo", "prompt": "The KV cache", "max_tokens": 2})
+                           json={"model": "demo", "prompt": "The KV cache moves. " * 4,
+                                 "max_tokens": 2})  # NOTE: whole blocks to move
         assert reply.status_code == 200, reply.text
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         procs = list({p.pid: p for p in [*tree, *marked(mark)]}.values())
         ray_known = ray_ports(procs)
         listeners = sockets_of(procs, proc.pid)
+        ready = READY.findall(log)
+        refusals = probe_unauthenticated(ready)
         proc.send_signal(signal.SIGINT)
         status = proc.wait(timeout=60)
         left = wait_none_marked(mark, timeout_s=20)
@@ -189,10 +236,11 @@ def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monke
             proc.wait(timeout=10)
         kill_marked(mark)
 
-    ready = READY.findall(log)
-    worker_ports = {int(port): f"{role} worker gRPC" for role, port, _, _ in ready}
-    worker_ports.update({int(port): f"{role} worker metrics" for role, _, port, _ in ready})
-    worker_pids = {int(pid): role for role, _, _, pid in ready}
+    worker_ports = {int(port): f"{role} worker gRPC" for role, port, _, _, _ in ready}
+    worker_ports.update({int(port): f"{role} worker metrics" for role, _, _, port, _ in ready})
+    worker_ports.update({int(kv.rpartition(":")[2]): "decode worker KV store"
+                         for role, _, kv, _, _ in ready if role == "decode"})
+    worker_pids = {int(pid): role for role, _, _, _, pid in ready}
     router_ports = {port: "router HTTP", grpc_port: "router gRPC"}
     found = [classify(listener, router_ports, worker_ports, worker_pids, ray_known)
              for listener in listeners]
@@ -208,7 +256,12 @@ def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monke
             ("raylet", "NodeManager gRPC"), ("raylet", "ObjectManager gRPC"),
             ("pdserve", "driver gRPC")} <= purposes, table
     assert len(worker_pids) == 2, log
-    assert any(f.purpose == "decode KV transfer (TCPStore, gloo)" for f in found), table
+    assert ("ray::WorkerActor", "decode worker KV store") in purposes, table
+    assert any(f.purpose == "decode KV transfer (gloo pair channel)" for f in found), table
+    # each of pdserve's workers' listeners refuses a client without the cluster secret
+    assert refusals == {"prefill worker gRPC": "UNAUTHENTICATED",
+                        "decode worker gRPC": "UNAUTHENTICATED",
+                        "decode worker KV store": "refused a TCPStore client and another key"}
     wide = "\n".join(str(f) for f in found if not is_loopback(f.ip))
     assert not wide, f"listeners beyond loopback:\n{wide}\nall:\n{table}"
     assert status == 0 and left == []
