@@ -38,7 +38,7 @@ class WorkerConfig:
     """One worker. Addresses are ``host:port`` (port 0 takes a free one); times in seconds.
 
     ``kv_host`` is the address the KV channel binds and advertises (the decode worker's
-    TCPStore, gloo's sockets); it must be reachable from the other pool.
+    KV store, gloo's sockets); it must be reachable from the other pool.
     ``advertise_host`` is the gRPC address written to the registry when ``host`` is a
     wildcard such as ``0.0.0.0`` (default: ``host``).
     ``auth``: the cluster secret (and mutual TLS) every RPC to and from this worker and

@@ -1,8 +1,10 @@
 """Moving KV blocks between a prefill worker and a decode worker (docs/architecture.md, KV transfer).
 
 Each (prefill, decode) pair gets a 2-rank channel, made without a global
-``init_process_group`` from a ``TCPStore`` that the decode worker hosts at its KV
-address, on first use, and cached. The decode side pulls:
+``init_process_group`` from the store that the decode worker hosts at its KV address
+(``store.KVStoreServer``: it answers only clients that prove the cluster secret), on
+first use, and cached. Every payload carries a tag the receiver checks before the pull
+may succeed (``auth``). The decode side pulls:
 
     pull = receiver.init(request_id, prefill_worker_id, local_block_ids)   # BOOTSTRAPPING
     # ... gRPC SendKV to the prefill worker, which calls:

@@ -1,6 +1,7 @@
 """A pair channel's process group: 2 ranks, made from a store, no global init.
 
-Rank 0 is the prefill worker, rank 1 the decode worker, which hosts the ``TCPStore``.
+Rank 0 is the prefill worker, rank 1 the decode worker, which hosts the store
+(``store.KVStoreServer``). Over gloo a payload ends with its GMAC tag (``auth``).
 Headers always go over gloo, tagged per transfer, so transfers on one pair may overlap.
 Payloads go over NCCL when both ends are on distinct CUDA devices, else over gloo.
 
@@ -14,7 +15,7 @@ the transfer's deadline, and a group whose op is past it is aborted like a gloo 
 NCCL group's own timeout is longer than any transfer's, and its watchdog is told not to
 end the process on an error (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` unless the operator set
 it): a failed pair costs one pull, never the worker. Nor does it reach other pairs: every
-pair of a decode worker shares its ``TCPStore``, and ``ProcessGroupNCCL`` writes a failed
+pair of a decode worker shares its store, and ``ProcessGroupNCCL`` writes a failed
 op's flight-recorder dump signal under the store's root key, which every other NCCL group
 on that store (other prefill workers', a restarted one's) polls, dumps on and then ends
 its process for; and the flight recorder's watchdog takes the GIL to print a failed op's
@@ -161,7 +162,7 @@ class PairGroup:
 
         Args:
             store: a client of the decode worker's store that this call may block
-                (the TCPStore client serialises its operations).
+                (a store client serialises its operations).
             prefix: unique per pair and generation.
             rank: 0 (prefill) or 1 (decode).
             host: the local address gloo binds to.

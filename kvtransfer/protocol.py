@@ -4,7 +4,8 @@ A transfer moves the KV of some of a prompt's blocks from a prefill worker (rank
 decode worker (rank 1) over their pair channel (docs/architecture.md, KV transfer). What crosses the
 wire, per transfer:
 
-1. store (the decode worker's ``TCPStore``): the decode side writes a ``Ticket`` under
+1. store (the decode worker's ``store.KVStoreServer``, cluster members only): the decode
+   side writes a ``Ticket`` under
    ``{pair}/req/{request_id}/ticket``; the prefill side claims the transfer by
    ``compare_set`` on ``.../claim/{generation}/{tag}`` (``"S"`` = sending, ``"F <reason>"``
    = cannot send) and wakes the decode side through the queue ``CLAIM_QUEUE_KEY``; the
