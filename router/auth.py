@@ -46,7 +46,12 @@ import grpc
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.cluster.auth import unauthenticated_handler
-from pdserve.router.flags import DEFAULT_PUBLIC_ENDPOINTS
+from pdserve.router.flags import (  # noqa: F401 - is_admin_path, check_public_paths: here too
+    ADMIN_PATHS,
+    DEFAULT_PUBLIC_ENDPOINTS,
+    check_public_paths,
+    is_admin_path,
+)
 from pdserve.router.http_guard import ErrorJSONResponse
 from pdserve.router.protocol import error_response
 
@@ -54,7 +59,6 @@ logger = logging.getLogger(__name__)
 
 ENV_VARS = ("PDSERVE_API_KEY", "VLLM_API_KEY")  # read in this order, when no flag gives a key
 ADMIN_ENV_VARS = ("PDSERVE_ADMIN_API_KEY",)  # never a client key's variable
-ADMIN_PATHS = ("/admin", "/metrics/targets")  # and every path under them
 PROXY_HEADERS = (b"forwarded", b"x-forwarded-for", b"x-real-ip")
 GRPC_SERVICE = "pdserve.v1.Router"
 MISSING_KEY = ("Missing API key: send it in the Authorization header as 'Bearer <key>'.")
@@ -188,12 +192,6 @@ def _matches(token_digest: bytes, digests: tuple[bytes, ...]) -> bool:
     return matched
 
 
-def is_admin_path(path: str) -> bool:
-    """Whether the HTTP ``path`` is an admin endpoint: ``/admin``, ``/metrics/targets``
-    or a path under one of them."""
-    return any(path == p or path.startswith(p + "/") for p in ADMIN_PATHS)
-
-
 def is_loopback(host: str | None) -> bool:
     """Whether ``host`` (a peer's address as the server saw it) is on loopback:
     127.0.0.0/8, ::1, or an IPv4 loopback address mapped into IPv6."""
@@ -245,16 +243,6 @@ class ApiKeyAuth:
             return token_digest
         matched = _matches(token_digest, self.key_digests) | _matches(token_digest, also)
         return None if matched else INVALID_KEY
-
-
-def check_public_paths(paths: Iterable[str]) -> None:
-    """Raise ValueError naming the first admin path (``is_admin_path``) in ``paths``: an
-    admin endpoint is never public."""
-    for path in sorted(paths):
-        if is_admin_path(path):
-            raise ValueError(f"{path} is an admin endpoint: it cannot be public (it takes "
-                             "the admin API key, --admin-api-key, or with none a loopback "
-                             "client)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pdserve.router.limits import MAX_NUM_SEQUENCES
@@ -24,6 +25,8 @@ DEFAULT_PREFILL_MAX_INFLIGHT = MAX_NUM_SEQUENCES
 DEFAULT_DECODE_MAX_INFLIGHT = 2 * MAX_NUM_SEQUENCES
 DEFAULT_DECODE_MAX_KV_USAGE = 0.98
 DEFAULT_PUBLIC_ENDPOINTS = ("/health", "/ready", "/metrics")  # served without an API key
+# the admin endpoints (router/auth.py), and every path under them: never public
+ADMIN_PATHS = ("/admin", "/metrics/targets")
 DISAGGREGATION_MODES = ("auto", "always")
 PREFILL_ROUTING_POLICIES = ("prefix-aware", "round-robin")
 # Dynamo's conditional disaggregation uses a queue of 2; a prefill worker batches the
@@ -44,6 +47,22 @@ DEFAULT_GRPC_MAX_CONCURRENT_STREAMS = 256
 DEFAULT_GRPC_MAX_CONNECTION_IDLE_S = 300.0
 # vLLM's --tool-call-parser names (router/tool_parsers.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+def is_admin_path(path: str) -> bool:
+    """Whether the HTTP ``path`` is an admin endpoint: ``/admin``, ``/metrics/targets``
+    or a path under one of them."""
+    return any(path == p or path.startswith(p + "/") for p in ADMIN_PATHS)
+
+
+def check_public_paths(paths: Iterable[str]) -> None:
+    """Raise ValueError naming the first admin path (``is_admin_path``) in ``paths``: an
+    admin endpoint is never public."""
+    for path in sorted(paths):
+        if is_admin_path(path):
+            raise ValueError(f"{path} is an admin endpoint: it cannot be public (it takes "
+                             "the admin API key, --admin-api-key, or with none a loopback "
+                             "client)")
 
 
 def check_seconds(value, flag: str) -> None:
@@ -227,8 +246,6 @@ def _argument(check, value):
 
 
 def _public_endpoints(value: str) -> frozenset[str]:
-    from pdserve.router.auth import check_public_paths
-
     paths = frozenset(path.strip() for path in value.split(",") if path.strip())
     for path in sorted(paths):
         if not path.startswith("/"):
