@@ -111,6 +111,7 @@ class Cluster:
     plain_url: str  # python -m pdserve.router on 0.0.0.0: VLLM_KEY, no public endpoint
     plain_port: int
     plain_log: Path
+    redis_url: str
 
     def client(self, api_key: str, url: str | None = None) -> openai.OpenAI:
         return openai.OpenAI(base_url=(url or self.served.url) + "/v1", api_key=api_key,
@@ -125,9 +126,10 @@ class Cluster:
 KEY_VARIABLES = ("PDSERVE_API_KEY", "VLLM_API_KEY", "PDSERVE_ADMIN_API_KEY", "OPENAI_API_KEY")
 
 
-def start_plain_router(model: Path, redis_url: str,
-                       log: Path) -> tuple[subprocess.Popen, str, int]:
-    """``python -m pdserve.router`` on every address (0.0.0.0), with no admin key."""
+def start_plain_router(model: Path, redis_url: str, log: Path,
+                       api_key: str | None = VLLM_KEY) -> tuple[subprocess.Popen, str, int]:
+    """``python -m pdserve.router`` on every address (0.0.0.0), with no admin key and
+    ``api_key`` (None: no key) in ``VLLM_API_KEY``."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in KEY_VARIABLES}
     with open(log, "w") as out:
@@ -137,7 +139,8 @@ def start_plain_router(model: Path, redis_url: str,
              "--host", "0.0.0.0", "--port", str(port), "--public-endpoints", "",
              "--log-level", "info"],
             stdout=out, stderr=subprocess.STDOUT,
-            env={**env, "VLLM_API_KEY": VLLM_KEY, SECRET_ENV: TEST_SECRET})
+            env={**env, **({"VLLM_API_KEY": api_key} if api_key else {}),
+                 SECRET_ENV: TEST_SECRET})
     return proc, f"http://127.0.0.1:{port}", port
 
 
@@ -201,7 +204,7 @@ def cluster(tmp_path_factory):
                 router, api_auth=run.api_auth, admin_auth=run.admin_auth, scaler=scaler,
                 background=background))
             wait_ready(plain, plain_url, root / "router.log")
-            yield Cluster(model, served, plain_url, plain_port, root / "router.log")
+            yield Cluster(model, served, plain_url, plain_port, root / "router.log", redis.url)
         finally:
             plain.terminate()
             plain.wait(30)
@@ -526,6 +529,24 @@ def test_without_an_admin_key_only_loopback_reaches_the_admin_endpoints(cluster)
     assert proxied.status_code == 403
     log = cluster.plain_log.read_text()
     assert "admin endpoints (/admin/*, /metrics/targets) answer loopback clients only" in log
+    assert "THE API IS OPEN" not in log  # it has a client key
+
+
+def test_an_open_api_on_every_address_is_a_start_up_warning(cluster, tmp_path):
+    log = tmp_path / "open-router.log"
+    proc, _, _ = start_plain_router(cluster.model, cluster.redis_url, log, api_key=None)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "THE API IS OPEN" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    (line,) = [line for line in log.read_text().splitlines() if "THE API IS OPEN" in line]
+    assert " WARNING pdserve.router.flags: " in line
+    assert "no client API key" in line and "listens on 0.0.0.0, port(s)" in line
 
 
 def scale_cli(url: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
