@@ -264,7 +264,7 @@ def test_a_failed_start_removes_the_secrets_on_every_node(fake_job):
 def test_a_folder_someone_else_made_stops_the_job_before_any_secret(fake_job):
     job = fake_job(squat="n1")  # another user's folder, made before the job, open to all
     assert job.wait_end() == 1
-    assert "the node-local folders" in job.output()
+    assert "node-local storage" in job.output()
     squatted = job.folder("n1")
     assert squatted.is_dir() and list(squatted.iterdir()) == []  # nothing of ours in it
     squatted.rmdir()
