@@ -4,6 +4,12 @@
 #   docker build -t pdserve:cuda --build-arg TORCH_VARIANT=cu128 .  # CUDA 12.8 wheels
 #
 #   docker run --rm -p 8000:8000 pdserve:cpu                        # the demo model
+#   docker run --rm -p 8000:8000 -e PDSERVE_API_KEY="$(cat key)" pdserve:cpu  # with a key
+#
+# The default command binds 0.0.0.0 with no API key: the router logs a WARNING at
+# start-up ("THE API IS OPEN ...") until PDSERVE_API_KEY (or --api-key-file) gives one.
+# /admin/* (pdserve scale) and /metrics/targets answer loopback clients only (docker exec)
+# unless PDSERVE_ADMIN_API_KEY gives an admin key.
 #   docker run --rm -p 8000:8000 -v /models:/models:ro --gpus all pdserve:cuda \
 #       pdserve serve --host 0.0.0.0 --model /models/my-checkpoint
 #

@@ -54,15 +54,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
 SCALE_TIMEOUT_S = 900.0
 
 
+def scale_admin_key(args: argparse.Namespace,
+                    environ: dict[str, str] | None = None) -> str | None:
+    """The admin key ``pdserve scale`` sends: ``--admin-api-key``, else the first key of
+    ``--admin-api-key-file``, else ``$PDSERVE_ADMIN_API_KEY`` (``environ``, default
+    ``os.environ``), else None (a router with no admin key takes a loopback client
+    without one). Only pdserve's own admin variable: never a client key's
+    (``PDSERVE_API_KEY``, ``OPENAI_API_KEY``), which the admin endpoints refuse anyway
+    and which must not go to whatever ``--url`` names.
+
+    Raises:
+        ValueError: the key or file is unusable, or ``$PDSERVE_ADMIN_API_KEY`` is set but
+            empty (named as ``router/auth.py``'s ``load_admin_api_keys`` names it).
+    """
+    from pdserve.router.auth import load_admin_api_keys
+
+    keys, _ = load_admin_api_keys([args.admin_api_key] if args.admin_api_key else (),
+                                  None if args.admin_api_key else args.admin_api_key_file,
+                                  os.environ if environ is None else environ)
+    return keys[0] if keys else None
+
+
 def cmd_scale(args: argparse.Namespace) -> int:
     """``pdserve scale``: ``POST /admin/scale`` to a running ``pdserve serve``; prints the
-    pool sizes it answers with (JSON). Exit 1 on an error answer or no answer."""
+    pool sizes it answers with (JSON). Exit 1 on an error answer or no answer; 2 (via
+    ``main``) for an unusable admin key.
+
+    Raises:
+        ValueError: an unusable admin key (``scale_admin_key``).
+    """
     import httpx
 
     body = {k: v for k, v in (("prefill_workers", args.prefill),
                               ("decode_workers", args.decode)) if v is not None}
     model = {"model": args.model} if args.model else {}
-    key = args.api_key or os.environ.get("PDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    key = scale_admin_key(args)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     url = args.url.rstrip("/")
     try:
@@ -124,8 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--url", default="http://127.0.0.1:8000", help="the router's HTTP URL")
     scale.add_argument("--model", help="the model whose pools to resize (needed when the "
                                        "cluster serves several)")
-    scale.add_argument("--api-key", help="one of the router's --api-key (default: "
-                       "$PDSERVE_API_KEY, then $OPENAI_API_KEY)")
+    scale.add_argument("--admin-api-key", metavar="KEY",
+                       help="one of the router's admin API keys (visible in ps: prefer "
+                       "--admin-api-key-file or $PDSERVE_ADMIN_API_KEY, the default); "
+                       "a client key (--api-key, $PDSERVE_API_KEY, $OPENAI_API_KEY) is "
+                       "never sent. A router with no admin key takes loopback clients "
+                       "without one")
+    scale.add_argument("--admin-api-key-file", metavar="PATH",
+                       help="send the first admin API key in this file")
     scale.add_argument("--timeout-s", type=float, default=SCALE_TIMEOUT_S,
                        help="seconds to wait for new workers to serve and removed ones to "
                        "drain")

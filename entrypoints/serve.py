@@ -241,11 +241,12 @@ class _ServeRun:
     def __init__(self, args: argparse.Namespace, interrupts: Interrupts) -> None:
         """Raises ValueError for unusable API keys or cluster credentials, before anything
         starts."""
-        from pdserve.router.flags import api_auth_from_args
+        from pdserve.router.flags import admin_auth_from_args, api_auth_from_args
 
         self.args = args
         self.interrupts = interrupts
         self.api_auth = api_auth_from_args(args)
+        self.admin_auth = admin_auth_from_args(args, self.api_auth)
         self.auth = cluster_auth_from_args(args, generate=True)
         self.announced = False  # "pdserve serving" printed
         from pdserve.engine.llm_engine import EngineConfig
@@ -292,6 +293,10 @@ class _ServeRun:
                 bind_listener(args.host, args.grpc_port, "router gRPC, --grpc-port"))
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from pdserve.router.flags import log_exposure
+
+        ports = f"{args.port} (HTTP)" + (f", {args.grpc_port} (gRPC)" if args.grpc_port else "")
+        log_exposure(args.host, self.api_auth, self.admin_auth, ports)
         self._resolve_models()
         auth = self.auth
         redis_url = self._start_redis(stack)
@@ -313,7 +318,8 @@ class _ServeRun:
         from pdserve.router.http import build_app
         from pdserve.router.routers import Routers
 
-        app = build_app(routers, api_auth=self.api_auth, scaler=scalers,
+        app = build_app(routers, api_auth=self.api_auth, admin_auth=self.admin_auth,
+                        scaler=scalers,
                         background=background, http_timeouts=self.http_timeouts)
         try:
             asyncio.run(run_router(Routers(routers), app, args.host, http_sock, grpc_sock,
@@ -737,6 +743,7 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
             grpc_sock.close()
             grpc_server, grpc_port = await start_grpc_server(
                 routers, host, grpc_port, api_auth=getattr(app.state, "api_auth", None),
+                admin_auth=getattr(app.state, "admin_auth", None),
                 limits=grpc_limits,
                 metrics=app.state.grpc_metrics)
             grpc_note = f", gRPC {_address(host, grpc_port)}"

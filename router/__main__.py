@@ -3,9 +3,11 @@
 Finds the workers through Redis (``--redis-url``) and serves HTTP with uvicorn until
 SIGINT or SIGTERM. It needs the cluster secret its workers have (``--cluster-secret-file``
 or ``$PDSERVE_CLUSTER_SECRET``). Example, with clients required to send ``Authorization:
-Bearer <key>`` for a key in ``keys.txt``::
+Bearer <key>`` for a key in ``keys.txt``, and operators an admin key (``pdserve scale``,
+``/metrics/targets``) from ``$PDSERVE_ADMIN_API_KEY``::
 
-    PDSERVE_CLUSTER_SECRET=$(cat secret) python -m pdserve.router \\
+    PDSERVE_CLUSTER_SECRET=$(cat secret) PDSERVE_ADMIN_API_KEY=$(cat admin-key) \\
+        python -m pdserve.router \\
         --redis-url redis://127.0.0.1:6379/0 --model /path/to/model --port 8000 \\
         --api-key-file keys.txt
 """
@@ -28,9 +30,11 @@ from pdserve.router.flags import (
     add_api_auth_args,
     add_http_args,
     add_lifecycle_args,
+    admin_auth_from_args,
     api_auth_from_args,
     http_timeouts_from_args,
     lifecycle_kwargs,
+    log_exposure,
 )
 from pdserve.router.http import build_app
 from pdserve.router.http_server import serve_app
@@ -85,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         api_auth = api_auth_from_args(args)
+        admin_auth = admin_auth_from_args(args, api_auth)
         auth = cluster_auth_from_args(args)  # NOTE: ClusterAuthError is a ValueError
         redis_url = redis_url_with_password(args.redis_url, redis_password_from_args(args))
         router_kwargs = lifecycle_kwargs(args)
@@ -104,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         local_prefill_threshold=args.local_prefill_threshold, auth=auth, **router_kwargs))
-    serve_app(build_app(router, api_auth=api_auth, http_timeouts=http_timeouts),
+    log_exposure(args.host, api_auth, admin_auth, f"{args.port} (HTTP)")
+    serve_app(build_app(router, api_auth=api_auth, admin_auth=admin_auth,
+                        http_timeouts=http_timeouts),
               host=args.host, port=args.port, log_level=args.log_level)
 
 

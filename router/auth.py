@@ -14,6 +14,19 @@ A missing, malformed or wrong key is refused before anything else happens (the r
 body is not read): HTTP 401 with an OpenAI error body (``code: invalid_api_key``) and
 ``WWW-Authenticate: Bearer``; gRPC UNAUTHENTICATED.
 
+Operators apart from clients (``load_admin_api_keys``, ``AdminAuth``): the admin
+endpoints, ``/admin/*`` (``pdserve scale``: they resize the cluster) and
+``/metrics/targets`` (it names every worker's internal address), take only an admin key:
+every ``--admin-api-key``, every line of ``--admin-api-key-file``, else
+``PDSERVE_ADMIN_API_KEY``. A client key there gets 403 (``code: admin_key_required``), no
+key or an unknown one 401. An admin key is also accepted wherever a client key is (as
+SGLang's ``--admin-api-key`` is: the operator's key is the stronger one), but it never
+closes an API that has no client key. With no admin key, the admin endpoints answer only
+clients on loopback (127.0.0.0/8, ::1) that came through no proxy (no ``Forwarded``,
+``X-Forwarded-For`` or ``X-Real-IP`` header), whatever key they send, and refuse every
+other with 403, whatever address the router listens on. No path under them can be made
+public (``--public-endpoints`` refuses them). The gRPC API has no admin method.
+
 Keys are compared as SHA-256 digests with ``hmac.compare_digest``, against every key
 each time: how long a check takes says nothing of how close a guess was, nor which key
 matched.
@@ -23,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -32,18 +46,30 @@ import grpc
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.cluster.auth import unauthenticated_handler
-from pdserve.router.flags import DEFAULT_PUBLIC_ENDPOINTS
+from pdserve.router.flags import (  # noqa: F401 - is_admin_path, check_public_paths: here too
+    ADMIN_PATHS,
+    DEFAULT_PUBLIC_ENDPOINTS,
+    check_public_paths,
+    is_admin_path,
+)
 from pdserve.router.http_guard import ErrorJSONResponse
 from pdserve.router.protocol import error_response
 
 logger = logging.getLogger(__name__)
 
 ENV_VARS = ("PDSERVE_API_KEY", "VLLM_API_KEY")  # read in this order, when no flag gives a key
+ADMIN_ENV_VARS = ("PDSERVE_ADMIN_API_KEY",)  # never a client key's variable
+PROXY_HEADERS = (b"forwarded", b"x-forwarded-for", b"x-real-ip")
 GRPC_SERVICE = "pdserve.v1.Router"
 MISSING_KEY = ("Missing API key: send it in the Authorization header as 'Bearer <key>'.")
 MALFORMED_KEY = ("Malformed Authorization header: it must be 'Bearer <key>', "
                  "given once.")
 INVALID_KEY = "Invalid API key."
+ADMIN_KEY_NEEDED = ("This endpoint needs an admin API key (--admin-api-key); a client API "
+                    "key is not accepted here.")
+LOOPBACK_ONLY = ("Admin endpoints answer only loopback clients (127.0.0.0/8, ::1, "
+                 "not through a proxy) when the router has no admin API key "
+                 "(--admin-api-key).")
 
 
 def check_api_key(key: str) -> str:
@@ -99,15 +125,36 @@ def load_api_keys(cli_keys: Iterable[str] = (), key_file: str | None = None,
             with the flag or variable (``PDSERVE_API_KEY: the API key is empty``) and
             names the file and line where there is one.
     """
+    return _load_keys(cli_keys, key_file, environ, "--api-key", ENV_VARS)
+
+
+def load_admin_api_keys(cli_keys: Iterable[str] = (), key_file: str | None = None,
+                        environ: Mapping[str, str] | None = None
+                        ) -> tuple[list[str], str | None]:
+    """The admin API keys and where they came from, as ``load_api_keys`` reads the
+    client keys: ``--admin-api-key`` (``cli_keys``) and ``--admin-api-key-file``
+    (``key_file``) together, else ``PDSERVE_ADMIN_API_KEY``; ``([], None)`` when none
+    gives one (then the admin endpoints answer loopback clients only).
+
+    Raises:
+        ValueError: as ``load_api_keys``, naming ``--admin-api-key``,
+            ``--admin-api-key-file`` or ``PDSERVE_ADMIN_API_KEY``.
+    """
+    return _load_keys(cli_keys, key_file, environ, "--admin-api-key", ADMIN_ENV_VARS)
+
+
+def _load_keys(cli_keys: Iterable[str], key_file: str | None,
+               environ: Mapping[str, str] | None, flag: str,
+               env_vars: tuple[str, ...]) -> tuple[list[str], str | None]:
     environ = os.environ if environ is None else environ
-    keys = [_named("--api-key", check_api_key, key) for key in cli_keys]
-    sources = ["--api-key"] if keys else []
+    keys = [_named(flag, check_api_key, key) for key in cli_keys]
+    sources = [flag] if keys else []
     if key_file is not None:
-        keys += _named("--api-key-file", read_api_key_file, key_file)
-        sources.append("--api-key-file")
+        keys += _named(f"{flag}-file", read_api_key_file, key_file)
+        sources.append(f"{flag}-file")
     if keys:
         return keys, ", ".join(sources)
-    for name in ENV_VARS:
+    for name in env_vars:
         if name in environ:
             return [_named(name, check_api_key, environ[name])], name
     return [], None
@@ -125,6 +172,39 @@ def _digest(token: bytes) -> bytes:
     return hashlib.sha256(token).digest()
 
 
+def _bearer_digest(authorization: list[bytes]) -> bytes | str:
+    """The SHA-256 digest of the one ``Bearer <key>`` among the ``Authorization`` values
+    (the scheme's case does not matter), else why not: ``MISSING_KEY`` or
+    ``MALFORMED_KEY``."""
+    if not authorization:
+        return MISSING_KEY
+    scheme, _, token = authorization[0].strip().partition(b" ")
+    token = token.strip()
+    if len(authorization) > 1 or scheme.lower() != b"bearer" or not token:
+        return MALFORMED_KEY
+    return _digest(token)
+
+
+def _matches(token_digest: bytes, digests: tuple[bytes, ...]) -> bool:
+    matched = False
+    for digest in digests:  # NOTE: every key, no early exit: constant time
+        matched |= hmac.compare_digest(token_digest, digest)
+    return matched
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` (a peer's address as the server saw it) is on loopback:
+    127.0.0.0/8, ::1, or an IPv4 loopback address mapped into IPv6."""
+    if not host:
+        return False
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
 @dataclass(frozen=True, slots=True)
 class ApiKeyAuth:
     """The router's client authentication: the accepted keys (kept as SHA-256 digests
@@ -140,32 +220,78 @@ class ApiKeyAuth:
         """Accept each of ``keys`` (checked with ``check_api_key``).
 
         Raises:
-            ValueError: no key, or one that ``check_api_key`` refuses.
+            ValueError: no key, one that ``check_api_key`` refuses, or an admin path
+                (``is_admin_path``) among ``public_paths``.
         """
         digests = tuple(_digest(check_api_key(key).encode("ascii")) for key in keys)
         if not digests:
             raise ValueError("ApiKeyAuth needs at least one API key")
+        check_public_paths(public_paths)
         return cls(digests, frozenset(public_paths))
 
     def is_public(self, path: str) -> bool:
         """Whether the HTTP ``path`` (exactly, no prefix) is served without a key."""
         return path in self.public_paths
 
-    def check(self, authorization: list[bytes]) -> str | None:
+    def check(self, authorization: list[bytes], also: tuple[bytes, ...] = ()) -> str | None:
         """None when the ``Authorization`` values (every one the request carries) are
-        exactly one ``Bearer <key>`` with an accepted key (the scheme's case does not
-        matter), else why not: ``MISSING_KEY``, ``MALFORMED_KEY`` or ``INVALID_KEY``."""
-        if not authorization:
-            return MISSING_KEY
-        scheme, _, token = authorization[0].strip().partition(b" ")
-        token = token.strip()
-        if len(authorization) > 1 or scheme.lower() != b"bearer" or not token:
-            return MALFORMED_KEY
-        token_digest = _digest(token)
-        matched = False
-        for digest in self.key_digests:  # NOTE: every key, no early exit: constant time
-            matched |= hmac.compare_digest(token_digest, digest)
+        exactly one ``Bearer <key>`` with an accepted key, or one whose digest is in
+        ``also`` (the admin keys), else why not: ``MISSING_KEY``, ``MALFORMED_KEY`` or
+        ``INVALID_KEY``."""
+        token_digest = _bearer_digest(authorization)
+        if isinstance(token_digest, str):
+            return token_digest
+        matched = _matches(token_digest, self.key_digests) | _matches(token_digest, also)
         return None if matched else INVALID_KEY
+
+
+@dataclass(frozen=True, slots=True)
+class AdminAuth:
+    """Who may use the admin endpoints (module docstring): the holders of an admin key
+    (SHA-256 digests only), or with none, loopback clients. ``AdminAuth()`` has no key."""
+
+    key_digests: tuple[bytes, ...] = field(default=(), repr=False)
+
+    @classmethod
+    def of(cls, keys: Iterable[str] = ()) -> AdminAuth:
+        """Accept each of ``keys`` (checked with ``check_api_key``); none: loopback only.
+
+        Raises:
+            ValueError: a key that ``check_api_key`` refuses.
+        """
+        return cls(tuple(_digest(check_api_key(key).encode("ascii")) for key in keys))
+
+    @property
+    def has_keys(self) -> bool:
+        """Whether an admin key is set (else the admin endpoints are loopback-only)."""
+        return bool(self.key_digests)
+
+    def check(self, authorization: list[bytes], peer: str | None, proxied: bool,
+              client: ApiKeyAuth | None) -> tuple[int, str, str] | None:
+        """None when a request may use an admin endpoint, else its refusal as
+        ``(HTTP status, message, OpenAI error code)``.
+
+        Args:
+            authorization: every ``Authorization`` value the request carries.
+            peer: the client's address as the server saw it (``scope["client"][0]``).
+            proxied: the request names a forwarded client (``PROXY_HEADERS``).
+            client: the client authentication, to tell a client key (403) from an
+                unknown one (401).
+        """
+        if not self.has_keys:
+            if is_loopback(peer) and not proxied:
+                return None
+            return 403, LOOPBACK_ONLY, "admin_loopback_only"
+        token_digest = _bearer_digest(authorization)
+        if isinstance(token_digest, str):
+            return 401, token_digest, "invalid_api_key"
+        is_admin = _matches(token_digest, self.key_digests)
+        is_client = client is not None and _matches(token_digest, client.key_digests)
+        if is_admin:
+            return None
+        if is_client:
+            return 403, ADMIN_KEY_NEEDED, "admin_key_required"
+        return 401, INVALID_KEY, "invalid_api_key"
 
 
 def unauthorized_body(reason: str) -> dict:
@@ -176,30 +302,61 @@ def unauthorized_body(reason: str) -> dict:
                           code="invalid_api_key").model_dump()
 
 
+def forbidden_body(reason: str, code: str) -> dict:
+    """The OpenAI error body of a refused admin request, e.g. ``{"error": {"message":
+    "This endpoint needs an admin API key ...", "type": "permission_error", "param":
+    null, "code": "admin_key_required"}}``."""
+    return error_response(403, reason, type="permission_error", code=code).model_dump()
+
+
 class ApiKeyMiddleware:
     """Pure ASGI middleware (it never buffers a response: streams pass straight through)
-    that lets an HTTP request reach ``app`` only with an accepted key or on a public path;
-    otherwise it answers 401 at once, without reading the body, with
-    ``unauthorized_body`` and ``WWW-Authenticate: Bearer``. A WebSocket without a key is
-    closed (1008, policy violation) before it is accepted."""
+    that lets an HTTP request reach ``app`` only when its key fits the path.
 
-    def __init__(self, app: ASGIApp, auth: ApiKeyAuth) -> None:
+    - An admin path (``is_admin_path``) is decided by ``admin`` alone (``AdminAuth``):
+      401 (``unauthorized_body``) or 403 (``forbidden_body``) when refused.
+    - Any other path: with ``auth`` (client keys), only with one of its keys or of the
+      admin keys, or on a public path; otherwise 401 with ``unauthorized_body``. Without
+      ``auth`` every such path is open.
+
+    A refusal is sent at once, without reading the body; a 401 carries
+    ``WWW-Authenticate: Bearer``. A WebSocket that is refused is closed (1008, policy
+    violation) before it is accepted."""
+
+    def __init__(self, app: ASGIApp, auth: ApiKeyAuth | None,
+                 admin: AdminAuth | None = None) -> None:
         self.app = app
         self.auth = auth
+        self.admin = AdminAuth() if admin is None else admin
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or self.auth.is_public(scope["path"]):
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        reason = self.auth.check([value for name, value in scope["headers"]
-                                  if name == b"authorization"])
-        if reason is None:
-            await self.app(scope, receive, send)
-        elif scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008, "reason": reason})
+        path = scope["path"]
+        authorization = [value for name, value in scope["headers"] if name == b"authorization"]
+        if is_admin_path(path):
+            client = scope.get("client")
+            proxied = any(name in PROXY_HEADERS for name, _ in scope["headers"])
+            refusal = self.admin.check(authorization, client[0] if client else None,
+                                       proxied, self.auth)
+        elif self.auth is None or self.auth.is_public(path):
+            refusal = None
         else:
+            reason = self.auth.check(authorization, also=self.admin.key_digests)
+            refusal = None if reason is None else (401, reason, "invalid_api_key")
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        status, reason, code = refusal
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": reason})
+        elif status == 401:
             response = ErrorJSONResponse(unauthorized_body(reason), status_code=401,
                                          headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+        else:
+            response = ErrorJSONResponse(forbidden_body(reason, code), status_code=status)
             await response(scope, receive, send)
 
 
@@ -208,10 +365,12 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     (no cost per message); a call without an accepted key ends at once with
     UNAUTHENTICATED, before its request is read, whatever its method (an unknown method
     included). ``pdserve.v1.Router/Health`` is public when ``/health`` is public over
-    HTTP."""
+    HTTP. The ``admin`` keys are accepted too, as over HTTP; no method is an admin
+    one."""
 
-    def __init__(self, auth: ApiKeyAuth) -> None:
+    def __init__(self, auth: ApiKeyAuth, admin: AdminAuth | None = None) -> None:
         self.auth = auth
+        self.admin_digests = () if admin is None else admin.key_digests
         self.public_methods = frozenset(
             {f"/{GRPC_SERVICE}/Health"} if auth.is_public("/health") else ())
 
@@ -221,7 +380,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         metadata = handler_call_details.invocation_metadata or ()
         reason = self.auth.check([value.encode("ascii", "replace") if isinstance(value, str)
                                   else value for name, value in metadata
-                                  if name == "authorization"])
+                                  if name == "authorization"], also=self.admin_digests)
         if reason is None:
             return await continuation(handler_call_details)
         return unauthenticated_handler(reason)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pdserve.router.limits import MAX_NUM_SEQUENCES
 
 if TYPE_CHECKING:
-    from pdserve.router.auth import ApiKeyAuth
+    from pdserve.router.auth import AdminAuth, ApiKeyAuth
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,8 @@ DEFAULT_PREFILL_MAX_INFLIGHT = MAX_NUM_SEQUENCES
 DEFAULT_DECODE_MAX_INFLIGHT = 2 * MAX_NUM_SEQUENCES
 DEFAULT_DECODE_MAX_KV_USAGE = 0.98
 DEFAULT_PUBLIC_ENDPOINTS = ("/health", "/ready", "/metrics")  # served without an API key
+# the admin endpoints (router/auth.py), and every path under them: never public
+ADMIN_PATHS = ("/admin", "/metrics/targets")
 DISAGGREGATION_MODES = ("auto", "always")
 PREFILL_ROUTING_POLICIES = ("prefix-aware", "round-robin")
 # Dynamo's conditional disaggregation uses a queue of 2; a prefill worker batches the
@@ -44,6 +47,22 @@ DEFAULT_GRPC_MAX_CONCURRENT_STREAMS = 256
 DEFAULT_GRPC_MAX_CONNECTION_IDLE_S = 300.0
 # vLLM's --tool-call-parser names (router/tool_parsers.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+def is_admin_path(path: str) -> bool:
+    """Whether the HTTP ``path`` is an admin endpoint: ``/admin``, ``/metrics/targets``
+    or a path under one of them."""
+    return any(path == p or path.startswith(p + "/") for p in ADMIN_PATHS)
+
+
+def check_public_paths(paths: Iterable[str]) -> None:
+    """Raise ValueError naming the first admin path (``is_admin_path``) in ``paths``: an
+    admin endpoint is never public."""
+    for path in sorted(paths):
+        if is_admin_path(path):
+            raise ValueError(f"{path} is an admin endpoint: it cannot be public (it takes "
+                             "the admin API key, --admin-api-key, or with none a loopback "
+                             "client)")
 
 
 def check_seconds(value, flag: str) -> None:
@@ -175,8 +194,8 @@ def lifecycle_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_api_auth_args(parser: argparse.ArgumentParser) -> None:
-    """Client authentication flags, vLLM's ``--api-key`` and pdserve's own
-    (``router/auth.py``; ``api_auth_from_args`` reads them)."""
+    """Client and operator authentication flags, vLLM's ``--api-key`` and pdserve's own
+    (``router/auth.py``; ``api_auth_from_args`` and ``admin_auth_from_args`` read them)."""
     group = parser.add_argument_group(
         "client authentication", "With an API key (from a flag, else PDSERVE_API_KEY, else "
         "VLLM_API_KEY) clients must send 'Authorization: Bearer <key>' (gRPC: the same "
@@ -189,7 +208,18 @@ def add_api_auth_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--public-endpoints", type=_public_endpoints,
                        default=",".join(DEFAULT_PUBLIC_ENDPOINTS), metavar="PATHS",
                        help="comma-separated HTTP paths served without a key (gRPC Health "
-                            "follows /health); '' protects every path (default: %(default)s)")
+                            "follows /health); '' protects every path; never an admin "
+                            "endpoint (default: %(default)s)")
+    admin = parser.add_argument_group(
+        "operator authentication", "The admin endpoints (/admin/*: pdserve scale; "
+        "/metrics/targets) take only an admin key (from a flag, else "
+        "PDSERVE_ADMIN_API_KEY), never a client key; an admin key also works as a client "
+        "key. With none, they answer loopback clients only.")
+    admin.add_argument("--admin-api-key", action="append", type=_api_key, metavar="KEY",
+                       help="accept this admin API key; repeat for several (visible in "
+                            "ps: prefer PDSERVE_ADMIN_API_KEY or --admin-api-key-file)")
+    admin.add_argument("--admin-api-key-file", type=_api_key_file, metavar="PATH",
+                       help="accept the admin API keys in this file, one per non-empty line")
 
 
 def _api_key(value: str) -> str:
@@ -220,6 +250,7 @@ def _public_endpoints(value: str) -> frozenset[str]:
     for path in sorted(paths):
         if not path.startswith("/"):
             raise argparse.ArgumentTypeError(f"{path!r} is not a path (one starts with /)")
+    _argument(check_public_paths, paths)
     return paths
 
 
@@ -249,3 +280,74 @@ def api_auth_from_args(args: argparse.Namespace,
     logger.info("client authentication on: %d API key(s) from %s; public endpoints: %s",
                 len(keys), source, public)
     return ApiKeyAuth.of(keys, args.public_endpoints)
+
+
+def admin_auth_from_args(args: argparse.Namespace, api_auth: ApiKeyAuth | None = None,
+                         environ: dict[str, str] | None = None) -> AdminAuth:
+    """The operator authentication that ``add_api_auth_args``'s admin flags and the
+    environment (``environ``, default ``os.environ``: ``PDSERVE_ADMIN_API_KEY``) ask for:
+    an ``AdminAuth`` with their keys, or with none (loopback clients only); logs which,
+    and warns when a key was given on the command line.
+
+    Raises:
+        ValueError: a key is empty or invalid, the key file is unusable (named as
+            ``load_admin_api_keys`` names it), or an admin key is also one of
+            ``api_auth``'s client keys (operators and clients must hold different keys).
+    """
+    from pdserve.router.auth import AdminAuth, load_admin_api_keys
+
+    keys, source = load_admin_api_keys(args.admin_api_key or (), args.admin_api_key_file,
+                                       os.environ if environ is None else environ)
+    if args.admin_api_key:
+        logger.warning("an admin API key given with --admin-api-key is visible to other "
+                       "local users (ps, /proc/<pid>/cmdline); prefer "
+                       "PDSERVE_ADMIN_API_KEY or --admin-api-key-file")
+    admin = AdminAuth.of(keys)
+    if api_auth is not None and set(admin.key_digests) & set(api_auth.key_digests):
+        raise ValueError(f"{source}: an admin API key is also a client API key; give "
+                         "operators a key of their own")
+    if keys:
+        logger.info("operator authentication on: %d admin API key(s) from %s",
+                    len(keys), source)
+    return admin
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a listening address (``--host``) is reachable from this machine only:
+    ``localhost``, 127.0.0.0/8 or ``::1``. A wildcard (``0.0.0.0``, ``::``), any other
+    address or a host name is routable."""
+    from pdserve.router.auth import is_loopback
+
+    return host.strip("[]").lower() == "localhost" or is_loopback(host.strip("[]"))
+
+
+def log_exposure(host: str, api_auth: ApiKeyAuth | None, admin_auth: AdminAuth,
+                 ports: str = "") -> None:
+    """Say at start-up what the router's listening address ``host`` exposes (``ports``
+    names them for the log, e.g. ``"8000 (HTTP), 50050 (gRPC)"``):
+
+    - WARNING when the API is open (no client key) on a routable address: anyone who
+      reaches it may use the model;
+    - INFO when the admin endpoints have no admin key: loopback clients only (and none
+      at all when ``host`` is one routable address, whose clients never come from
+      loopback).
+    """
+    where = f"{host}" + (f", port(s) {ports}" if ports else "")
+    if api_auth is None and not is_loopback_host(host):
+        logger.warning(
+            "THE API IS OPEN: no client API key (--api-key, --api-key-file, "
+            "PDSERVE_API_KEY, VLLM_API_KEY) and the router listens on %s, a routable "
+            "address: anyone who can reach it can run the model. Set an API key, or "
+            "listen on 127.0.0.1 behind an authenticating proxy.", where)
+    if admin_auth.has_keys:
+        return
+    wildcard = host.strip("[]") in ("0.0.0.0", "::", "")
+    if is_loopback_host(host) or wildcard:
+        logger.info("admin endpoints (/admin/*, /metrics/targets) answer loopback clients "
+                    "only: no admin API key (--admin-api-key, --admin-api-key-file, "
+                    "PDSERVE_ADMIN_API_KEY)")
+    else:
+        logger.info("admin endpoints (/admin/*, /metrics/targets) are unreachable: with no "
+                    "admin API key (--admin-api-key, --admin-api-key-file, "
+                    "PDSERVE_ADMIN_API_KEY) they answer loopback clients only, and the "
+                    "router listens on %s, not on loopback", host)

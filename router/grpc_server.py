@@ -42,7 +42,7 @@ from pdserve.cluster.wire import logprob_to_proto, sampling_params_from_proto
 from pdserve.engine.structured_output import check_spec
 from pdserve.engine.tokenizer import encode_prompt
 from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
-from pdserve.router.auth import ApiKeyAuth, ApiKeyInterceptor
+from pdserve.router.auth import AdminAuth, ApiKeyAuth, ApiKeyInterceptor
 from pdserve.router.flags import (
     DEFAULT_GRPC_MAX_CONCURRENT_STREAMS,
     DEFAULT_GRPC_MAX_CONNECTION_IDLE_S,
@@ -398,12 +398,14 @@ def _add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> N
 
 async def start_grpc_server(router: Router | Routers, host: str, port: int, *,
                             api_auth: ApiKeyAuth | None = None,
+                            admin_auth: AdminAuth | None = None,
                             limits: GRPCLimits | None = None,
                             metrics: GRPCServerMetrics | None = None
                             ) -> tuple[grpc.aio.Server, int]:
     """Start the router's gRPC server on ``host:port`` (0: a free port); returns it and
     the bound port. With ``api_auth``, a call needs the metadata ``authorization:
-    Bearer <key>`` (UNAUTHENTICATED otherwise; ``router/auth.py``). ``limits`` (default
+    Bearer <key>`` (UNAUTHENTICATED otherwise; ``router/auth.py``), a client key or one
+    of ``admin_auth``'s (the service has no admin method). ``limits`` (default
     ``GRPCLimits()``) bound what a client connection holds, counted in ``metrics``.
     Raises RuntimeError when the port cannot be bound."""
     limits = limits or GRPCLimits()
@@ -411,7 +413,7 @@ async def start_grpc_server(router: Router | Routers, host: str, port: int, *,
     # and take a share of the connections
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), *limits.server_options()],
-        interceptors=None if api_auth is None else [ApiKeyInterceptor(api_auth)])
+        interceptors=None if api_auth is None else [ApiKeyInterceptor(api_auth, admin_auth)])
     _add_router_servicer(RouterServicer(router, limits, metrics), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

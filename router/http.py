@@ -5,7 +5,8 @@ discovery); vLLM's ``/v1/models/{id}``, ``/tokenize``, ``/detokenize`` and ``/ve
 ``/admin/scale`` and ``/admin/pools`` (``pdserve scale``).
 
 Every error is an OpenAI error body (``router/protocol.py``): 401 without an accepted API
-key where keys are set (``router/auth.py``), 400 naming the offending
+key where keys are set, 403 on an admin endpoint for a client key or, with no admin key,
+a client not on loopback (``router/auth.py``), 400 naming the offending
 field for invalid JSON or values, 404 for an unknown model or path, 413 for a body over
 ``max_body_bytes``, 503 with ``Retry-After`` when no worker can take the request, and 500
 ("internal error", nothing more) for a bug, whose stack goes to the log; the connection
@@ -31,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import __version__ as pdserve_version
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
-from pdserve.router.auth import ApiKeyAuth, ApiKeyMiddleware
+from pdserve.router.auth import AdminAuth, ApiKeyAuth, ApiKeyMiddleware
 from pdserve.router.detokenizer import fast_decoder
 from pdserve.router.grpc_server import GRPCServerMetrics
 from pdserve.router.history import ReplyTokens
@@ -93,7 +94,8 @@ class ScaleRequest(BaseModel):
 
 
 def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BODY_BYTES,
-              api_auth: ApiKeyAuth | None = None, scaler=None,
+              api_auth: ApiKeyAuth | None = None, admin_auth: AdminAuth | None = None,
+              scaler=None,
               background: Sequence[Callable[[], Awaitable[None]]] = (),
               http_timeouts: HTTPTimeouts | None = None) -> FastAPI:
     """The FastAPI app serving ``router``, or several routers, one per model (their
@@ -109,7 +111,10 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
     ``max_body_bytes`` bounds a request body (413 beyond it, from ``Content-Length`` or
     while reading). With ``api_auth``, every path but its public ones needs one of its
     API keys (401 otherwise, ``router/auth.py``); it is kept as ``app.state.api_auth``,
-    so that a gRPC server started beside the app can take the same keys.
+    so that a gRPC server started beside the app can take the same keys. The admin
+    endpoints (``/admin/*``, ``/metrics/targets``) take ``admin_auth``'s keys only, or
+    with none (the default) answer loopback clients only (403 otherwise); kept as
+    ``app.state.admin_auth``.
 
     ``http_timeouts`` (default ``HTTPTimeouts()``) bound how long a request may take to
     arrive; kept as ``app.state.http_timeouts`` beside ``app.state.http_metrics`` for the
@@ -142,13 +147,14 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
     _add_error_handlers(app, routers.first)
     app.add_middleware(InternalErrorMiddleware)
     app.state.api_auth = api_auth
+    app.state.admin_auth = admin_auth = admin_auth or AdminAuth()
     app.state.http_timeouts = http_timeouts or HTTPTimeouts()
     app.state.http_metrics = http_metrics = HTTPServerMetrics()
     # NOTE: on /metrics with the HTTP server's, from the start: a gRPC server started
     # beside the app (entrypoints/serve.py's run_router) counts in it
     app.state.grpc_metrics = GRPCServerMetrics(http_metrics.registry)
-    if api_auth is not None:  # NOTE: added last, so it runs first: before anything else
-        app.add_middleware(ApiKeyMiddleware, auth=api_auth)
+    # NOTE: added last, so it runs first: before anything else
+    app.add_middleware(ApiKeyMiddleware, auth=api_auth, admin=admin_auth)
     # The tokenizers are loaded when the routers start: a cache is made on first use.
     history: dict[str, ReplyTokens] = {}
 
@@ -270,7 +276,7 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
     @app.post("/admin/scale")
     async def scale(raw: Request) -> Response:
         """Resize a model's pools; answers once new workers serve and removed ones have
-        drained (minutes, when a model loads). Not public by default."""
+        drained (minutes, when a model loads). An admin endpoint (``router/auth.py``)."""
         request = ScaleRequest.model_validate(await json_body(raw, max_body_bytes))
         owner = need_scaler(request.model)
         wanted = {"prefill": request.prefill_workers, "decode": request.decode_workers}
@@ -283,8 +289,8 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
     @app.get("/metrics/targets")
     async def metrics_targets() -> Response:
         """Prometheus HTTP service discovery (``http_sd_configs``) of every worker's
-        ``/metrics``, from the registry. Not public by default: it names internal
-        addresses (Prometheus sends the API key as ``authorization``)."""
+        ``/metrics``, from the registry. An admin endpoint: it names internal addresses
+        (Prometheus sends the admin API key as ``authorization``)."""
         return JSONResponse([t for r in routers
                              for t in r.pool.metrics_targets(r.served_model_name)])
 

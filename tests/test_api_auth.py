@@ -2,11 +2,12 @@
 prefill and one decode worker in this process on the demo model, and two routers that
 find them through Redis:
 
-- ``pdserve serve``'s router, built from its parsed flags (``--api-key`` twice and
-  ``--api-key-file``) by the code ``pdserve serve`` runs (``_make_router``,
-  ``run_router``: HTTP and gRPC on one event loop);
-- ``python -m pdserve.router`` as a subprocess, its key from ``VLLM_API_KEY`` and
-  ``--public-endpoints ''``.
+- ``pdserve serve``'s router, built from its parsed flags (``--api-key`` twice,
+  ``--api-key-file`` and ``--admin-api-key-file``) by the code ``pdserve serve`` runs
+  (``_make_router``, ``run_router``: HTTP and gRPC on one event loop), with a
+  ``PoolScaler`` that owns the two workers (so ``/admin/scale`` answers);
+- ``python -m pdserve.router`` as a subprocess on 0.0.0.0, its key from ``VLLM_API_KEY``,
+  ``--public-endpoints ''`` and no admin key (admin endpoints for loopback clients only).
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.demo_model import make_demo_model
 from pdserve.entrypoints.cli import build_parser
 from pdserve.entrypoints.redis_server import RedisServer, free_port
+from pdserve.entrypoints.scaling import PoolScaler
 from pdserve.entrypoints.serve import Interrupts, _ServeRun, bind_listener, run_router
 from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
-from pdserve.router.auth import ApiKeyAuth, load_api_keys
-from pdserve.router.flags import api_auth_from_args
+from pdserve.router.auth import AdminAuth, ApiKeyAuth, is_loopback, load_api_keys
+from pdserve.router.flags import admin_auth_from_args, api_auth_from_args, log_exposure
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http import build_app
 
@@ -49,6 +51,7 @@ openai = pytest.importorskip("openai")
 MAX_MODEL_LEN = 256
 KEY, SECOND_KEY, FILE_KEY = "sk-first-0123456789abcdef", "sk-second", "sk-from-the-file"
 VLLM_KEY = "sk-vllm-env-key"
+ADMIN_KEY = "sk-admin-from-the-file"
 PROMPT = "The quick brown fox jumps over the lazy dog and then it runs far away"
 START_TIMEOUT_S = 60
 # counters that move as soon as the router routes a request
@@ -104,8 +107,11 @@ class RouterThread:
 @dataclass
 class Cluster:
     model: Path
-    served: RouterThread  # pdserve serve's router: KEY, SECOND_KEY, FILE_KEY
-    plain_url: str  # python -m pdserve.router: VLLM_KEY, no public endpoint
+    served: RouterThread  # pdserve serve's router: KEY, SECOND_KEY, FILE_KEY; ADMIN_KEY
+    plain_url: str  # python -m pdserve.router on 0.0.0.0: VLLM_KEY, no public endpoint
+    plain_port: int
+    plain_log: Path
+    redis_url: str
 
     def client(self, api_key: str, url: str | None = None) -> openai.OpenAI:
         return openai.OpenAI(base_url=(url or self.served.url) + "/v1", api_key=api_key,
@@ -117,17 +123,25 @@ class Cluster:
                 if line.startswith(ROUTED)]
 
 
-def start_plain_router(model: Path, redis_url: str, log: Path) -> tuple[subprocess.Popen, str]:
+KEY_VARIABLES = ("PDSERVE_API_KEY", "VLLM_API_KEY", "PDSERVE_ADMIN_API_KEY", "OPENAI_API_KEY")
+
+
+def start_plain_router(model: Path, redis_url: str, log: Path,
+                       api_key: str | None = VLLM_KEY) -> tuple[subprocess.Popen, str, int]:
+    """``python -m pdserve.router`` on every address (0.0.0.0), with no admin key and
+    ``api_key`` (None: no key) in ``VLLM_API_KEY``."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("PDSERVE_API_KEY", "VLLM_API_KEY")}
+    env = {k: v for k, v in os.environ.items() if k not in KEY_VARIABLES}
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.router", "--redis-url", redis_url,
              "--model", str(model), "--max-model-len", str(MAX_MODEL_LEN),
-             "--port", str(port), "--public-endpoints", "", "--log-level", "info"],
+             "--host", "0.0.0.0", "--port", str(port), "--public-endpoints", "",
+             "--log-level", "info"],
             stdout=out, stderr=subprocess.STDOUT,
-            env={**env, "VLLM_API_KEY": VLLM_KEY, SECRET_ENV: TEST_SECRET})
-    return proc, f"http://127.0.0.1:{port}"
+            env={**env, **({"VLLM_API_KEY": api_key} if api_key else {}),
+                 SECRET_ENV: TEST_SECRET})
+    return proc, f"http://127.0.0.1:{port}", port
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
@@ -151,6 +165,8 @@ def cluster(tmp_path_factory):
     model = make_demo_model(root / "demo")
     key_file = root / "keys.txt"
     key_file.write_text(f"\n  {FILE_KEY}  \n\n")
+    admin_file = root / "admin-keys.txt"
+    admin_file.write_text(f"{ADMIN_KEY}\n")
     engine = EngineConfig(str(model), dtype="float32", max_model_len=MAX_MODEL_LEN,
                           load_progress=False, num_gpu_blocks_override=64, num_threads=1)
     loop = asyncio.new_event_loop()
@@ -161,7 +177,8 @@ def cluster(tmp_path_factory):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
 
     with RedisServer() as redis:
-        plain, plain_url = start_plain_router(model, redis.url, root / "router.log")
+        plain, plain_url, plain_port = start_plain_router(model, redis.url,
+                                                          root / "router.log")
         workers = [PrefillWorker(WorkerConfig("prefill", engine, redis_url=redis.url,
                                               auth=TEST_AUTH)),
                    DecodeWorker(WorkerConfig("decode", engine, redis_url=redis.url,
@@ -173,13 +190,21 @@ def cluster(tmp_path_factory):
             args = build_parser().parse_args(
                 ["serve", "--model", str(model), "--dtype", "float32", "--max-model-len",
                  str(MAX_MODEL_LEN), "--redis-url", redis.url, "--api-key", KEY,
-                 "--api-key", SECOND_KEY, "--api-key-file", str(key_file)])
+                 "--api-key", SECOND_KEY, "--api-key-file", str(key_file),
+                 "--admin-api-key-file", str(admin_file)])
             run = _ServeRun(args, Interrupts())
-            router, background = run._make_router(run.models[0], redis.url, TEST_AUTH)
-            served = RouterThread(router, build_app(router, api_auth=run.api_auth,
-                                                    background=background))
+            # NOTE: pdserve serve's scaler, owning this module's two workers (no launcher:
+            # /admin/scale to the sizes they have starts and stops nothing)
+            scaler = PoolScaler(None, {"prefill": None, "decode": None}, 1, 1.0)
+            for worker in workers:
+                scaler.adopt(worker.config.role, worker, worker.worker_id)
+            router, background = run._make_router(run.models[0], redis.url, TEST_AUTH,
+                                                  scaler)
+            served = RouterThread(router, build_app(
+                router, api_auth=run.api_auth, admin_auth=run.admin_auth, scaler=scaler,
+                background=background))
             wait_ready(plain, plain_url, root / "router.log")
-            yield Cluster(model, served, plain_url)
+            yield Cluster(model, served, plain_url, plain_port, root / "router.log", redis.url)
         finally:
             plain.terminate()
             plain.wait(30)
@@ -408,6 +433,156 @@ def test_plain_router_takes_vllm_api_key_and_protects_every_path(cluster):
         cluster.client(KEY, url).models.list()
 
 
+# Operators apart from clients: the admin endpoints.
+
+ADMIN_PATHS = (("POST", "/admin/scale", {"prefill_workers": 1, "decode_workers": 1}),
+               ("GET", "/admin/pools", None), ("GET", "/metrics/targets", None))
+NEEDS_ADMIN = {"error": {"message": "This endpoint needs an admin API key "
+                         "(--admin-api-key); a client API key is not accepted here.",
+                         "type": "permission_error", "param": None,
+                         "code": "admin_key_required"}}
+
+
+def admin_call(url: str, method: str, path: str, body, headers=None) -> httpx.Response:
+    return httpx.request(method, url + path, json=body, headers=headers or {}, timeout=30)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.mark.parametrize("key", [KEY, SECOND_KEY, FILE_KEY])
+def test_a_client_key_gets_403_on_the_admin_endpoints(cluster, key):
+    before = cluster.served.router.pool.metrics_targets(cluster.served.router.served_model_name)
+    for method, path, body in ADMIN_PATHS:
+        reply = admin_call(cluster.served.url, method, path, body, bearer(key))
+        assert (reply.status_code, reply.json()) == (403, NEEDS_ADMIN), path
+    assert before  # the refused call changed nothing, and the targets do exist
+
+
+@pytest.mark.parametrize("headers, body", [
+    ({}, MISSING), (bearer("sk-wrong"), INVALID), (bearer(ADMIN_KEY + "x"), INVALID),
+    ({"Authorization": f"Basic {ADMIN_KEY}"}, MALFORMED)], ids=["none", "wrong", "longer",
+                                                                "basic"])
+def test_no_or_an_unknown_key_gets_401_on_the_admin_endpoints(cluster, headers, body):
+    for method, path, request in ADMIN_PATHS:
+        reply = admin_call(cluster.served.url, method, path, request, headers)
+        assert (reply.status_code, reply.json()) == (401, body), path
+        assert reply.headers["www-authenticate"] == "Bearer"
+
+
+def test_the_admin_key_gets_200_on_the_admin_endpoints(cluster):
+    headers = bearer(ADMIN_KEY)
+    sizes = {"prefill_workers": 1, "decode_workers": 1}
+    scaled = admin_call(cluster.served.url, "POST", "/admin/scale", sizes, headers)
+    assert (scaled.status_code, scaled.json()) == (200, sizes)
+    pools = admin_call(cluster.served.url, "GET", "/admin/pools", None, headers)
+    assert (pools.status_code, pools.json()) == (200, sizes)
+    targets = admin_call(cluster.served.url, "GET", "/metrics/targets", None, headers)
+    assert targets.status_code == 200
+    roles = sorted(t["labels"]["__meta_pdserve_role"] for t in targets.json())
+    assert roles == ["decode", "prefill"]
+
+
+def test_the_admin_key_is_a_client_key_too_over_http_and_grpc(cluster):
+    reply = cluster.client(ADMIN_KEY).completions.create(
+        model=str(cluster.model), prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 2
+    results = asyncio.run(grpc_calls(cluster.served.grpc_address,
+                                     (("authorization", f"Bearer {ADMIN_KEY}"),)))
+    assert list(results["ListModels"].models) == [str(cluster.model)]
+
+
+def non_loopback_ipv4() -> str | None:
+    """One of this machine's IPv4 addresses that is not loopback: the default route's
+    source address, else one its host name resolves to; None when it has none."""
+    candidates = []
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # TEST-NET-1: nothing is sent, the route is looked up
+        candidates.append(s.getsockname()[0])
+    with contextlib.suppress(OSError):
+        candidates += [info[4][0] for info in socket.getaddrinfo(
+            socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)]
+    return next((a for a in candidates if a != "0.0.0.0" and not is_loopback(a)), None)
+
+
+def test_without_an_admin_key_only_loopback_reaches_the_admin_endpoints(cluster):
+    address = non_loopback_ipv4()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect through")
+    remote = f"http://{address}:{cluster.plain_port}"
+    key = bearer(VLLM_KEY)
+    assert httpx.get(remote + "/v1/models", headers=key, timeout=30).status_code == 200
+    for method, path, body in ADMIN_PATHS:
+        for headers in ({}, key):  # whatever key a remote client sends
+            reply = admin_call(remote, method, path, body, headers)
+            assert reply.status_code == 403, (path, reply.text)
+            assert reply.json()["error"]["code"] == "admin_loopback_only"
+            assert "loopback" in reply.json()["error"]["message"]
+    local = admin_call(cluster.plain_url, "GET", "/metrics/targets", None)
+    assert local.status_code == 200 and len(local.json()) == 2
+    # a router run alone owns no workers: its answer, past the loopback check
+    assert admin_call(cluster.plain_url, "GET", "/admin/pools", None).status_code == 501
+    # through a proxy on this machine, a client is not a loopback one
+    proxied = admin_call(cluster.plain_url, "GET", "/metrics/targets", None,
+                         {"X-Forwarded-For": "127.0.0.1"})
+    assert proxied.status_code == 403
+    log = cluster.plain_log.read_text()
+    assert "admin endpoints (/admin/*, /metrics/targets) answer loopback clients only" in log
+    assert "THE API IS OPEN" not in log  # it has a client key
+
+
+def test_an_open_api_on_every_address_is_a_start_up_warning(cluster, tmp_path):
+    log = tmp_path / "open-router.log"
+    proc, _, _ = start_plain_router(cluster.model, cluster.redis_url, log, api_key=None)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "THE API IS OPEN" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    (line,) = [line for line in log.read_text().splitlines() if "THE API IS OPEN" in line]
+    assert " WARNING pdserve.router.flags: " in line
+    assert "no client API key" in line and "listens on 0.0.0.0, port(s)" in line
+
+
+def scale_cli(url: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in KEY_VARIABLES}
+    return subprocess.run([sys.executable, "-m", "pdserve.entrypoints.cli", "scale", "--url",
+                           url, *args], capture_output=True, text=True, timeout=120,
+                          env={**clean, **env}, check=False)
+
+
+def test_pdserve_scale_sends_only_the_admin_key(cluster, tmp_path):
+    url = cluster.served.url
+    # client keys in the variables an OpenAI client reads: never sent, so no key at all
+    for env in ({"OPENAI_API_KEY": KEY}, {"PDSERVE_API_KEY": KEY, "OPENAI_API_KEY": KEY}):
+        refused = scale_cli(url, env)
+        assert refused.returncode == 1
+        assert refused.stderr.strip() == f"pdserve scale: 401: {MISSING['error']['message']}"
+    wrong = scale_cli(url, {}, "--admin-api-key", KEY)  # a client key, given as admin
+    assert wrong.returncode == 1 and "403: This endpoint needs an admin API key" in wrong.stderr
+    sizes = '{"prefill_workers": 1, "decode_workers": 1}'
+    from_env = scale_cli(url, {"PDSERVE_ADMIN_API_KEY": ADMIN_KEY, "OPENAI_API_KEY": KEY})
+    assert (from_env.returncode, from_env.stdout.strip()) == (0, sizes), from_env.stderr
+    key_file = tmp_path / "admin"
+    key_file.write_text(ADMIN_KEY + "\n")
+    from_file = scale_cli(url, {}, "--admin-api-key-file", str(key_file), "--prefill", "1")
+    assert (from_file.returncode, from_file.stdout.strip()) == (0, sizes), from_file.stderr
+    empty = scale_cli(url, {"PDSERVE_ADMIN_API_KEY": ""})
+    assert empty.returncode == 2 and "PDSERVE_ADMIN_API_KEY: the API key is empty" in \
+        empty.stderr
+
+
+def test_pdserve_scale_needs_no_key_on_loopback_without_an_admin_key(cluster):
+    reply = scale_cli(cluster.plain_url, {"OPENAI_API_KEY": VLLM_KEY})
+    assert reply.returncode == 1  # past the loopback check: a router alone has no scaler
+    assert reply.stderr.startswith("pdserve scale: 501:"), reply.stderr
+
+
 # The key sources, as the flags and environment give them (no cluster).
 
 def parse(*argv: str):
@@ -500,3 +675,58 @@ def test_public_endpoints_flag():
 def test_keys_never_show_in_a_repr():
     auth = ApiKeyAuth.of(["sk-secret"])
     assert "sk-secret" not in repr(auth) and "key_digests" not in repr(auth)
+
+
+def test_admin_keys_from_flags_file_and_environment(tmp_path):
+    key_file = tmp_path / "admin"
+    key_file.write_text("sk-admin-a\nsk-admin-b\n")
+    admin = admin_auth_from_args(parse("--admin-api-key-file", str(key_file)),
+                                 environ={"PDSERVE_ADMIN_API_KEY": "sk-admin-env"})
+    assert len(admin.key_digests) == 2 and admin.has_keys
+    admin = admin_auth_from_args(parse(), environ={"PDSERVE_ADMIN_API_KEY": "sk-admin-env"})
+    assert len(admin.key_digests) == 1
+    # a client key's variables are never an admin key's
+    assert not admin_auth_from_args(parse(), environ={"PDSERVE_API_KEY": "sk-a",
+                                                      "VLLM_API_KEY": "sk-b"}).has_keys
+    with pytest.raises(ValueError, match="^PDSERVE_ADMIN_API_KEY: the API key is empty"):
+        admin_auth_from_args(parse(), environ={"PDSERVE_ADMIN_API_KEY": ""})
+    client = api_auth_from_args(parse("--api-key", "sk-same"), environ={})
+    with pytest.raises(ValueError, match="admin API key is also a client API key"):
+        admin_auth_from_args(parse("--admin-api-key", "sk-same"), client, environ={})
+
+
+@pytest.mark.parametrize("paths", ["/health,/admin/scale", "/metrics/targets", "/admin",
+                                   "/admin/pools/x"])
+def test_an_admin_endpoint_cannot_be_public(capsys, paths):
+    with pytest.raises(SystemExit) as info:
+        parse("--public-endpoints", paths)
+    assert info.value.code == 2
+    error = capsys.readouterr().err
+    assert "argument --public-endpoints:" in error and "is an admin endpoint" in error
+    with pytest.raises(ValueError, match="is an admin endpoint"):
+        ApiKeyAuth.of([KEY], public_paths=paths.split(","))
+
+
+@pytest.mark.parametrize("host, api_key, open_warning, admin_line", [
+    ("0.0.0.0", None, True, "answer loopback clients only"),
+    ("::", None, True, "answer loopback clients only"),
+    ("10.1.2.3", None, True, "are unreachable"),
+    ("10.1.2.3", "sk-a", False, "are unreachable"),
+    ("127.0.0.1", None, False, "answer loopback clients only"),
+    ("localhost", None, False, "answer loopback clients only"),
+    ("::1", None, False, "answer loopback clients only"),
+])
+def test_start_up_says_what_is_exposed(caplog, host, api_key, open_warning, admin_line):
+    api_auth = ApiKeyAuth.of([api_key]) if api_key else None
+    with caplog.at_level("INFO", logger="pdserve.router.flags"):
+        log_exposure(host, api_auth, AdminAuth(), "8000 (HTTP)")
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert bool(warnings) == open_warning
+    if open_warning:
+        assert "THE API IS OPEN" in warnings[0].getMessage() and host in warnings[0].getMessage()
+    infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(infos) == 1 and admin_line in infos[0]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pdserve.router.flags"):
+        log_exposure(host, api_auth, AdminAuth.of(["sk-admin"]))
+    assert [r.levelname for r in caplog.records] == (["WARNING"] if open_warning else [])

@@ -4,6 +4,7 @@ with ``check-jsonschema`` (PyPI). The validator must also catch what a typo woul
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -101,3 +102,168 @@ def test_the_ray_version_matches_the_image_and_allows_token_auth():
     assert f"ARG RAY_VERSION={version}\n" in dockerfile
     if cluster["spec"].get("authOptions", {}).get("mode") == "token":
         assert tuple(int(p) for p in version.split(".")) >= (2, 52, 0)
+
+
+# networkpolicy.yaml: its selectors and ports must fit the pods and ports pdserve.yaml
+# declares, or the policies cut the cluster off from itself (or protect nothing).
+
+def pod_templates(docs: list[dict]) -> dict[str, dict]:
+    """``{"router" | "worker" | "redis": pod template}`` of pdserve.yaml, each template's
+    labels with the ones KubeRay adds to the RayCluster's pods."""
+    cluster = next(d for d in docs if d["kind"] == "RayCluster")
+    redis = next(d for d in docs if d["kind"] == "Deployment")
+    name = cluster["metadata"]["name"]
+    head = cluster["spec"]["headGroupSpec"]["template"]
+    (group,) = cluster["spec"]["workerGroupSpecs"]
+    kuberay = {"ray.io/cluster": name}
+    return {
+        "router": {**head, "labels": {**head.get("metadata", {}).get("labels", {}), **kuberay,
+                                      "ray.io/node-type": "head", "ray.io/group": "headgroup"}},
+        "worker": {**group["template"],
+                   "labels": {**group["template"].get("metadata", {}).get("labels", {}),
+                              **kuberay, "ray.io/node-type": "worker",
+                              "ray.io/group": group["groupName"]}},
+        "redis": {**redis["spec"]["template"],
+                  "labels": redis["spec"]["template"]["metadata"]["labels"]},
+    }
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """Kubernetes' label selector semantics (matchLabels and matchExpressions)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {"In": key in labels and labels[key] in values,
+              "NotIn": key not in labels or labels[key] not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def container_ports(template: dict) -> dict[str, int]:
+    return {p.get("name", str(p["containerPort"])): p["containerPort"]
+            for c in template["spec"]["containers"] for p in c.get("ports", [])}
+
+
+def policy_problems(docs: list[dict], policies: list[dict]) -> list[str]:
+    """What is wrong with ``policies`` (networkpolicy.yaml) for ``docs`` (pdserve.yaml);
+    empty when they fit."""
+    pods = pod_templates(docs)
+    by_name = {p["metadata"]["name"]: p for p in policies}
+    problems = []
+    wanted = {"pdserve-workers": "worker", "pdserve-router": "router", "pdserve-redis": "redis"}
+    for name, role in wanted.items():
+        policy = by_name.get(name)
+        if policy is None:
+            problems.append(f"no NetworkPolicy {name}")
+            continue
+        spec = policy["spec"]
+        chosen = [r for r, pod in pods.items() if selects(spec["podSelector"], pod["labels"])]
+        if chosen != [role]:
+            problems.append(f"{name} selects {chosen}, not [{role!r}]")
+        if spec.get("policyTypes") != ["Ingress"]:
+            problems.append(f"{name}: policyTypes {spec.get('policyTypes')}")
+        for rule in spec.get("ingress", []):
+            for peer in rule.get("from", []):
+                if set(peer) != {"podSelector"}:
+                    problems.append(f"{name}: a peer beyond this namespace's pods: {peer}")
+                    continue
+                reached = [r for r, pod in pods.items()
+                           if selects(peer["podSelector"], pod["labels"])]
+                if not reached or "redis" in reached:
+                    problems.append(f"{name}: a peer selecting {reached}")
+    # the workers: reached by the router and by each other (KV transfer), on any port
+    # (theirs are picked free at start), and by nobody else
+    workers = by_name.get("pdserve-workers", {"spec": {}})["spec"]
+    peers = {r for rule in workers.get("ingress", []) for peer in rule.get("from", [None])
+             for r, pod in pods.items() if peer is None or selects(peer["podSelector"],
+                                                                    pod["labels"])}
+    if peers != {"router", "worker"}:
+        problems.append(f"pdserve-workers admits {sorted(peers)}, not the router and workers")
+    if any("from" not in rule for rule in workers.get("ingress", [])):
+        problems.append("pdserve-workers has a rule open to every pod")
+    # the router: its API ports open, as the head container and the Service declare them
+    head = pods["router"]
+    ports = container_ports(head)
+    script = head["spec"]["containers"][0]["args"][0]
+    service = next(d for d in docs if d["kind"] == "Service" and
+                   d["metadata"]["name"] == "pdserve-router")
+    api = {ports["http"], ports["grpc"]}
+    flags = {int(re.search(rf"--{flag} (\d+)", script).group(1))
+             for flag in ("port", "grpc-port")}
+    targets = {p["targetPort"] for p in service["spec"]["ports"]}
+    router = by_name.get("pdserve-router", {"spec": {}})["spec"]
+    open_ports = {p["port"] for rule in router.get("ingress", []) if "from" not in rule
+                  for p in rule.get("ports", [])}
+    for what, expected in (("the container's http/grpc ports", api),
+                           ("pdserve serve's --port/--grpc-port", flags),
+                           ("the Service's targetPorts", targets)):
+        if open_ports != expected:
+            problems.append(f"pdserve-router opens {sorted(open_ports)} to all, "
+                            f"{what} are {sorted(expected)}")
+    # Redis: its port, to the cluster's pods
+    redis_port = container_ports(pods["redis"])["redis"]
+    redis = by_name.get("pdserve-redis", {"spec": {}})["spec"]
+    redis_ports = {p["port"] for rule in redis.get("ingress", []) for p in rule.get("ports", [])}
+    if redis_ports != {redis_port}:
+        problems.append(f"pdserve-redis opens {sorted(redis_ports)}, Redis listens on "
+                        f"{redis_port}")
+    return problems
+
+
+def test_the_network_policies_fit_the_pods_and_ports():
+    docs = documents(DEPLOY / "pdserve.yaml")
+    policies = documents(DEPLOY / "networkpolicy.yaml")
+    assert {p["kind"] for p in policies} == {"NetworkPolicy"}
+    assert policy_problems(docs, policies) == []
+
+
+def _set_worker_label(docs, policies):
+    group = next(d for d in docs if d["kind"] == "RayCluster")["spec"]["workerGroupSpecs"][0]
+    group["template"]["metadata"]["labels"]["app.kubernetes.io/component"] = "gpu-worker"
+
+
+def _move_grpc_port(docs, policies):
+    head = next(d for d in docs if d["kind"] == "RayCluster")["spec"]["headGroupSpec"]
+    for port in head["template"]["spec"]["containers"][0]["ports"]:
+        if port["name"] == "grpc":
+            port["containerPort"] = 50051
+
+
+def _open_the_workers(docs, policies):
+    policies[0]["spec"]["ingress"].append({"ports": [{"protocol": "TCP", "port": 9000}]})
+
+
+def _router_label_typo(docs, policies):
+    policies[0]["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"][
+        "app.kubernetes.io/component"] = "routr"
+
+
+def _wrong_redis_port(docs, policies):
+    policies[2]["spec"]["ingress"][0]["ports"][0]["port"] = 6380
+
+
+def _public_ray_port(docs, policies):
+    policies[1]["spec"]["ingress"][0]["ports"].append({"protocol": "TCP", "port": 8265})
+
+
+@pytest.mark.parametrize("break_it", [_set_worker_label, _move_grpc_port, _open_the_workers,
+                                      _router_label_typo, _wrong_redis_port, _public_ray_port],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_the_policy_check_catches_a_wrong_label_or_port(break_it):
+    docs = documents(DEPLOY / "pdserve.yaml")
+    policies = documents(DEPLOY / "networkpolicy.yaml")
+    assert [p["metadata"]["name"] for p in policies] == ["pdserve-workers", "pdserve-router",
+                                                        "pdserve-redis"]
+    break_it(docs, policies)
+    assert policy_problems(docs, policies) != []
+
+
+def test_the_head_takes_the_admin_key_from_the_secret():
+    head = _one("RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in head["env"]}
+    assert env["PDSERVE_ADMIN_API_KEY"] == {"name": "pdserve-secrets", "key": "admin-api-key",
+                                            "optional": True}
+    assert "--admin-api-key" not in head["args"][0]  # never on a command line

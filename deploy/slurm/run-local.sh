@@ -81,7 +81,7 @@ job_gone() { ! squeue -h -j "$JOB_ID" 2>/dev/null | grep -q .; }
 node_idle() { [[ $(sinfo -h -N -n "$NODE" -o %t) == idle ]]; }
 
 [[ $(id -u) == 0 ]] || fail "run as root: munged, slurmctld and slurmd run as root here"
-for tool in munged mungekey slurmctld slurmd sbatch squeue scancel sinfo pdserve python3; do
+for tool in munged mungekey slurmctld slurmd sbatch sbcast squeue scancel sinfo pdserve python3; do
   command -v "$tool" >/dev/null || fail "$tool is not on PATH (apt-get install slurm-wlm munge)"
 done
 
@@ -249,7 +249,7 @@ inspect_job() {
     [[ $names == *" $name"* ]] || fail "no $name among the job's processes"
   done
   (($(listeners | wc -l) >= ${#PORTS[@]})) || fail "not all of ${PORTS[*]} listen: $(listeners | xargs)"
-  JOB_DIR=$HOME/.pdserve/slurm-$JOB_ID
+  JOB_DIR=/tmp/pdserve-$JOB_ID  # the node-local folder (PDSERVE_LOCAL_DIR's default)
   [[ $(stat -c %a "$JOB_DIR/redis-password") == 600 ]] || fail "the Redis password file is not 0600"
   if grep -lsF -- "$(cat "$JOB_DIR/redis-password")" /proc/[0-9]*/cmdline; then
     fail "the Redis password is on a command line"
@@ -272,8 +272,8 @@ stop_job() {
   # parent's death may exit a moment after the job has
   wait_until "the processes of job $JOB_ID to exit" 60 none_alive
   [[ -z $(listeners) ]] || fail "still listening after $how: $(listeners | xargs)"
-  [[ ! -e $JOB_DIR ]] || fail "the job's secrets folder $JOB_DIR is left"
-  rm -rf "/tmp/pdserve-ray-$JOB_ID"  # NOTE: Ray's logs; this cluster's job ids restart at 1
+  # NOTE: Ray's temp folder is inside it
+  [[ ! -e $JOB_DIR ]] || fail "the job's node-local folder $JOB_DIR is left"
   log "job $JOB_ID ended after $how: none of its ${#PIDS[@]} processes is left (the last" \
       "$((SECONDS - ended)) s after the job), no port listens, its secrets folder is gone"
   log "the end of job $JOB_ID's output:"

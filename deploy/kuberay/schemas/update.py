@@ -29,7 +29,7 @@ import yaml
 HERE = Path(__file__).parent
 # The built-in kinds deploy/kuberay uses; add a kind here when a manifest starts using it.
 KUBERNETES_KINDS = ("deployment-apps-v1", "service-v1",
-                    "persistentvolumeclaim-v1")
+                    "persistentvolumeclaim-v1", "networkpolicy-networking-v1")
 _REF = re.compile(r"^(?:/api/_definitions\.json)?#/\$defs/(.+)$")
 
 
