@@ -143,7 +143,7 @@ def cluster(tmp_path_factory):
         launcher.launch(WorkerConfig("prefill", **common), 2, workers_on_node=4)
         launcher.launch(WorkerConfig("decode", **common), 2, workers_on_node=4)
         router = Router(RouterConfig(model, redis.url, max_model_len=MAX_MODEL_LEN,
-                                     request_timeout_s=120.0, prefill_timeout_s=60.0,
+                                     health_timeout_s=5.0,
                                      disaggregation="always", auth=TEST_AUTH))
         port = free_port()
 
