@@ -183,12 +183,13 @@ class SessionRequest:
         if silent_s < self.session.stall_s:
             self._timer = loop.call_later(self.session.stall_s - silent_s, self._check_stall)
         else:
-            self._probe = loop.create_task(self._probe_worker(silent_s))
+            self._probe = loop.create_task(self._probe_worker())
 
-    async def _probe_worker(self, silent_s: float) -> None:
+    async def _probe_worker(self) -> None:
         alive = await self.session.alive()
         if self.done:
             return
+        silent_s = asyncio.get_running_loop().time() - self.heard_at
         if alive:  # merely slow: ask again after another stall interval of silence
             self._timer = asyncio.get_running_loop().call_later(self.session.stall_s,
                                                                 self._check_stall)
