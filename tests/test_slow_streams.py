@@ -24,6 +24,7 @@ to it has been silent for ``STALL_S``; a worker that leaves ``THRESHOLD`` Health
   ALREADY_EXISTS; ids shaped like another request's attempt ids (``<id>.<n>``) run beside
   it undisturbed; an id is free again once its request has ended. Over HTTP no field sets
   the id: a body ``request_id`` is refused with 400.
+- Every one of those deadlines, and the workers', is a flag (no cluster needed).
 """
 
 from __future__ import annotations
@@ -385,3 +386,49 @@ def test_http_has_no_request_id_field(cluster):
         response = http.post("/v1/completions", json=body)
     assert response.status_code == 400
     assert "request_id" in response.json()["error"]["message"]
+
+
+def test_every_timeout_is_a_flag(monkeypatch):
+    """The router's deadlines are flags of ``python -m pdserve.router`` and ``pdserve
+    serve`` (into ``RouterConfig``), the workers' of their command line and of ``pdserve
+    serve``; a value out of range stops start-up naming the flag."""
+    import argparse
+
+    from pdserve.cluster.auth import SECRET_ENV
+    from pdserve.cluster.worker_config import add_worker_args, worker_config_from_args
+    from pdserve.engine.args import add_engine_args
+    from pdserve.entrypoints.cli import build_parser
+    from pdserve.router.__main__ import parse_args
+    from pdserve.router.flags import lifecycle_kwargs
+
+    router_flags = ["--stall-interval-s", "2.5", "--health-check-interval-s", "0.25",
+                    "--health-check-timeout-s", "4", "--health-failure-threshold", "5",
+                    "--control-timeout-s", "7"]
+    worker_flags = ["--kv-transfer-timeout-s", "11", "--kv-connect-timeout-s", "3",
+                    "--kv-alloc-timeout-s", "9", "--kv-lease-s", "13"]
+    wanted = {"stall_interval_s": 2.5, "health_interval_s": 0.25, "health_timeout_s": 4.0,
+              "health_failure_threshold": 5, "control_timeout_s": 7.0}
+    serve = build_parser().parse_args(["serve", *router_flags, *worker_flags])
+    alone = parse_args(["--model", "m", "--redis-url", "redis://x", *router_flags])
+    for args in (serve, alone):
+        kwargs = lifecycle_kwargs(args)
+        assert {k: kwargs[k] for k in wanted} == wanted
+        config = RouterConfig("m", "redis://x", **kwargs)
+        assert {k: getattr(config, k) for k in wanted} == wanted
+    assert (serve.kv_transfer_timeout_s, serve.kv_connect_timeout_s,
+            serve.kv_alloc_timeout_s, serve.kv_lease_s) == (11, 3, 9, 13)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    add_worker_args(parser)
+    monkeypatch.setenv(SECRET_ENV, "s" * 64)
+    worker = worker_config_from_args("decode", parser.parse_args(["--model", "m",
+                                                                  *worker_flags]))
+    assert (worker.kv_transfer_timeout_s, worker.kv_connect_timeout_s,
+            worker.kv_alloc_timeout_s, worker.lease_s) == (11, 3, 9, 13)
+    for flag, value in (("--stall-interval-s", "0"), ("--health-check-timeout-s", "-1"),
+                        ("--control-timeout-s", "inf"), ("--health-failure-threshold", "0")):
+        with pytest.raises(ValueError, match=flag):
+            lifecycle_kwargs(build_parser().parse_args(["serve", flag, value]))
+    with pytest.raises(ValueError, match="kv_alloc_timeout_s"):
+        worker_config_from_args("decode", parser.parse_args(["--model", "m",
+                                                             "--kv-alloc-timeout-s", "0"]))
