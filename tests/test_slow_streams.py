@@ -19,6 +19,8 @@ to it has been silent for ``STALL_S``; a worker that leaves ``THRESHOLD`` Health
 
 - A worker stopped for good mid-stream (alive, but answering nothing) is found dead within
   the stall interval plus its Health tries; the stream migrates and completes.
+- A prefill worker stopped for good as a Prefill call reaches it is dead likewise; the
+  prompt is prefilled on a decode worker instead (a prefill worker process waits for it).
 - ``request_id`` over real gRPC: too long or with a character outside ``[A-Za-z0-9._:-]``:
   INVALID_ARGUMENT naming the field and the limit; the id of a running request:
   ALREADY_EXISTS; ids shaped like another request's attempt ids (``<id>.<n>``) run beside
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -50,22 +53,28 @@ from inproc_cluster import uvicorn_server
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.engine import SamplingParams
 from pdserve.engine.demo_model import make_demo_model
+from pdserve.engine.tokenizer import encode_prompt
 from pdserve.entrypoints.redis_server import RedisServer
 from pdserve.proto import common_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http import build_app
 from pdserve.router.http_server import HTTPTimeouts
-from pdserve.router.service import Router, RouterConfig
+from pdserve.router.service import GenerateRequest, Router, RouterConfig
 
-MAX_MODEL_LEN = 2048  # the demo model's max_position_embeddings
+# the demo model, its context stretched from 2048 (random weights: any RoPE position
+# works) so that a 20-minute stream has the tokens it needs
+MAX_MODEL_LEN = 8192
 LONG_STREAM_S = float(os.environ.get("PDSERVE_LONG_STREAM_S", "45"))
-# tokens of the long stream: ~1.6 a second, which the pacing below can hold both ways
-BUDGET = max(48, min(MAX_MODEL_LEN - 64, int(LONG_STREAM_S * 1.6)))
+# Tokens of the long stream: 5 a second. A pacing cycle (a pause while ahead of that, then
+# a resume until the router has a token) gives a few tokens (4-5 on a loaded 2-core VM),
+# well under 5 a second, so the stream cannot end before LONG_STREAM_S; behind, cycles are
+# short and it catches up (or ends a little late, which is fine).
+BUDGET = max(64, min(MAX_MODEL_LEN - 64, int(LONG_STREAM_S * 5)))
 STALL_S = 0.5
 HEALTH_TIMEOUT_S = 3.0
 THRESHOLD = 3
 HTTP_TIMEOUTS = HTTPTimeouts(10.0, 20.0, 20.0)  # every deadline here is under 45 s
-PAUSE_AHEAD_S = 2.0  # pauses: over STALL_S (a probe each), under HEALTH_TIMEOUT_S
+PAUSE_AHEAD_S = 2.5  # pauses: over STALL_S (a probe each), under HEALTH_TIMEOUT_S
 PAUSE_BEHIND_S = 0.6
 PROMPT = "A long story about the sea, told one word at a time"
 
@@ -76,46 +85,55 @@ class Cluster:
     url: str
     grpc_address: str
     workers: list  # (process, ready info) per decode worker
+    prefill: tuple  # the prefill worker's (process, ready info); this router never uses it
+    model: str
+    redis_url: str
     loop: asyncio.AbstractEventLoop
 
     def call(self, coro, timeout_s: float = 120.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    def counters(self) -> dict[str, float]:
-        """The router's retry, migration and stall-probe counters now."""
-        registry = self.router.metrics.registry
-        name = self.router.served_model_name
+    def counters(self, router: Router | None = None, role: str = "decode"
+                 ) -> dict[str, float]:
+        """``router``'s (default: the module's) retry, migration and stall-probe counters
+        (of ``role`` workers) now."""
+        metrics = (router or self.router).metrics
+        name = metrics.model_name
 
         def probes(result: str) -> float:
-            return registry.get_sample_value(
+            return metrics.registry.get_sample_value(
                 "pdserve:stall_probes_total",
-                {"model_name": name, "role": "decode", "result": result}) or 0.0
+                {"model_name": name, "role": role, "result": result}) or 0.0
 
-        return {"retries": self.router.metrics.request_retries._value.get(),
-                "migrations": self.router.metrics.request_migrations._value.get(),
+        return {"retries": metrics.request_retries._value.get(),
+                "migrations": metrics.request_migrations._value.get(),
                 "alive": probes("alive"), "dead": probes("dead")}
 
 
-def start_decode_worker(model: str, redis_url: str, ready_file):
-    return start_worker_process("decode", [
+def start_worker(role: str, model: str, redis_url: str, ready_file):
+    return start_worker_process(role, [
         "--model", model, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-        "--num-gpu-blocks-override", "512", "--redis-url", redis_url, "--num-threads", "1",
+        "--num-gpu-blocks-override", "1024", "--redis-url", redis_url, "--num-threads", "1",
         "--log-level", "WARNING"], ready_file, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     folder = tmp_path_factory.mktemp("slow")
-    model = str(make_demo_model(folder / "demo"))
+    model = make_demo_model(folder / "demo")
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = MAX_MODEL_LEN
+    (model / "config.json").write_text(json.dumps(config))
+    model = str(model)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     redis = RedisServer()
     workers = []
     try:
-        with ThreadPoolExecutor(2) as pool:  # NOTE: each takes a minute on a loaded CI VM
-            starts = [pool.submit(start_decode_worker, model, redis.url, folder / f"{n}.json")
-                      for n in ("a", "b")]
+        with ThreadPoolExecutor(3) as pool:  # NOTE: each takes a minute on a loaded CI VM
+            starts = [pool.submit(start_worker, role, model, redis.url, folder / f"{n}.json")
+                      for role, n in (("decode", "a"), ("decode", "b"), ("prefill", "p"))]
             errors = [start.exception() for start in starts]
             workers += [start.result() for start in starts if start.exception() is None]
         if any(errors):
@@ -134,15 +152,15 @@ def cluster(tmp_path_factory):
         port = server.servers[0].sockets[0].getsockname()[1]
         grpc_server, grpc_port = asyncio.run_coroutine_threadsafe(
             start_grpc_server(router, "127.0.0.1", 0), loop).result(30)
-        c = Cluster(router, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", workers,
-                    loop)
+        c = Cluster(router, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}",
+                    workers[:2], workers[2], model, redis.url, loop)
         wait_healthy(c, 2)
         yield c
         c.call(grpc_server.stop(1))
         server.should_exit = True
         serving.result(30)
     finally:
-        for proc, _ in workers:
+        for proc, _ in workers:  # NOTE: all three
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)
                 proc.kill()
@@ -302,6 +320,51 @@ def test_a_worker_stopped_for_good_is_dead_and_its_stream_migrates(cluster):
         assert time.monotonic() < deadline, state
         time.sleep(0.1)
     wait_healthy(cluster, 2)
+
+
+def test_a_prefill_worker_stopped_for_good_is_dead_and_its_prompt_moves(cluster):
+    """A prefill worker stopped (SIGSTOP) as a Prefill call reaches it gives no answer and
+    no Health: the router (a second one, sending every prompt to the prefill pool) finds
+    it dead within the stall interval and its Health tries, cancels the call, and the
+    prompt is prefilled on a decode worker instead; the request completes."""
+    proc = cluster.prefill[0]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+    async def main():
+        router = Router(RouterConfig(
+            cluster.model, cluster.redis_url, max_model_len=MAX_MODEL_LEN,
+            local_prefill_threshold=1, disaggregation="always", stall_interval_s=STALL_S,
+            health_timeout_s=HEALTH_TIMEOUT_S, health_failure_threshold=THRESHOLD,
+            auth=TEST_AUTH))
+        await router.start()
+        try:
+            for _ in range(600):
+                if any(w.healthy for w in router.pool.workers["prefill"].values()):
+                    break
+                await asyncio.sleep(0.1)
+            before = cluster.counters(router, "prefill")
+            prompt = encode_prompt(router.tokenizer, PROMPT)
+            proc.send_signal(signal.SIGSTOP)
+            start = time.monotonic()
+            tokens, finish = [], None
+            try:
+                async for chunk in router.generate(GenerateRequest("hung-prefill", prompt,
+                                                                   params)):
+                    tokens += chunk.token_ids
+                    finish = chunk.finish_reason or finish
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            return before, cluster.counters(router, "prefill"), tokens, finish, \
+                time.monotonic() - start, router.metrics.exposition().decode()
+        finally:
+            await router.stop()
+
+    before, after, tokens, finish, elapsed, metrics = cluster.call(main(), 180)
+    assert len(tokens) == params.max_tokens and finish == "length"
+    assert after["retries"] == before["retries"] + 1
+    assert after["dead"] == before["dead"] + 1 and after["alive"] == before["alive"]
+    assert re.search(r'pdserve:prefill_path_total\{[^}]*path="remote"[^}]*\} 1\.0', metrics)
+    assert elapsed < STALL_S + THRESHOLD * (HEALTH_TIMEOUT_S + 0.5) + 20, elapsed
 
 
 async def generate(stub, request_id: str, max_tokens: int):
