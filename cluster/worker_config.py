@@ -45,7 +45,10 @@ class WorkerConfig:
     its registry record are authenticated with; None runs without authentication (only
     for a worker built in-process; every command line sets one). ``redis_url`` may hold
     the Redis password. ``kv_connect_timeout_s`` bounds reaching a peer's KV store and
-    setting up a pair channel. ``metrics_port``: the port of the worker's Prometheus
+    setting up a pair channel; ``kv_transfer_timeout_s`` one KV transfer (the decode
+    worker's pull, the prefill worker's send); ``kv_alloc_timeout_s`` how long a decode
+    worker lets a request with prefilled KV wait for free blocks before refusing it
+    (RESOURCE_EXHAUSTED: the router tries another decode worker). ``metrics_port``: the port of the worker's Prometheus
     ``/metrics`` (bound on ``host``, advertised in the registry; 0 takes a free one, None
     serves none).
     """
@@ -64,6 +67,7 @@ class WorkerConfig:
     heartbeat_ttl_s: float = 3.0
     drain_grace_s: float = 30.0
     kv_connect_timeout_s: float = 5.0
+    kv_alloc_timeout_s: float = 30.0
     metrics_port: int | None = 0
     auth: ClusterAuth | None = field(default=None, repr=False)
 
@@ -72,8 +76,10 @@ class WorkerConfig:
             raise ValueError(f"role={self.role!r} must be one of {ROLES}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s={self.lease_s} must be > 0")
-        if self.kv_connect_timeout_s <= 0:
-            raise ValueError(f"kv_connect_timeout_s={self.kv_connect_timeout_s} must be > 0")
+        for name in ("kv_connect_timeout_s", "kv_transfer_timeout_s", "kv_alloc_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive number "
+                                 "of seconds")
         if self.engine.tensor_parallel_size > 1 and (
                 self.engine.kv_cache_dtype != "auto" or self.engine.device.startswith("cuda")):
             # NOTE: KVShards gathers and scatters float heads through shared memory
@@ -113,9 +119,16 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default="", help="registry id (default: generated)")
     parser.add_argument("--kv-lease-s", type=float, default=30.0,
                         help="seconds prefilled KV stays pinned waiting for its decode worker")
-    parser.add_argument("--kv-transfer-timeout-s", type=float, default=30.0)
+    parser.add_argument("--kv-transfer-timeout-s", type=float, default=30.0,
+                        help="seconds one KV transfer (a decode worker's pull, a prefill "
+                        "worker's send) may take; past it the pull fails and the router "
+                        "resumes the request without that KV")
     parser.add_argument("--kv-connect-timeout-s", type=float, default=5.0,
                         help="seconds to reach a peer's KV store and set up a pair channel")
+    parser.add_argument("--kv-alloc-timeout-s", type=float, default=30.0,
+                        help="decode workers: seconds a request with prefilled KV may wait "
+                        "for free KV blocks before it is refused (the router tries another "
+                        "decode worker)")
     parser.add_argument("--drain-grace-s", type=float, default=30.0,
                         help="on SIGTERM: seconds running requests and KV leases get to end "
                         "before the worker stops (the router migrates the rest)")
@@ -135,5 +148,6 @@ def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig
         advertise_host=args.advertise_host, redis_url=redis_url,
         worker_id=args.worker_id, lease_s=args.kv_lease_s,
         kv_transfer_timeout_s=args.kv_transfer_timeout_s, drain_grace_s=args.drain_grace_s,
-        kv_connect_timeout_s=args.kv_connect_timeout_s, metrics_port=args.metrics_port,
+        kv_connect_timeout_s=args.kv_connect_timeout_s,
+        kv_alloc_timeout_s=args.kv_alloc_timeout_s, metrics_port=args.metrics_port,
         auth=auth)

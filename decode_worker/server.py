@@ -236,7 +236,8 @@ class DecodeWorker(Worker):
             connect_timeout_s=self.config.kv_connect_timeout_s,
             kv_scales=runner.kv_scales if cache is runner.kv_cache else None)
         self.service = DecodeService(engine, self.receiver, self.worker_id, self._request_kv,
-                                     self.config.kv_transfer_timeout_s)
+                                     self.config.kv_transfer_timeout_s,
+                                     self.config.kv_alloc_timeout_s)
         servicer = DecodeWorkerServicer(self.service, self.runtime)
         self.runtime.start_metrics(self.receiver.counters)
         await self.runtime.start_server(

@@ -88,7 +88,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "private redis-server on a free loopback port)")
     parser.add_argument("--worker-host", default="127.0.0.1",
                         help="address workers bind for gRPC and KV transfer")
-    parser.add_argument("--kv-lease-s", type=float, default=30.0)
+    parser.add_argument("--kv-lease-s", type=float, default=30.0,
+                        help="seconds prefilled KV stays pinned waiting for its decode worker")
+    parser.add_argument("--kv-transfer-timeout-s", type=float, default=30.0,
+                        help="seconds one KV transfer (pull and send) may take; past it the "
+                        "request is resumed without that KV")
+    parser.add_argument("--kv-connect-timeout-s", type=float, default=5.0,
+                        help="seconds to reach a peer's KV store and set up a pair channel")
+    parser.add_argument("--kv-alloc-timeout-s", type=float, default=30.0,
+                        help="seconds a request with prefilled KV may wait for free blocks "
+                        "on its decode worker before it tries another")
     parser.add_argument("--drain-grace-s", type=float, default=30.0,
                         help="seconds a worker that `pdserve scale` removes gives its "
                         "requests and KV leases to end (the rest migrate)")
@@ -430,6 +439,9 @@ class _ServeRun:
         args = self.args
         common = {"redis_url": redis_url, "host": args.worker_host,
                   "kv_host": args.worker_host, "lease_s": args.kv_lease_s,
+                  "kv_transfer_timeout_s": args.kv_transfer_timeout_s,
+                  "kv_connect_timeout_s": args.kv_connect_timeout_s,
+                  "kv_alloc_timeout_s": args.kv_alloc_timeout_s,
                   "drain_grace_s": args.drain_grace_s, "auth": auth}
         configs = {role: WorkerConfig(role, engine=pool_engine_config(
                        spec.engine, pool_flags(args, role), role), **common)

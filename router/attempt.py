@@ -63,8 +63,10 @@ class AttemptFailed(Exception):
 
 
 class WorkerCalls:
-    """The RPCs of one attempt, with their timeouts (``RouterConfig``), and background
-    clean-up RPCs (``Release``, ``Abort``) kept until they end (``wait_idle``)."""
+    """The RPCs of one attempt, and background clean-up RPCs (``Release``, ``Abort``) kept
+    until they end (``wait_idle``). ``Prefill`` and the decode stream have no deadline
+    while their worker is alive (``WorkerPool.watched``, ``router/session.py``); the
+    control RPCs (``GrantKV``, ``Abort``, ``Release``) have ``control_timeout_s``."""
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, metrics: RouterMetrics) -> None:
         self.config = config
@@ -85,13 +87,14 @@ class WorkerCalls:
         Cancelled, it releases whatever the worker may hold."""
         salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
         try:
-            reply = await worker.stub.Prefill(prefill_pb2.PrefillRequest(
-                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                sampling_params=sampling_params_to_proto(request.params),
-                decode_worker_id=decode.worker_id, decode_kv_address=decode.record.kv_address,
-                **salt),
-                timeout=self.config.prefill_timeout_s,
-                metadata=self.pool.credentials(worker, "Prefill"))
+            # NOTE: no deadline: a long prefill is not a failure while the worker is alive
+            reply = await self.pool.watched(worker, worker.stub.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=sampling_params_to_proto(request.params),
+                    decode_worker_id=decode.worker_id,
+                    decode_kv_address=decode.record.kv_address, **salt),
+                metadata=self.pool.credentials(worker, "Prefill")))
         except grpc.aio.AioRpcError as exc:
             self.release(worker, request.request_id)  # it may have finished meanwhile
             raise self.failure("prefill", worker, exc, exclude) from exc
@@ -148,7 +151,7 @@ class WorkerCalls:
         with_handle = message.HasField("kv_handle")
         # The decode worker prefills the whole prompt: its first tokens report the hit.
         local_prefill = not with_handle and not progress.generated
-        call = self.pool.session(worker).start(message, self.config.request_timeout_s)
+        call = self.pool.session(worker).start(message)  # no deadline while it is alive
         worker_done = False
         try:
             async for reply in call:

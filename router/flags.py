@@ -1,4 +1,4 @@
-"""The router's admission, migration and client authentication flags (README, Operating
+"""The router's admission, migration, timeout and client authentication flags (README, Operating
 pdserve), shared by ``python -m pdserve.router`` and ``pdserve serve``. Light on imports:
 ``pdserve --help`` reads them without loading the router."""
 
@@ -47,6 +47,21 @@ DEFAULT_GRPC_MAX_CONCURRENT_STREAMS = 256
 DEFAULT_GRPC_MAX_CONNECTION_IDLE_S = 300.0
 # vLLM's --tool-call-parser names (router/tool_parsers.py)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+# The router's deadlines on its side of a request (add_timeout_args; RouterConfig).
+# Prefill and decode streams have none: a call silent for DEFAULT_STALL_INTERVAL_S has its
+# worker asked for Health, and only DEFAULT_HEALTH_FAILURE_THRESHOLD calls in a row without
+# an answer (DEFAULT_HEALTH_CHECK_TIMEOUT_S each) make the worker dead: about 14 s at most
+# to tell a hung worker, one Health call per 10 s of silence for a slow one.
+DEFAULT_STALL_INTERVAL_S = 10.0
+DEFAULT_HEALTH_CHECK_INTERVAL_S = 0.5
+DEFAULT_HEALTH_CHECK_TIMEOUT_S = 1.0
+DEFAULT_HEALTH_FAILURE_THRESHOLD = 3  # SGLang's router's --health-failure-threshold
+DEFAULT_CONTROL_TIMEOUT_S = 5.0
+TIMEOUT_FIELDS = {"stall_interval_s": "stall_interval_s",
+                  "health_check_interval_s": "health_interval_s",
+                  "health_check_timeout_s": "health_timeout_s",
+                  "health_failure_threshold": "health_failure_threshold",
+                  "control_timeout_s": "control_timeout_s"}  # flag's dest -> RouterConfig's
 
 
 def is_admin_path(path: str) -> bool:
@@ -115,6 +130,38 @@ def add_lifecycle_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="how the model writes tool calls: hermes (Hermes, Qwen), "
                              "llama3_json (Llama 3.1-3.3), mistral")
+    add_timeout_args(parser)
+
+
+def add_timeout_args(parser: argparse.ArgumentParser) -> None:
+    """The router's deadlines towards its workers (``RouterConfig``'s ``stall_interval_s``,
+    ``health_*`` and ``control_timeout_s``; read back by ``lifecycle_kwargs``)."""
+    group = parser.add_argument_group(
+        "router timeouts", "A Prefill call or decode stream has no deadline: a slow one is "
+        "never taken for a failed worker. One silent for --stall-interval-s has its worker "
+        "asked for Health; only a worker that gives no answer --health-failure-threshold "
+        "times in a row (--health-check-timeout-s each) is dead, and its requests move to "
+        "another worker.")
+    group.add_argument("--stall-interval-s", type=float, default=DEFAULT_STALL_INTERVAL_S,
+                       help="seconds a Prefill call or a decode stream may send nothing "
+                            "before its worker is asked for Health, and again after each "
+                            "further such silence (%(default)s)")
+    group.add_argument("--health-check-interval-s", type=float,
+                       default=DEFAULT_HEALTH_CHECK_INTERVAL_S,
+                       help="seconds between the Health polls of every worker (their load, "
+                            "for routing) and between the tries of a stall probe "
+                            "(%(default)s)")
+    group.add_argument("--health-check-timeout-s", type=float,
+                       default=DEFAULT_HEALTH_CHECK_TIMEOUT_S,
+                       help="seconds one Health call may take; a worker past it gets no new "
+                            "request until it answers again (%(default)s)")
+    group.add_argument("--health-failure-threshold", type=int,
+                       default=DEFAULT_HEALTH_FAILURE_THRESHOLD,
+                       help="Health calls in a row a worker with a silent call must leave "
+                            "unanswered to be taken for dead (%(default)s)")
+    group.add_argument("--control-timeout-s", type=float, default=DEFAULT_CONTROL_TIMEOUT_S,
+                       help="seconds each GrantKV, Abort and Release call may take, and the "
+                            "wait at shutdown for those under way (%(default)s)")
 
 
 def add_http_args(parser: argparse.ArgumentParser) -> None:
@@ -184,13 +231,21 @@ def lifecycle_kwargs(args: argparse.Namespace) -> dict:
     """``RouterConfig`` keyword arguments from ``add_lifecycle_args``'s flags.
 
     Raises:
-        ValueError: ``--enable-auto-tool-choice`` without ``--tool-call-parser`` (checked
-            here, before anything starts).
+        ValueError: ``--enable-auto-tool-choice`` without ``--tool-call-parser``, or a
+            timeout out of range (checked here, before anything starts; names the flag).
     """
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format "
                          "the model writes its tool calls in)")
-    return {name: getattr(args, name) for name in LIFECYCLE_FIELDS}
+    kwargs = {name: getattr(args, name) for name in LIFECYCLE_FIELDS}
+    for dest, field in TIMEOUT_FIELDS.items():
+        if dest != "health_failure_threshold":
+            check_seconds(getattr(args, dest), "--" + dest.replace("_", "-"))
+        kwargs[field] = getattr(args, dest)
+    if args.health_failure_threshold < 1:
+        raise ValueError("--health-failure-threshold must be at least 1, not "
+                         f"{args.health_failure_threshold}")
+    return kwargs
 
 
 def add_api_auth_args(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,10 @@ same workers, routing and metrics. Errors map to status codes: UNAUTHENTICATED w
 accepted API key where keys are set (``router/auth.py``); INVALID_ARGUMENT for bad
 input (the message names the field and the limit; the bounds are the HTTP API's,
 ``router/limits.py``), also for a request that does not parse (a string field that is not
-UTF-8); NOT_FOUND for an unknown model; UNAVAILABLE when no worker of a needed role is
+UTF-8) and for a ``request_id`` that is longer than 128 characters or holds a character
+outside ``[A-Za-z0-9._:-]``; ALREADY_EXISTS for a ``request_id`` of a request still running
+on this router (ids are unique among running requests; an empty one gets ``grpc-<hex>``);
+NOT_FOUND for an unknown model; UNAVAILABLE when no worker of a needed role is
 live; INTERNAL, saying only "internal error" (the stack goes to the log), for a bug or a
 worker's failure.
 
@@ -50,7 +53,12 @@ from pdserve.router.flags import (
     DEFAULT_RESPONSE_SEND_TIMEOUT_S,
     check_seconds,
 )
-from pdserve.router.limits import MAX_STOP_TOKEN_IDS, check_stop_strings, check_text
+from pdserve.router.limits import (
+    MAX_STOP_TOKEN_IDS,
+    check_request_id,
+    check_stop_strings,
+    check_text,
+)
 from pdserve.router.protocol import INTERNAL_ERROR, RequestError
 from pdserve.router.routers import Routers
 from pdserve.router.service import GenerateRequest, Router
@@ -173,14 +181,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             router = self.routers.pick(request.model or None)
-            generate_request = self._to_request(request, router)
+            request_id = _client_request_id(request.request_id)
+            generate_request = self._to_request(request, router, _worker_request_id(
+                request_id, chosen=bool(request.request_id)))
             router.check_available()
         except (RequestError, ValueError) as exc:
             await context.abort(*_status(exc))
         except Exception:
             logger.exception("Generate failed before it started")
             await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
-        request_id = generate_request.request_id
+        if request_id in self._running:  # NOTE: no await from here to its insertion
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, (
+                f"Invalid value for 'request_id': {request_id!r} is the id of a request "
+                "still running on this router; request ids must be unique among running "
+                "requests (one may be reused once its request has ended)"))
         # NOTE: the request runs in a task of its own, which Abort cancels (its clean-up
         # frees the request on its workers); cancelling this handler's task instead could
         # land inside grpc's send and reset the stream
@@ -264,9 +278,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             models=[name for r in self.routers for name in r.served_model_names],
             max_model_len=self.routers.first.max_model_len)
 
-    def _to_request(self, request, router: Router) -> GenerateRequest:
+    def _to_request(self, request, router: Router, request_id: str) -> GenerateRequest:
         """Validate and tokenize for ``router`` (the request's model's), with the HTTP
-        API's bounds.
+        API's bounds; ``request_id`` is the id the workers see (``_worker_request_id``).
 
         Raises:
             RequestError: naming the field (``text``, ``token_ids``, ``stop``,
@@ -290,9 +304,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 f"requested {len(prompt) + params.max_tokens} tokens ({len(prompt)} in the "
                 f"prompt, {params.max_tokens} in the completion).", "max_tokens")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return GenerateRequest(
-            request.request_id or f"grpc-{uuid.uuid4().hex}", prompt, params, stop,
-            request.include_stop_str_in_output, skip, cache_salt)
+        return GenerateRequest(request_id, prompt, params, stop,
+                               request.include_stop_str_in_output, skip, cache_salt)
 
     def _prompt(self, request, router: Router) -> list[int]:
         """The prompt's token ids: ``text`` tokenized, or ``token_ids`` in the vocabulary."""
@@ -329,6 +342,28 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise RequestError(f"Invalid value for 'structured_output': {exc}",
                                    "structured_output") from exc
         return params
+
+
+def _client_request_id(value: str) -> str:
+    """The id a ``Generate`` answers and ``Abort`` finds its request by: the client's
+    ``request_id`` once valid (``limits.check_request_id``), else a new ``grpc-<hex>``.
+
+    Raises:
+        RequestError: naming ``request_id`` and the limit it breaks (400).
+    """
+    if not value:
+        return f"grpc-{uuid.uuid4().hex}"
+    _check_field("request_id", check_request_id, value)
+    return value
+
+
+def _worker_request_id(client_id: str, chosen: bool) -> str:
+    """The id of a request on the workers. A client's own id gets a random suffix, so
+    that no id a client picks can be the id of another request on a worker: one of
+    another router, an HTTP request (``cmpl-<hex>-<i>``) or another request's later
+    attempt (``<id>.<n>``, ``router/attempt.py``). The suffix ends in hex digits and
+    every attempt id in ``.<n>``, so these never meet either."""
+    return f"{client_id}-{uuid.uuid4().hex[:16]}" if chosen else client_id
 
 
 def _check_field(name: str, check, value) -> None:

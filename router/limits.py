@@ -9,6 +9,8 @@ callers add the field's name (pydantic's ``loc`` in ``router/protocol.py``, ``Re
 
 from __future__ import annotations
 
+import re
+
 MAX_N = 128  # OpenAI's limit on n
 MAX_NUM_SEQUENCES = 256  # prompts x n in one request
 MAX_STOP_STRINGS = 16
@@ -16,6 +18,11 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024  # the engine scans them for every generated token
 INT32_MAX = 2**31 - 1  # token ids, top_k, max_tokens and min_tokens are int32 on the wire
 SEED_LIMIT = 2**63  # seeds are int64 on the wire: [0, 2**63)
+# a client's own request id (gRPC ``GenerateRequest.request_id``): printable in logs and
+# metrics as is, and short enough for a log line
+MAX_REQUEST_ID_CHARS = 128
+REQUEST_ID_CHARS = "A-Za-z0-9._:-"
+_REQUEST_ID = re.compile(f"[{REQUEST_ID_CHARS}]+")
 
 
 def check_text(value: str) -> str:
@@ -30,6 +37,24 @@ def check_text(value: str) -> str:
         except UnicodeEncodeError as exc:
             raise ValueError(f"must be valid Unicode: lone surrogate "
                              f"{value[exc.start]!r} at index {exc.start}") from None
+    return value
+
+
+def check_request_id(value: str) -> str:
+    """Return ``value`` if it is a valid client request id: 1 to ``MAX_REQUEST_ID_CHARS``
+    characters, each one of ``[A-Za-z0-9._:-]``.
+
+    Raises:
+        ValueError: empty, too long (naming its length and the limit), or with a character
+            outside that set (naming the first one and its index).
+    """
+    if not 1 <= len(value) <= MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"must be 1 to {MAX_REQUEST_ID_CHARS} characters, got "
+                         f"{len(value)}")
+    if _REQUEST_ID.fullmatch(value) is None:
+        index = next(i for i, c in enumerate(value) if _REQUEST_ID.fullmatch(c) is None)
+        raise ValueError(f"may hold only the characters [{REQUEST_ID_CHARS}], got "
+                         f"{value[index]!r} at index {index}")
     return value
 
 

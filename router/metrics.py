@@ -45,6 +45,8 @@ class RouterMetrics:
     ``pdserve:request_migrations``, ``pdserve:registry_available`` (1 or 0),
     ``pdserve:registry_outages``, ``pdserve:registry_rejected_records`` (records ignored
     because their signature does not verify), ``pdserve:requests_rejected`` (``reason``),
+    ``pdserve:stall_probes`` (``role``; ``result``: alive or dead: a worker asked for its
+    Health after a call to it was silent for ``--stall-interval-s``),
     and from the
     workers' Health: ``pdserve:worker_requests_waiting_for_kv``, ``pdserve:worker_kv_leases``,
     ``pdserve:worker_leased_blocks``, ``pdserve:worker_unowned_blocks`` and
@@ -131,6 +133,11 @@ class RouterMetrics:
         self._prefix_index_lookups = Counter(
             "pdserve:prefix_index_lookups", "Prefix index lookups by result.",
             labelnames=["model_name", "result"], registry=self.registry)
+        self._stall_probes = Counter(
+            "pdserve:stall_probes", "Workers asked whether they are alive after a call to "
+            "them was silent for --stall-interval-s, by answer: alive (the call goes on) or "
+            "dead (it fails and the request moves).",
+            labelnames=["model_name", "role", "result"], registry=self.registry)
         self._pool_size = Gauge(
             "pdserve:pool_size", "Workers in each pool: those the router routes to "
             "(healthy), and all it knows (live in the registry or still answering Health).",
@@ -140,6 +147,10 @@ class RouterMetrics:
         """A metric of ``kind`` with only the ``model_name`` label, that label bound."""
         return kind(name, documentation, labelnames=["model_name"], registry=self.registry,
                     **kwargs).labels(self.model_name)
+
+    def record_stall_probe(self, role: str, alive: bool) -> None:
+        """Count one stall probe of a ``role`` worker and its answer."""
+        self._stall_probes.labels(self.model_name, role, "alive" if alive else "dead").inc()
 
     def record_routing(self, role: str, worker_id: str) -> None:
         """Count one request sent to ``worker_id`` in ``role`` (``prefill`` or ``decode``)."""

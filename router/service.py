@@ -25,7 +25,10 @@ Failure is a path (STYLE.md 13). Each attempt that fails is followed by another,
 - RESOURCE_EXHAUSTED (no free blocks) leaves that worker out; INVALID_ARGUMENT is the
   client's error (400) and is never retried.
 
-Every RPC has a timeout (``RouterConfig``).
+A slow worker is not a failed one: Prefill and the decode stream have no deadline while
+their worker answers Health (``RouterConfig``: each call silent for ``stall_interval_s``
+asks; no answer within a bounded number of tries fails the attempt). Every other RPC has
+a timeout.
 """
 
 from __future__ import annotations
@@ -91,6 +94,16 @@ class RouterConfig:
     usage under ``decode_max_kv_usage`` (its last Health). A worker at a cap gets no new
     request; a request that no worker of a needed pool can take is refused.
     ``migration_limit``: attempts after the first that one request may make.
+
+    Deadlines (``router/flags.py``, ``add_timeout_args``): a Prefill call and a decode
+    stream have none; when one has been silent for ``stall_interval_s`` the router asks
+    its worker's Health, and only a worker that does not answer within
+    ``health_failure_threshold`` calls of ``health_timeout_s`` (or answers ``stopped``)
+    fails the attempt, which moves on as any failed attempt does
+    (``WorkerPool.is_alive``). ``health_interval_s``/``health_timeout_s`` also pace
+    the background Health poll that routing reads; ``control_timeout_s`` bounds each
+    ``GrantKV``, ``Abort`` and ``Release``, and the wait for those still under way at
+    ``stop()``.
     ``tool_call_parser`` (``router/tool_parsers.py``) reads tool calls out of the model's
     text; ``enable_auto_tool_choice`` lets requests leave the choice to the model
     (``tool_choice: auto``), as vLLM's flags of those names do.
@@ -126,11 +139,11 @@ class RouterConfig:
     prefill_routing: str = "prefix-aware"
     overlap_weight: float = 1.0
     registry_interval_s: float = 1.0
-    health_interval_s: float = 0.5
-    health_timeout_s: float = 1.0
-    control_timeout_s: float = 5.0  # Abort, Release
-    prefill_timeout_s: float = 120.0
-    request_timeout_s: float = 600.0  # a whole Decode stream
+    health_interval_s: float = flags.DEFAULT_HEALTH_CHECK_INTERVAL_S
+    health_timeout_s: float = flags.DEFAULT_HEALTH_CHECK_TIMEOUT_S
+    health_failure_threshold: int = flags.DEFAULT_HEALTH_FAILURE_THRESHOLD
+    stall_interval_s: float = flags.DEFAULT_STALL_INTERVAL_S
+    control_timeout_s: float = flags.DEFAULT_CONTROL_TIMEOUT_S
     retry_after_s: int = 1
     migration_limit: int = flags.DEFAULT_MIGRATION_LIMIT
     max_waiting_requests: int = flags.DEFAULT_MAX_WAITING_REQUESTS
@@ -142,8 +155,11 @@ class RouterConfig:
     auth: ClusterAuth | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("migration_limit", "max_waiting_requests", "prefill_max_inflight",
-                     "decode_max_inflight"):
+        for name in ("registry_interval_s", "health_interval_s", "health_timeout_s",
+                     "stall_interval_s", "control_timeout_s"):
+            flags.check_seconds(getattr(self, name), name)
+        for name in ("health_failure_threshold", "migration_limit", "max_waiting_requests",
+                     "prefill_max_inflight", "decode_max_inflight"):
             if getattr(self, name) < (0 if name == "migration_limit" else 1):
                 raise ValueError(f"{name}={getattr(self, name)} is out of range")
         if self.disaggregation not in flags.DISAGGREGATION_MODES:

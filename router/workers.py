@@ -1,5 +1,6 @@
 """The router's view of the workers: who is live (the Redis registry) and how loaded
-each is (their ``Health`` RPC), refreshed in the background."""
+each is (their ``Health`` RPC), refreshed in the background; and whether a worker whose
+call has gone silent is alive (``WorkerPool.is_alive``, ``WorkerPool.watched``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import grpc
 from pdserve.cluster.registry import RegistryUnavailable, WorkerRecord, WorkerRegistry
 from pdserve.proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from pdserve.router.routing import WorkerLoad
-from pdserve.router.session import DecodeSession
+from pdserve.router.session import DecodeSession, rpc_error
 
 if TYPE_CHECKING:
     from pdserve.router.metrics import RouterMetrics
@@ -35,6 +36,7 @@ class WorkerHandle:
     num_routed: int = 0  # requests routed here since that Health answer
     num_inflight: int = 0  # this router's Prefill calls (or Decode streams) on it now
     session: DecodeSession | None = None  # a decode worker's stream of this router's requests
+    probe: asyncio.Task | None = None  # the is_alive probe under way, shared by its callers
 
     @property
     def worker_id(self) -> str:
@@ -49,6 +51,7 @@ class WorkerHandle:
 _STUBS = {"prefill": prefill_pb2_grpc.PrefillWorkerStub,
           "decode": decode_pb2_grpc.DecodeWorkerStub}
 _SERVICES = {"prefill": "/pdserve.v1.PrefillWorker/", "decode": "/pdserve.v1.DecodeWorker/"}
+_ALIVE = ("ok", "draining")  # Health statuses of a worker that still runs its requests
 
 
 class WorkerPool:
@@ -80,11 +83,74 @@ class WorkerPool:
         return auth.rpc_metadata(_SERVICES[worker.record.role] + rpc)
 
     def session(self, worker: WorkerHandle) -> DecodeSession:
-        """The decode session of this router to the decode worker ``worker``."""
+        """The decode session of this router to the decode worker ``worker``; its
+        requests have no deadline while ``is_alive(worker)`` (``router/session.py``)."""
         if worker.session is None:
             worker.session = DecodeSession(
-                worker.stub, lambda: self.credentials(worker, "DecodeSession"), worker.worker_id)
+                worker.stub, lambda: self.credentials(worker, "DecodeSession"),
+                worker.worker_id, self.config.stall_interval_s, lambda: self.is_alive(worker))
         return worker.session
+
+    async def is_alive(self, worker: WorkerHandle) -> bool:
+        """Whether ``worker``, whose call has been silent for a stall interval, is alive:
+        True at its first Health answer that says it still runs its requests (``ok`` or
+        ``draining``); False, and the worker is marked unhealthy, when
+        ``health_failure_threshold`` calls in a row (``health_timeout_s`` each, one
+        ``health_interval_s`` apart) get no answer, or it answers ``stopped`` (its engine
+        is gone). Bounded: a worker alive but never answering Health is dead. One probe
+        per worker at a time: concurrent callers share it. Counted in
+        ``pdserve:stall_probes`` (``role``, ``result``)."""
+        if worker.probe is None or worker.probe.done():
+            worker.probe = asyncio.get_running_loop().create_task(self._probe(worker))
+        return await asyncio.shield(worker.probe)
+
+    async def _probe(self, worker: WorkerHandle) -> bool:
+        config = self.config
+        for attempt in range(config.health_failure_threshold):
+            if attempt:
+                await asyncio.sleep(config.health_interval_s)
+            try:
+                reply = await worker.stub.Health(common_pb2.HealthRequest(),
+                                                 timeout=config.health_timeout_s,
+                                                 metadata=self.credentials(worker, "Health"))
+            except grpc.aio.AioRpcError as exc:
+                logger.info("%s worker %s: Health %d/%d failed: %s", worker.record.role,
+                            worker.worker_id, attempt + 1, config.health_failure_threshold,
+                            exc.code().name)
+                continue
+            alive = reply.status in _ALIVE
+            break
+        else:
+            alive = False
+        if self.metrics is not None:
+            self.metrics.record_stall_probe(worker.record.role, alive)
+        if not alive:
+            self.mark_unhealthy(worker.worker_id)
+        return alive
+
+    async def watched(self, worker: WorkerHandle, call):
+        """The answer of ``call``, a unary gRPC call to ``worker`` made without a
+        deadline: each ``stall_interval_s`` without it, ``is_alive(worker)`` is asked;
+        a dead worker's call is cancelled.
+
+        Raises:
+            grpc.aio.AioRpcError: the call's own error, or ``UNAVAILABLE`` when the
+                worker is dead.
+        """
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.config.stall_interval_s)
+                if done:
+                    return task.result()
+                if not await self.is_alive(worker):
+                    raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                    f"{worker.record.role} worker {worker.worker_id} gave no "
+                                    "answer and did not answer Health")
+        finally:
+            if not task.done():
+                call.cancel()
+                task.cancel()
 
     def mark_unhealthy(self, worker_id: str) -> None:
         """A call to ``worker_id`` failed: route elsewhere until its Health answers."""

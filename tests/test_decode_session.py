@@ -16,8 +16,8 @@ from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
 from pdserve.engine import EngineConfig, SamplingParams
-from pdserve.entrypoints.redis_server import RedisServer
-from pdserve.proto import decode_pb2
+from pdserve.entrypoints.redis_server import RedisServer, free_port
+from pdserve.proto import common_pb2, decode_pb2, decode_pb2_grpc
 from pdserve.router.session import DecodeSession
 
 SESSION_METHOD = "/pdserve.v1.DecodeWorker/DecodeSession"
@@ -53,9 +53,10 @@ def request(request_id: str, prompt: list[int], params: SamplingParams = GREEDY)
                                     sampling_params=sampling_params_to_proto(params))
 
 
-async def decode_alone(stub, request_id: str, prompt: list[int]) -> list[int]:
+async def decode_alone(stub, request_id: str, prompt: list[int],
+                       params: SamplingParams = GREEDY) -> list[int]:
     tokens = []
-    async for message in stub.Decode(request(request_id, prompt), timeout=30):
+    async for message in stub.Decode(request(request_id, prompt, params), timeout=30):
         tokens += message.token_ids
     return tokens
 
@@ -125,42 +126,69 @@ def test_one_stream_carries_many_requests_in_step_messages(tiny_checkpoints, red
     assert state.num_free_blocks == state.num_total_blocks and state.num_running == 0
 
 
-def test_router_session_timeout_close_and_reopen(tiny_checkpoints, redis_server):
-    """Through the router's ``DecodeSession``: a request past its timeout fails with
-    DEADLINE_EXCEEDED and is aborted on the worker; closing the session fails the
-    requests on it with CANCELLED and the worker frees their blocks; the next request
-    opens a new stream and is served."""
+def test_router_session_stall_probe_close_and_reopen(tiny_checkpoints, redis_server):
+    """Through the router's ``DecodeSession``: a request silent past the stall interval
+    whose worker answers Health goes on to its last token (the probe said alive); when
+    Health gets no answer (asked of a port where nothing listens: a worker that stopped
+    answering) every request on the stream fails with UNAVAILABLE and the worker, its
+    stream dropped, frees their blocks; closing the session fails the requests on it with
+    CANCELLED and frees theirs; the next request opens a new stream and is served."""
     prompts = random_prompts([9, 17, 30], 8)
 
     async def body(stub):
-        session = DecodeSession(stub, lambda: TEST_AUTH.rpc_metadata(SESSION_METHOD), "d")
-        slow = session.start(request("slow", prompts[0], LONG), timeout_s=0.01)
-        with pytest.raises(grpc.aio.AioRpcError) as timed_out:
-            async for _ in slow:
-                pass
-        after_timeout = await wait_all_free(stub)
-        first = session.start(request("a", prompts[1], LONG), timeout_s=30)
-        second = session.start(request("b", prompts[2], LONG), timeout_s=30)
+        probes = {"alive": 0, "dead": 0}
+
+        async def health_of(target) -> bool:
+            try:
+                alive = (await target.Health(common_pb2.HealthRequest(), timeout=2)
+                         ).status == "ok"
+            except grpc.aio.AioRpcError:
+                alive = False
+            probes["alive" if alive else "dead"] += 1
+            return alive
+
+        def session_with(alive) -> DecodeSession:
+            return DecodeSession(stub, lambda: TEST_AUTH.rpc_metadata(SESSION_METHOD), "d",
+                                 stall_s=0.001, alive=alive)
+
+        # a stall interval far under a decode step's time: a probe per message gap
+        slow = [t for m in [m async for m in session_with(lambda: health_of(stub)).start(
+            request("slow", prompts[0], LONG))] for t in m.token_ids]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{free_port()}") as nowhere:
+            unanswered = decode_pb2_grpc.DecodeWorkerStub(nowhere)
+            doomed = session_with(lambda: health_of(unanswered))
+            calls = [doomed.start(request(i, prompts[1], LONG)) for i in ("x", "y")]
+            codes = []
+            for call in calls:
+                with pytest.raises(grpc.aio.AioRpcError) as dead:
+                    async for _ in call:
+                        pass
+                codes.append(dead.value.code())
+        after_dead = await wait_all_free(stub)
+        session = session_with(lambda: health_of(stub))
+        first = session.start(request("a", prompts[1], LONG))
+        second = session.start(request("b", prompts[2], LONG))
         await anext(first)
         await anext(second)
         session.close()
-        codes = []
         for call in (first, second):
             with pytest.raises(grpc.aio.AioRpcError) as closed:
                 async for _ in call:
                     pass
             codes.append(closed.value.code())
         after_close = await wait_all_free(stub)
-        again = [t for m in [m async for m in session.start(request("c", prompts[0]), 30)]
+        again = [t for m in [m async for m in session.start(request("c", prompts[0]))]
                  for t in m.token_ids]
-        return (timed_out.value.code(), after_timeout, codes, after_close, again,
+        return (slow, await decode_alone(stub, "slow-alone", prompts[0], LONG), probes,
+                codes, after_dead, after_close, again,
                 await decode_alone(stub, "c-alone", prompts[0]), session.num_requests)
 
-    code, after_timeout, codes, after_close, again, alone, left = run_with_decode_worker(
-        tiny_checkpoints, redis_server, body)
-    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert after_timeout.num_free_blocks == after_timeout.num_total_blocks
-    assert codes == [grpc.StatusCode.CANCELLED] * 2
+    slow, slow_alone, probes, codes, after_dead, after_close, again, alone, left = \
+        run_with_decode_worker(tiny_checkpoints, redis_server, body)
+    assert slow == slow_alone and len(slow) == LONG.max_tokens
+    assert probes["alive"] > 0 and probes["dead"] >= 1
+    assert codes == [grpc.StatusCode.UNAVAILABLE] * 2 + [grpc.StatusCode.CANCELLED] * 2
+    assert after_dead.num_free_blocks == after_dead.num_total_blocks
     assert after_close.num_free_blocks == after_close.num_total_blocks
     assert again == alone and len(again) == GREEDY.max_tokens
     assert left == 0
