@@ -195,8 +195,10 @@ def _extension_name() -> str:
 
 def _source_tag(csrc: Path) -> str:
     """A short hash of every file in ``csrc`` (torch's own versioning sees only the
-    ``.cpp`` sources, not the headers they include)."""
-    digest = hashlib.sha256()
+    ``.cpp`` sources, not the headers they include) and of where it is: two checkouts of
+    the same sources get a build folder each (one folder's build commands name one
+    checkout's paths, so sharing it rebuilt the extension whenever the other loaded it)."""
+    digest = hashlib.sha256(str(csrc.resolve()).encode())
     for path in sorted(csrc.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:12]
