@@ -79,7 +79,7 @@ def test_one_stream_carries_many_requests_in_step_messages(tiny_checkpoints, red
     prompts = random_prompts([9, 17, 30, 41, 5, 12], 7)
 
     async def body(stub):
-        call = stub.DecodeSession(timeout=60, metadata=TEST_AUTH.rpc_metadata(SESSION_METHOD))
+        call = stub.DecodeSession(timeout=60, metadata=TEST_AUTH.rpc_metadata(SESSION_METHOD, None))
         for i, prompt in enumerate(prompts):
             await call.write(decode_pb2.DecodeSessionRequest(decode=request(f"r{i}", prompt)))
         await call.write(decode_pb2.DecodeSessionRequest(
@@ -133,7 +133,7 @@ def test_router_session_timeout_close_and_reopen(tiny_checkpoints, redis_server)
     prompts = random_prompts([9, 17, 30], 8)
 
     async def body(stub):
-        session = DecodeSession(stub, lambda: TEST_AUTH.rpc_metadata(SESSION_METHOD), "d")
+        session = DecodeSession(stub, lambda: TEST_AUTH.rpc_metadata(SESSION_METHOD, None), "d")
         slow = session.start(request("slow", prompts[0], LONG), timeout_s=0.01)
         with pytest.raises(grpc.aio.AioRpcError) as timed_out:
             async for _ in slow:
