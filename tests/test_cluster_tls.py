@@ -224,3 +224,25 @@ def test_a_worker_takes_up_renewed_certificate_files_without_a_restart(tmp_path)
     assert before.serial_number == serial["first"]
     assert after.serial_number == serial["renewed"]
     assert status_before == status_after == "ok"
+
+
+def test_auto_and_operator_certificates_exclude_each_other(tmp_path):
+    """``--cluster-tls auto`` beside ``--cluster-ssl-*`` files is refused before anything
+    starts, naming the flags."""
+    import subprocess
+    import sys
+
+    member = ClusterCA.generate().issue("member", ["127.0.0.1"])
+    files = []
+    for name, data in (("cert.pem", member.certificate_chain), ("key.pem", member.private_key),
+                       ("ca.pem", member.root_certificates)):
+        (tmp_path / name).write_bytes(data)
+        files.append(str(tmp_path / name))
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.entrypoints.cli", "serve", "--cluster-tls", "auto",
+         "--cluster-ssl-certfile", files[0], "--cluster-ssl-keyfile", files[1],
+         "--cluster-ssl-ca-certs", files[2]],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode != 0
+    assert "--cluster-tls auto makes its own certificates" in out.stderr
+    assert "Ray" not in out.stderr and "Redis at" not in out.stdout + out.stderr
