@@ -246,3 +246,42 @@ def test_auto_and_operator_certificates_exclude_each_other(tmp_path):
     assert out.returncode != 0
     assert "--cluster-tls auto makes its own certificates" in out.stderr
     assert "Ray" not in out.stderr and "Redis at" not in out.stdout + out.stderr
+
+
+def test_workers_added_by_scaling_get_certificates_of_their_own(serve):
+    """``/admin/scale`` adds a decode worker: the launcher issues it a certificate of its
+    own (another key and serial than every other member's, its address as the SAN), and
+    requests keep being served over mutual TLS."""
+    import json
+
+    import redis
+
+    from pdserve.cluster.registry import WORKERS_KEY, WorkerRecord, record_key
+
+    reply = httpx.post(f"{serve.url}/admin/scale", json={"decode_workers": 2}, timeout=300)
+    assert reply.status_code == 200, reply.text
+    try:
+        client = redis.Redis.from_url(serve.redis.url)
+        records = []
+        for worker_id in client.smembers(WORKERS_KEY):
+            stored = client.get(record_key(worker_id.decode()))
+            if stored is not None:
+                records.append(WorkerRecord.from_json(json.loads(stored)["record"]))
+        client.close()
+        assert sorted(r.role for r in records) == ["decode", "decode", "prefill"]
+        certificates = {}
+        for record in records:
+            host, port = record.grpc_address.rsplit(":", 1)
+            certificates[record.worker_id] = server_certificate(host, int(port))
+            names = certificates[record.worker_id].extensions.get_extension_for_class(
+                x509.SubjectAlternativeName).value
+            assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address(host)]
+        assert len({c.serial_number for c in certificates.values()}) == 3
+        assert len({c.public_key().public_numbers() for c in certificates.values()}) == 3
+        body = {"model": "demo", "prompt": "Scaled up, still", "max_tokens": 4,
+                "temperature": 0.0, "ignore_eos": True}
+        for _ in range(4):  # served after the pool grew, new worker or not
+            completion = httpx.post(f"{serve.url}/v1/completions", json=body, timeout=120)
+            assert completion.status_code == 200, completion.text
+    finally:
+        httpx.post(f"{serve.url}/admin/scale", json={"decode_workers": 1}, timeout=300)
