@@ -9,10 +9,15 @@ use gets its own key, ``HMAC-SHA256(secret, label)`` (the extract-free form of H
 expand step, RFC 5869), so a token seen on the wire reveals nothing about the registry's
 signing key.
 
-- An RPC carries ``x-pdserve-cluster-auth: v1:<unix seconds>:<hex HMAC of "method\\nts">``
-  in its metadata; a server accepts it within ``MAX_CLOCK_SKEW_S`` of its own clock. A
-  token is bound to one method and expires, but is not single-use: on an untrusted network,
-  add mutual TLS (``ClusterTLS``), which also encrypts the RPCs.
+- An RPC carries ``x-pdserve-cluster-auth: v2:<unix seconds>:<nonce>:<body>:<mac>`` in its
+  metadata: ``nonce`` is 16 random bytes (hex), ``body`` the hex SHA-256 of the serialized
+  request message (``stream`` for a method whose requests are a stream), and ``mac`` the
+  hex HMAC of ``"v2\\n<method>\\n<ts>\\n<nonce>\\n<body>"``. A server accepts a token only
+  within ``TOKEN_WINDOW_S`` of its own clock, only for that method, only with a request whose
+  bytes hash to ``body``, and only once: it remembers every nonce it accepted until the
+  token's time leaves the window (``NonceCache``), so a replay is refused with the same body
+  or another. A streaming request binds the method and the nonce only: the stream's
+  messages are protected by mutual TLS (``ClusterTLS``), which also encrypts the RPCs.
 - A registry record is signed over its canonical JSON (``sign_record``); the router
   ignores a record it cannot verify.
 
@@ -25,11 +30,14 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import heapq
 import hmac
+import inspect
 import logging
 import os
 import secrets
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,9 +53,12 @@ logger = logging.getLogger(__name__)
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 REDIS_PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
 METADATA_KEY = "x-pdserve-cluster-auth"
-MAX_CLOCK_SKEW_S = 300  # seconds a token is valid either side of the server's clock
+TOKEN_WINDOW_S = 60  # seconds a token is valid either side of the server's clock
+TOKEN_VERSION = "v2"
+STREAM_BODY = "stream"  # a token's body field for a method whose requests are a stream
+NONCE_BYTES = 16
+MAX_REMEMBERED_NONCES = 1_000_000  # a server's nonce cache: about 220 MB when full
 MIN_SECRET_BYTES = 16
-_TOKEN_VERSION = "v1"
 
 
 class ClusterAuthError(ValueError):
@@ -88,12 +99,76 @@ class ClusterTLS:
                                             certificate_chain=self.certificate_chain)
 
 
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """Mutual TLS from PEM files read where the member runs: under ``pdserve serve
+    --cluster-ssl-*`` every worker reads the paths on its own node, so each node can hold a
+    certificate of its own there (Kubernetes: cert-manager's csi-driver mounts one per pod).
+    Renewed files are taken up without a restart: a channel reads them when it opens, and a
+    server checks them (their size and modification time) at each new connection.
+
+    Raises ClusterAuthError from ``load`` (and the credential methods) naming the file
+    that cannot be read.
+    """
+
+    certfile: str
+    keyfile: str
+    ca_certs: str
+
+    def load(self) -> ClusterTLS:
+        return ClusterTLS.from_files(self.certfile, self.keyfile, self.ca_certs)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Server credentials requiring a client certificate from ``ca_certs``, which
+        take up renewed files at the next connection (a file that cannot be read then
+        keeps the last good ones, with a warning)."""
+        import grpc
+
+        def configuration():
+            tls = self.load()
+            return grpc.ssl_server_certificate_configuration(
+                [(tls.private_key, tls.certificate_chain)],
+                root_certificates=tls.root_certificates)
+
+        seen = [self._stamp()]
+
+        def fetch():
+            stamp = self._stamp()
+            if stamp == seen[0]:
+                return None
+            try:
+                renewed = configuration()
+            except ClusterAuthError as exc:
+                logger.warning("keeping the last TLS certificate: %s", exc)
+                return None
+            seen[0] = stamp
+            return renewed
+
+        return grpc.dynamic_ssl_server_credentials(configuration(), fetch,
+                                                   require_client_authentication=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return self.load().channel_credentials()
+
+    def _stamp(self) -> tuple:
+        stamps = []
+        for path in (self.certfile, self.keyfile, self.ca_certs):
+            try:
+                info = os.stat(path)
+            except OSError:
+                stamps.append(None)
+                continue
+            stamps.append((info.st_mtime_ns, info.st_size))
+        return tuple(stamps)
+
+
 class ClusterAuth:
     """What one cluster member needs to prove itself to the others and check them.
 
     Args:
         secret: the cluster secret, at least ``MIN_SECRET_BYTES`` bytes.
-        tls: mutual TLS for gRPC, or None for plain TCP (with tokens).
+        tls: mutual TLS for gRPC (this member's certificate and key, in memory or in
+            files read where it runs), or None for plain TCP (with tokens).
 
     Raises:
         ClusterAuthError: the secret is too short.
@@ -103,11 +178,11 @@ class ClusterAuth:
 
     __slots__ = ("_kv_key", "_record_key", "_rpc_key", "tls")
 
-    def __init__(self, secret: bytes, tls: ClusterTLS | None = None) -> None:
+    def __init__(self, secret: bytes, tls: ClusterTLS | TLSFiles | None = None) -> None:
         if len(secret) < MIN_SECRET_BYTES:
             raise ClusterAuthError(f"the cluster secret has {len(secret)} bytes; it needs "
                                    f"at least {MIN_SECRET_BYTES}")
-        self._rpc_key = _derive(secret, b"pdserve rpc v1")
+        self._rpc_key = _derive(secret, b"pdserve rpc v2")
         self._record_key = _derive(secret, b"pdserve registry record v1")
         self._kv_key = _derive(secret, b"pdserve kv transfer v1")
         self.tls = tls
@@ -116,6 +191,14 @@ class ClusterAuth:
     def generate(cls, tls: ClusterTLS | None = None) -> ClusterAuth:
         """A new cluster with a random 32-byte secret."""
         return cls(secrets.token_bytes(32), tls)
+
+    def with_tls(self, tls: ClusterTLS | TLSFiles | None) -> ClusterAuth:
+        """The same secret with ``tls`` (one member's certificate) in place of this one's."""
+        copy = object.__new__(ClusterAuth)
+        for name in ClusterAuth.__slots__:
+            setattr(copy, name, getattr(self, name))
+        copy.tls = tls
+        return copy
 
     def __repr__(self) -> str:
         return f"ClusterAuth(tls={self.tls is not None})"
@@ -135,36 +218,54 @@ class ClusterAuth:
 
     # RPCs
 
-    def rpc_metadata(self, method: str, now: float | None = None
+    def rpc_metadata(self, method: str, request, *, now: float | None = None
                      ) -> tuple[tuple[str, str], ...]:
-        """gRPC metadata proving the secret for a call of ``method``
-        (``/pdserve.v1.PrefillWorker/Prefill``) at unix time ``now`` (default: now);
-        pass it as ``metadata=``."""
-        now = str(int(time.time() if now is None else now))
-        return ((METADATA_KEY, f"{_TOKEN_VERSION}:{now}:{self._mac(method, now)}"),)
+        """gRPC metadata proving the secret for one call of ``method``
+        (``/pdserve.v1.PrefillWorker/Prefill``) with ``request`` (the request message, or
+        its serialized bytes; None for a method whose requests are a stream), at unix time
+        ``now`` (default: now); pass it as ``metadata=``. Single-use: a server accepts it
+        once, with exactly this request, within ``TOKEN_WINDOW_S`` seconds of ``now``."""
+        if request is None:
+            body = STREAM_BODY
+        else:
+            data = request if isinstance(request, bytes) else request.SerializeToString()
+            body = hashlib.sha256(data).hexdigest()
+        when = str(int(time.time() if now is None else now))
+        nonce = secrets.token_hex(NONCE_BYTES)
+        mac = self._mac(method, when, nonce, body)
+        return ((METADATA_KEY, f"{TOKEN_VERSION}:{when}:{nonce}:{body}:{mac}"),)
 
-    def check_rpc(self, method: str, metadata) -> str | None:
-        """None if ``metadata`` (a call's invocation metadata) proves the secret for
-        ``method`` now; else why not, in a few words."""
+    def check_rpc(self, method: str, metadata) -> RpcToken | str:
+        """The token in ``metadata`` (a call's invocation metadata) if it proves the secret
+        for ``method`` now; else why not, in a few words. Checks the version, the time
+        window and the MAC; the body digest and the nonce's single use are checked by the
+        server interceptor (``server_interceptor``), which sees the request's bytes."""
         token = next((value for key, value in metadata or () if key == METADATA_KEY), None)
         if token is None:
             return "no cluster credentials"
-        version, _, rest = str(token).partition(":")
-        when, _, mac = rest.partition(":")
-        if version != _TOKEN_VERSION or not when.isdigit():
+        parts = str(token).split(":")
+        if parts[0] != TOKEN_VERSION:
+            return f"cluster credentials of version {parts[0][:8]!r}; {TOKEN_VERSION} is required"
+        if len(parts) != 5 or not parts[1].isdigit() or not _is_hex(parts[2], NONCE_BYTES) \
+                or not (parts[3] == STREAM_BODY or _is_hex(parts[3], 32)):
             return "malformed cluster credentials"
-        if abs(time.time() - int(when)) > MAX_CLOCK_SKEW_S:
-            return f"cluster credentials outside the {MAX_CLOCK_SKEW_S} s clock window"
-        if not hmac.compare_digest(mac, self._mac(method, when)):
+        _, when, nonce, body, mac = parts
+        if abs(time.time() - int(when)) > TOKEN_WINDOW_S:
+            return f"cluster credentials outside the {TOKEN_WINDOW_S} s clock window"
+        if not hmac.compare_digest(mac, self._mac(method, when, nonce, body)):
             return "invalid cluster credentials"
-        return None
+        return RpcToken(int(when), nonce, body)
 
-    def _mac(self, method: str, when: str) -> str:
-        return hmac.new(self._rpc_key, f"{method}\n{when}".encode(), hashlib.sha256).hexdigest()
+    def _mac(self, method: str, when: str, nonce: str, body: str) -> str:
+        message = f"{TOKEN_VERSION}\n{method}\n{when}\n{nonce}\n{body}".encode()
+        return hmac.new(self._rpc_key, message, hashlib.sha256).hexdigest()
 
     def server_interceptor(self) -> grpc.aio.ServerInterceptor:
-        """Refuses, with UNAUTHENTICATED and before the handler runs, every call without
-        valid credentials (one check per call, nothing per message)."""
+        """Refuses, with UNAUTHENTICATED and before the servicer runs, every call without
+        valid credentials: a token of another version, method or secret, outside the
+        window, replayed (its nonce accepted before), or, for a unary request, minted for
+        other request bytes. One check per call; a stream's later messages are not
+        checked (mutual TLS protects them)."""
         return _interceptor_class()(self)
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -196,27 +297,155 @@ def _derive(secret: bytes, label: bytes) -> bytes:
     return hmac.new(secret, label, hashlib.sha256).digest()
 
 
+def _is_hex(text: str, num_bytes: int) -> bool:
+    return len(text) == 2 * num_bytes and all(c in "0123456789abcdef" for c in text)
+
+
+@dataclass(frozen=True, slots=True)
+class RpcToken:
+    """A token whose version, time window and MAC checked out: its unix time (seconds),
+    nonce and body digest (hex SHA-256 of the request's bytes, or ``STREAM_BODY``)."""
+
+    when: int
+    nonce: str
+    body: str
+
+
+class NonceCache:
+    """The nonces of the tokens a server accepted, each kept until its token's time leaves
+    the window (``when + window_s``), so that a token is accepted at most once. Memory is
+    bounded by the calls accepted within twice the window, and at most ``max_size``
+    nonces: when full (after dropping expired ones) it refuses new ones, failing closed.
+    Thread-safe.
+    """
+
+    def __init__(self, window_s: float = TOKEN_WINDOW_S,
+                 max_size: int = MAX_REMEMBERED_NONCES) -> None:
+        self.window_s = window_s
+        self.max_size = max_size
+        self._expiry: dict[str, float] = {}
+        self._heap: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def seen(self, nonce: str) -> bool:
+        """Whether ``nonce`` was accepted already (and has not expired)."""
+        with self._lock:
+            return nonce in self._expiry
+
+    def add(self, token: RpcToken, now: float | None = None) -> str | None:
+        """Remember ``token``'s nonce; None if it was new, else why it is refused
+        (a replay, or the cache is full)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            while self._heap and self._heap[0][0] < now:
+                _, nonce = heapq.heappop(self._heap)
+                self._expiry.pop(nonce, None)
+            if token.nonce in self._expiry:
+                return "replayed cluster credentials (this nonce was accepted before)"
+            if len(self._expiry) >= self.max_size:
+                return f"too many calls: {self.max_size} nonces within the window"
+            expiry = token.when + self.window_s
+            self._expiry[token.nonce] = expiry
+            heapq.heappush(self._heap, (expiry, token.nonce))
+            return None
+
+
 @functools.cache
 def _interceptor_class() -> type:
     import grpc
 
     class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):
+        """Checks each call's token before its handler runs (version, window, MAC, that
+        its nonce is new) and, for a unary request, the request's bytes against the
+        token's digest before the servicer sees it; records the nonce once all passed."""
+
         def __init__(self, auth: ClusterAuth) -> None:
             self._auth = auth
             self._num_refused = 0
+            self.nonces = NonceCache()
 
-        async def intercept_service(self, continuation, handler_call_details):
-            method = handler_call_details.method
-            reason = self._auth.check_rpc(method, handler_call_details.invocation_metadata)
-            if reason is None:
-                return await continuation(handler_call_details)
+        def refused(self, method: str, reason: str) -> str:
             self._num_refused += 1
             if self._num_refused <= 10 or self._num_refused % 1000 == 0:
                 logger.warning("refused %s: %s (%d refused so far)", method, reason,
                                self._num_refused)
-            return unauthenticated_handler(f"{method}: {reason}")
+            return f"{method}: {reason}"
+
+        async def intercept_service(self, continuation, handler_call_details):
+            method = handler_call_details.method
+            token = self._auth.check_rpc(method, handler_call_details.invocation_metadata)
+            if isinstance(token, str):
+                return unauthenticated_handler(self.refused(method, token))
+            if self.nonces.seen(token.nonce):
+                return unauthenticated_handler(self.refused(
+                    method, "replayed cluster credentials (this nonce was accepted before)"))
+            handler = await continuation(handler_call_details)
+            if handler is None:  # NOTE: no such method: grpc answers UNIMPLEMENTED
+                return None
+            if handler.request_streaming:
+                reason = ("cluster credentials for one request message, on a method whose "
+                          "requests are a stream") if token.body != STREAM_BODY \
+                    else self.nonces.add(token)
+                return handler if reason is None else \
+                    unauthenticated_handler(self.refused(method, reason))
+            if token.body == STREAM_BODY:
+                return unauthenticated_handler(self.refused(
+                    method, "cluster credentials not bound to the request message"))
+            return _bound_handler(handler, token, self, method)
 
     return ClusterAuthInterceptor
+
+
+def _bound_handler(handler, token: RpcToken, interceptor, method: str):
+    """``handler`` (a unary-request method's) that hashes the request's bytes as grpc
+    deserializes them and, before the servicer runs, ends the call with UNAUTHENTICATED
+    unless they hash to ``token.body`` and ``token``'s nonce is new."""
+    import grpc
+
+    deserialize = handler.request_deserializer
+
+    def hashing_deserializer(data: bytes):
+        return hashlib.sha256(data).hexdigest(), \
+            (deserialize(data) if deserialize is not None else data)
+
+    async def check(digest: str, context) -> None:
+        if not hmac.compare_digest(digest, token.body):
+            reason = "cluster credentials minted for another request message"
+        else:
+            reason = interceptor.nonces.add(token)
+        if reason is not None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                interceptor.refused(method, reason))
+
+    if handler.unary_unary is not None:
+        behavior = handler.unary_unary
+
+        async def unary_unary(request, context):
+            digest, message = request
+            await check(digest, context)
+            result = behavior(message, context)
+            return await result if inspect.isawaitable(result) else result
+
+        return handler._replace(unary_unary=unary_unary,
+                                request_deserializer=hashing_deserializer)
+    behavior = handler.unary_stream
+    if inspect.isasyncgenfunction(behavior):
+        async def unary_stream(request, context):
+            digest, message = request
+            await check(digest, context)
+            async for response in behavior(message, context):
+                yield response
+    else:  # NOTE: a coroutine that writes its responses with context.write
+        async def unary_stream(request, context):
+            digest, message = request
+            await check(digest, context)
+            return await behavior(message, context)
+
+    return handler._replace(unary_stream=unary_stream,
+                            request_deserializer=hashing_deserializer)
 
 
 def unauthenticated_handler(message: str) -> grpc.RpcMethodHandler:
@@ -284,6 +513,14 @@ def add_cluster_auth_args(parser: argparse.ArgumentParser, *, generated: bool = 
                         help="PEM private key of --cluster-ssl-certfile")
     parser.add_argument("--cluster-ssl-ca-certs", default=None,
                         help="PEM CA certificate that signs every member's certificate")
+    if generated:
+        parser.add_argument("--cluster-tls", choices=("off", "auto"), default="off",
+                            help="auto: mutual TLS between the router and workers with a "
+                                 "certificate authority made in memory at start: the router "
+                                 "and each worker get a key and certificate of their own, "
+                                 "naming the address they advertise; the CA's key never "
+                                 "leaves this process (default: off, or the --cluster-ssl-* "
+                                 "files, which each node then reads on its own)")
     parser.add_argument("--redis-password-file", default=None,
                         help=f"file holding the Redis password (default: ${REDIS_PASSWORD_ENV}"
                              ", or the password in --redis-url)")
@@ -303,7 +540,12 @@ def cluster_auth_from_args(args: argparse.Namespace, *, generate: bool = False) 
         if not all(tls_files):
             raise ClusterAuthError("mutual TLS needs all of --cluster-ssl-certfile, "
                                    "--cluster-ssl-keyfile and --cluster-ssl-ca-certs")
-        tls = ClusterTLS.from_files(*tls_files)
+        if getattr(args, "cluster_tls", "off") != "off":
+            raise ClusterAuthError("--cluster-tls auto makes its own certificates: drop "
+                                   "--cluster-ssl-certfile, --cluster-ssl-keyfile and "
+                                   "--cluster-ssl-ca-certs, or --cluster-tls")
+        tls = TLSFiles(*tls_files)
+        tls.load()  # NOTE: an unreadable file stops us here, naming its flag
     if args.cluster_secret_file:
         return ClusterAuth(read_secret_file(args.cluster_secret_file, "--cluster-secret-file"),
                            tls)

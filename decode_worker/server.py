@@ -37,9 +37,9 @@ class PrefillClients:
         self._stubs: dict[str, prefill_pb2_grpc.PrefillWorkerStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
-    def metadata(self, method: str):
-        """The cluster credentials for a call of ``method``, or None."""
-        return None if self.auth is None else self.auth.rpc_metadata(method)
+    def metadata(self, method: str, request):
+        """The cluster credentials for one call of ``method`` with ``request``, or None."""
+        return None if self.auth is None else self.auth.rpc_metadata(method, request)
 
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillWorkerStub:
         if address not in self._stubs:
@@ -253,13 +253,13 @@ class DecodeWorker(Worker):
         nothing is pulled). Raises KeyError for a handle without that address."""
         if not handle.prefill_grpc_address:
             raise KeyError(f"the KV handle of {handle.request_id!r} has no prefill_grpc_address")
+        request = prefill_pb2.SendKVRequest(request_id=handle.request_id,
+                                            decode_worker_id=decode_worker_id,
+                                            decode_kv_address=kv_address,
+                                            block_indices=block_indices, kv_ticket=ticket)
         reply = await self.prefill_clients.stub(handle.prefill_grpc_address).SendKV(
-            prefill_pb2.SendKVRequest(request_id=handle.request_id,
-                                      decode_worker_id=decode_worker_id,
-                                      decode_kv_address=kv_address,
-                                      block_indices=block_indices, kv_ticket=ticket),
-            timeout=self.config.kv_transfer_timeout_s,
-            metadata=self.prefill_clients.metadata(SEND_KV_METHOD))
+            request, timeout=self.config.kv_transfer_timeout_s,
+            metadata=self.prefill_clients.metadata(SEND_KV_METHOD, request))
         return reply.num_blocks, reply.num_bytes
 
     async def stop(self, grace_s: float = 2.0) -> None:

@@ -95,6 +95,7 @@ class WorkerActor:
 _WILDCARDS = ("0.0.0.0", "::", "")
 LOOPBACK_NODE_IP = "127.0.0.1"  # the one node IP for which Ray binds loopback only
 SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": ray.init keeps 127.0.0.1
+ADVERTISE_HOST_ENV = "PDSERVE_ADVERTISE_HOST"  # a node's name for its workers' gRPC
 
 
 def is_loopback(host: str) -> bool:
@@ -127,7 +128,14 @@ def node_ip_for(*hosts: str) -> str | None:
 def _on_this_node(config: WorkerConfig) -> WorkerConfig:
     """Replace wildcard addresses (``--worker-host 0.0.0.0``: "whichever node a worker
     lands on") with this node's IP, for the gRPC server and the KV channel alike: each
-    binds the address it advertises, which the other nodes must reach, and nothing else."""
+    binds the address it advertises, which the other nodes must reach, and nothing else.
+
+    Where this node's environment sets ``$PDSERVE_ADVERTISE_HOST`` (a Kubernetes pod's
+    DNS name, the one its certificate names: deploy/kuberay/cert-manager.yaml), the gRPC
+    server advertises that name instead of the IP it binds."""
+    advertise = os.environ.get(ADVERTISE_HOST_ENV, "").strip()
+    if advertise and config.advertise_host is None:
+        config = dataclasses.replace(config, advertise_host=advertise)
     if config.host not in _WILDCARDS and config.kv_host not in _WILDCARDS:
         return config
     import ray
@@ -176,6 +184,7 @@ class RayLauncher:
                      ignore_reinit_error=True, log_to_driver=False,
                      configure_logging=False, **init_kwargs)
         self.actors: list = []
+        self.certificate_authority = None  # a ClusterCA: each new actor gets its own cert
         self._names: dict = {}  # actor handle -> its first worker id ("prefill-0")
         self._num_started = 0  # names stay unique when workers leave
         self._actor_cls = ray.remote(WorkerActor)
@@ -232,6 +241,10 @@ class RayLauncher:
 
         ``workers_on_node``: the workers on this node that compute at the same time; their
         number splits the cores into each one's default CPU threads.
+
+        With a ``certificate_authority`` (``pdserve serve --cluster-tls auto``), each actor
+        gets a key and certificate of its own, issued here, naming the address it will
+        advertise (``advertised_hosts``); the CA's key stays in this process.
         """
         engine = config.engine
         tp = engine.tensor_parallel_size
@@ -248,8 +261,11 @@ class RayLauncher:
         for _ in range(count):
             name = f"{config.role}-{self._num_started}"
             self._num_started += 1
-            actor = self._actor_cls.options(**options).remote(
-                dataclasses.replace(config, engine=engine, worker_id=name))
+            member = dataclasses.replace(config, engine=engine, worker_id=name)
+            if self.certificate_authority is not None and config.auth is not None:
+                member.auth = config.auth.with_tls(self.certificate_authority.issue(
+                    name, self.advertised_hosts(config)))
+            actor = self._actor_cls.options(**options).remote(member)
             self.actors.append(actor)
             self._names[actor] = name
             actors.append(actor)
@@ -321,6 +337,15 @@ class RayLauncher:
                 self._kill_quietly(actor)
             self._names.clear()
             self.ray.shutdown()
+
+    def advertised_hosts(self, config: WorkerConfig) -> list[str]:
+        """The gRPC hosts an actor of ``config`` may advertise: its ``advertise_host`` or
+        ``host``; for a wildcard (``--worker-host 0.0.0.0``), the IP of every alive Ray node,
+        since the actor advertises the IP of the node it lands on (``_on_this_node``)."""
+        host = config.advertise_host or config.host
+        if host not in _WILDCARDS:
+            return [host]
+        return sorted({n["NodeManagerAddress"] for n in self.ray.nodes() if n["Alive"]})
 
     def node_ip(self) -> str:
         """The IP address of the Ray node this process is on."""

@@ -307,9 +307,9 @@ class _ServeRun:
         ports = f"{args.port} (HTTP)" + (f", {args.grpc_port} (gRPC)" if args.grpc_port else "")
         log_exposure(args.host, self.api_auth, self.admin_auth, ports)
         self._resolve_models()
-        auth = self.auth
         redis_url = self._start_redis(stack)
         launcher = self._start_ray(stack)
+        auth = self._cluster_tls(launcher)
         self._prepare_models(launcher)
         if any(self._workers_on_cpu(spec.engine, launcher) for spec in self.models):
             build_cpu_kernels(self.interrupts)
@@ -424,6 +424,23 @@ class _ServeRun:
                  else f"started locally on {launcher.node_ip()}")
         say(f"Ray {where} ({'GPU' if launcher.has_gpus else 'CPU'} workers)")
         return launcher
+
+    def _cluster_tls(self, launcher):
+        """Phase 3b, ``--cluster-tls auto``: a new cluster CA, in this process only; the
+        router's own certificate (naming this node's address), and the launcher issues
+        each worker its own as it starts it. Returns the router's ``ClusterAuth``."""
+        if self.args.cluster_tls != "auto":
+            return self.auth
+        from pdserve.cluster.certificates import ClusterCA
+        from pdserve.entrypoints.launcher import _WILDCARDS
+
+        ca = ClusterCA.generate()
+        launcher.certificate_authority = ca
+        host = self.args.host if self.args.host not in _WILDCARDS else launcher.node_ip()
+        self.auth = self.auth.with_tls(ca.issue("router", [host]))
+        say("mutual TLS between the router and workers: a cluster CA made for this run, a "
+            "certificate per member (--cluster-tls auto)")
+        return self.auth
 
     def _workers_on_cpu(self, engine, launcher) -> bool:
         return engine.device == "cpu" or (engine.device == "auto" and not launcher.has_gpus)

@@ -87,14 +87,14 @@ class WorkerCalls:
         Cancelled, it releases whatever the worker may hold."""
         salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
         try:
+            message = prefill_pb2.PrefillRequest(
+                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                sampling_params=sampling_params_to_proto(request.params),
+                decode_worker_id=decode.worker_id, decode_kv_address=decode.record.kv_address,
+                **salt)
             # NOTE: no deadline: a long prefill is not a failure while the worker is alive
             reply = await self.pool.watched(worker, worker.stub.Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                    sampling_params=sampling_params_to_proto(request.params),
-                    decode_worker_id=decode.worker_id,
-                    decode_kv_address=decode.record.kv_address, **salt),
-                metadata=self.pool.credentials(worker, "Prefill")))
+                message, metadata=self.pool.credentials(worker, "Prefill", message)))
         except grpc.aio.AioRpcError as exc:
             self.release(worker, request.request_id)  # it may have finished meanwhile
             raise self.failure("prefill", worker, exc, exclude) from exc
@@ -184,21 +184,21 @@ class WorkerCalls:
         finally:
             call.cancel()  # the worker aborts the request when it is cancelled
             if not worker_done:
+                abort = decode_pb2.AbortRequest(request_id=message.request_id)
                 self.spawn(worker.stub.Abort(
-                    decode_pb2.AbortRequest(request_id=message.request_id),
-                    timeout=self.config.control_timeout_s,
-                    metadata=self.pool.credentials(worker, "Abort")))
+                    abort, timeout=self.config.control_timeout_s,
+                    metadata=self.pool.credentials(worker, "Abort", abort)))
 
     async def grant_kv(self, kv: LeasedKV, decode: WorkerHandle, request_id: str) -> bool:
         """Have the prefill worker lease ``kv`` to ``decode`` instead (a retry on another
         decode worker); False if the lease is gone or the prefill worker does not answer."""
         try:
+            message = prefill_pb2.GrantKVRequest(request_id=request_id,
+                                                 decode_worker_id=decode.worker_id,
+                                                 decode_kv_address=decode.record.kv_address)
             reply = await kv.worker.stub.GrantKV(
-                prefill_pb2.GrantKVRequest(request_id=request_id,
-                                           decode_worker_id=decode.worker_id,
-                                           decode_kv_address=decode.record.kv_address),
-                timeout=self.config.control_timeout_s,
-                metadata=self.pool.credentials(kv.worker, "GrantKV"))
+                message, timeout=self.config.control_timeout_s,
+                metadata=self.pool.credentials(kv.worker, "GrantKV", message))
         except grpc.aio.AioRpcError as exc:
             logger.info("GrantKV of %s failed: %s", request_id, exc.details())
             return False
@@ -225,9 +225,10 @@ class WorkerCalls:
             progress.kv = None
 
     def release(self, worker: WorkerHandle, request_id: str) -> None:
-        self.spawn(worker.stub.Release(prefill_pb2.ReleaseRequest(request_id=request_id),
-                                        timeout=self.config.control_timeout_s,
-                                        metadata=self.pool.credentials(worker, "Release")))
+        message = prefill_pb2.ReleaseRequest(request_id=request_id)
+        self.spawn(worker.stub.Release(message, timeout=self.config.control_timeout_s,
+                                       metadata=self.pool.credentials(worker, "Release",
+                                                                      message)))
 
     def spawn(self, rpc) -> None:
         """Run a clean-up RPC in the background (kept until done; failures logged)."""

@@ -74,20 +74,21 @@ class WorkerPool:
         self._retired: list[grpc.aio.Channel] = []
         self._refresh_lock = asyncio.Lock()
 
-    def credentials(self, worker: WorkerHandle, rpc: str):
-        """gRPC metadata proving the cluster secret for a call of ``rpc`` ("Prefill")
-        on ``worker``; None in a cluster without authentication."""
+    def credentials(self, worker: WorkerHandle, rpc: str, request):
+        """gRPC metadata proving the cluster secret for one call of ``rpc`` ("Prefill")
+        on ``worker`` with ``request`` (None for a stream of requests); None in a cluster
+        without authentication. Single-use: mint one per call, retries included."""
         auth = self.config.auth
         if auth is None:
             return None
-        return auth.rpc_metadata(_SERVICES[worker.record.role] + rpc)
+        return auth.rpc_metadata(_SERVICES[worker.record.role] + rpc, request)
 
     def session(self, worker: WorkerHandle) -> DecodeSession:
         """The decode session of this router to the decode worker ``worker``; its
         requests have no deadline while ``is_alive(worker)`` (``router/session.py``)."""
         if worker.session is None:
             worker.session = DecodeSession(
-                worker.stub, lambda: self.credentials(worker, "DecodeSession"),
+                worker.stub, lambda: self.credentials(worker, "DecodeSession", None),
                 worker.worker_id, self.config.stall_interval_s, lambda: self.is_alive(worker))
         return worker.session
 
@@ -110,9 +111,10 @@ class WorkerPool:
             if attempt:
                 await asyncio.sleep(config.health_interval_s)
             try:
-                reply = await worker.stub.Health(common_pb2.HealthRequest(),
-                                                 timeout=config.health_timeout_s,
-                                                 metadata=self.credentials(worker, "Health"))
+                health = common_pb2.HealthRequest()
+                reply = await worker.stub.Health(
+                    health, timeout=config.health_timeout_s,
+                    metadata=self.credentials(worker, "Health", health))
             except grpc.aio.AioRpcError as exc:
                 logger.info("%s worker %s: Health %d/%d failed: %s", worker.record.role,
                             worker.worker_id, attempt + 1, config.health_failure_threshold,
@@ -248,9 +250,10 @@ class WorkerPool:
 
     async def _poll(self, worker: WorkerHandle) -> None:
         try:
-            reply = await worker.stub.Health(common_pb2.HealthRequest(),
-                                             timeout=self.config.health_timeout_s,
-                                             metadata=self.credentials(worker, "Health"))
+            request = common_pb2.HealthRequest()
+            reply = await worker.stub.Health(request, timeout=self.config.health_timeout_s,
+                                             metadata=self.credentials(worker, "Health",
+                                                                       request))
         except grpc.aio.AioRpcError:
             worker.healthy = False
             return

@@ -44,10 +44,11 @@ class _Credentials:
     def __init__(self, auth: ClusterAuth) -> None:
         self.auth = auth
 
-    def _with_credentials(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    def _with_credentials(self, details: grpc.aio.ClientCallDetails,
+                          request) -> grpc.aio.ClientCallDetails:
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
-        for key, value in self.auth.rpc_metadata(method):
+        for key, value in self.auth.rpc_metadata(method, request):
             metadata.add(key, value)
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
                                           details.credentials, details.wait_for_ready)
@@ -55,12 +56,14 @@ class _Credentials:
 
 class _UnaryUnaryCredentials(_Credentials, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._with_credentials(client_call_details), request)
+        return await continuation(self._with_credentials(client_call_details, request),
+                                  request)
 
 
 class _UnaryStreamCredentials(_Credentials, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._with_credentials(client_call_details), request)
+        return await continuation(self._with_credentials(client_call_details, request),
+                                  request)
 
 
 def channel(address: str, auth: ClusterAuth | None = TEST_AUTH) -> grpc.aio.Channel:

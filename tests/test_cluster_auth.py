@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hmac
 import ipaddress
 import json
 import time
@@ -32,7 +33,7 @@ from disagg_client import (
     start_worker_process,
 )
 
-from pdserve.cluster.auth import ClusterAuth, ClusterTLS
+from pdserve.cluster.auth import TOKEN_WINDOW_S, ClusterAuth, ClusterTLS, NonceCache, RpcToken
 from pdserve.cluster.registry import WORKERS_KEY, WorkerRecord, heartbeat_key, record_key
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.engine import LLM, SamplingParams
@@ -64,7 +65,7 @@ class Cluster:
             for role in ("prefill", "decode"):
                 proc, info = start_worker_process(
                     role, worker_args(model, redis_server.url, *extra),
-                    tmp_path / f"{role}.json", timeout_s=90)
+                    tmp_path / f"{role}.json", timeout_s=240)
                 self.procs.append(proc)
                 self.infos[role] = info
         except BaseException:
@@ -136,7 +137,8 @@ def test_the_private_redis_refuses_clients_without_its_password():
 
 def test_worker_rpcs_without_the_cluster_credentials_are_refused_at_once(cluster):
     """Every RPC of both workers, with no credentials, another cluster's, an expired
-    token or one minted for another method: UNAUTHENTICATED at once, nothing done."""
+    token, one minted for another method, a malformed one or a valid version-1 token (the
+    old format, bound to no request): UNAUTHENTICATED at once, nothing done."""
     other = ClusterAuth.generate()
     wire_params = sampling_params_to_proto(GREEDY)
     calls = {
@@ -163,14 +165,19 @@ def test_worker_rpcs_without_the_cluster_credentials_are_refused_at_once(cluster
     }
     service = {"prefill": "/pdserve.v1.PrefillWorker/", "decode": "/pdserve.v1.DecodeWorker/"}
 
-    def forged(role: str, rpc: str) -> dict:
+    def forged(role: str, rpc: str, message) -> dict:
         method = service[role] + rpc
-        return {"none": None, "another secret": other.rpc_metadata(method),
-                "expired": TEST_AUTH.rpc_metadata(method, now=time.time() - 3600),
+        body = None if rpc == "DecodeSession" else message
+        when = str(int(time.time()))
+        v1_mac = hmac.new(hmac.new(TEST_SECRET.encode(), b"pdserve rpc v1", "sha256").digest(),
+                          f"{method}\n{when}".encode(), "sha256").hexdigest()
+        return {"none": None, "another secret": other.rpc_metadata(method, body),
+                "expired": TEST_AUTH.rpc_metadata(method, body, now=time.time() - 3600),
                 "another method": TEST_AUTH.rpc_metadata(service[role] + "Health"
                                                          if rpc != "Health" else
-                                                         service[role] + "Abort"),
-                "garbage": (("x-pdserve-cluster-auth", "v1:not-a-time:00"),)}
+                                                         service[role] + "Abort", body),
+                "garbage": (("x-pdserve-cluster-auth", "v2:not-a-time:00"),),
+                "version 1": (("x-pdserve-cluster-auth", f"v1:{when}:{v1_mac}"),)}
 
     async def attack(stub, rpc: str, message, metadata):
         started = time.monotonic()
@@ -195,14 +202,14 @@ def test_worker_rpcs_without_the_cluster_credentials_are_refused_at_once(cluster
             cluster.infos[role]["grpc_address"], auth=None) for role in calls}
         for role, rpcs in calls.items():
             for rpc, message in rpcs.items():
-                for how, metadata in forged(role, rpc).items():
+                for how, metadata in forged(role, rpc, message).items():
                     outcomes[role, rpc, how] = await attack(stubs[role], rpc, message, metadata)
         states = [await health(prefill_stub(cluster.infos["prefill"]["grpc_address"])),
                   await health(decode_stub(cluster.infos["decode"]["grpc_address"]))]
         return outcomes, states
 
     outcomes, states = asyncio.run(main())
-    assert len(outcomes) == 9 * 5
+    assert len(outcomes) == 9 * 6
     for key, (code, elapsed) in outcomes.items():
         assert code == grpc.StatusCode.UNAUTHENTICATED, key
         assert elapsed < FAST_S, key
@@ -414,7 +421,8 @@ def test_mutual_tls_between_router_and_workers(model, prompts_and_expected, tmp_
                         with pytest.raises(grpc.aio.AioRpcError) as err:
                             await stub.Health(common_pb2.HealthRequest(), timeout=5,
                                               metadata=auth.rpc_metadata(
-                                                  "/pdserve.v1.PrefillWorker/Health"))
+                                                  "/pdserve.v1.PrefillWorker/Health",
+                                                  common_pb2.HealthRequest()))
                         failures.append(err.value.code())
                 return results, failures
 
@@ -465,3 +473,136 @@ def test_grant_kv_moves_a_lease_to_another_decode_worker(cluster, prompts_and_ex
     assert "another decode worker" in refused.details()
     assert granted and tokens == expected[1] and not unknown
     assert after.num_kv_leases == 0 and after.num_free_blocks == after.num_total_blocks
+
+
+async def call(stub, rpc: str, message, metadata):
+    """The status code of one unary call of ``rpc`` (OK when it succeeds)."""
+    try:
+        await getattr(stub, rpc)(message, timeout=10, metadata=metadata)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_a_token_is_bound_to_its_request_and_used_once(cluster):
+    """A sniffed token is worth nothing: replayed with the same body or another it is
+    refused; a token minted for one body does not pass with another (and stays usable
+    with its own, which the sniffer cannot change); SendKV and Abort, the calls the issue
+    names, included."""
+    decode_address = cluster.infos["decode"]["grpc_address"]
+    prefill_address = cluster.infos["prefill"]["grpc_address"]
+    abort_method = "/pdserve.v1.DecodeWorker/Abort"
+    send_kv_method = "/pdserve.v1.PrefillWorker/SendKV"
+
+    async def main():
+        decode, prefill = decode_stub(decode_address, auth=None), \
+            prefill_stub(prefill_address, auth=None)
+        mine = decode_pb2.AbortRequest(request_id="mine")
+        theirs = decode_pb2.AbortRequest(request_id="theirs")
+        token = TEST_AUTH.rpc_metadata(abort_method, mine)
+        outcomes = {"valid": await call(decode, "Abort", mine, token),
+                    "replayed, same body": await call(decode, "Abort", mine, token),
+                    "replayed, other body": await call(decode, "Abort", theirs, token)}
+        fresh = TEST_AUTH.rpc_metadata(abort_method, mine)
+        outcomes["fresh, other body"] = await call(decode, "Abort", theirs, fresh)
+        outcomes["fresh, own body after"] = await call(decode, "Abort", mine, fresh)
+        outcomes["bytes, same message"] = await call(
+            decode, "Abort", mine, TEST_AUTH.rpc_metadata(abort_method,
+                                                          mine.SerializeToString()))
+        send = prefill_pb2.SendKVRequest(request_id="unknown", decode_worker_id="x",
+                                         decode_kv_address="127.0.0.1:1", block_indices=[0])
+        redirected = prefill_pb2.SendKVRequest(
+            request_id="unknown", decode_worker_id="evil", decode_kv_address="10.0.0.1:1",
+            block_indices=[0])
+        token = TEST_AUTH.rpc_metadata(send_kv_method, send)
+        outcomes["SendKV valid"] = await call(prefill, "SendKV", send, token)
+        outcomes["SendKV replayed, same body"] = await call(prefill, "SendKV", send, token)
+        outcomes["SendKV replayed, other body"] = await call(prefill, "SendKV", redirected,
+                                                             token)
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    assert outcomes == {
+        "valid": grpc.StatusCode.OK,
+        "replayed, same body": grpc.StatusCode.UNAUTHENTICATED,
+        "replayed, other body": grpc.StatusCode.UNAUTHENTICATED,
+        "fresh, other body": grpc.StatusCode.UNAUTHENTICATED,
+        "fresh, own body after": grpc.StatusCode.OK,
+        "bytes, same message": grpc.StatusCode.OK,
+        "SendKV valid": grpc.StatusCode.NOT_FOUND,  # authenticated: the worker looked
+        "SendKV replayed, same body": grpc.StatusCode.UNAUTHENTICATED,
+        "SendKV replayed, other body": grpc.StatusCode.UNAUTHENTICATED}
+
+
+def test_a_token_is_accepted_only_within_the_window(cluster):
+    """Tokens dated just inside ``TOKEN_WINDOW_S`` either side of the worker's clock
+    pass; just outside, either side, they are refused."""
+    prefill = cluster.infos["prefill"]["grpc_address"]
+    method = "/pdserve.v1.PrefillWorker/Health"
+    request = common_pb2.HealthRequest()
+    margin_s = 5  # the call's own latency, far below it
+    dates = {"inside, past": -(TOKEN_WINDOW_S - margin_s),
+             "inside, future": TOKEN_WINDOW_S - margin_s,
+             "outside, past": -(TOKEN_WINDOW_S + margin_s),
+             "outside, future": TOKEN_WINDOW_S + margin_s}
+
+    async def main():
+        stub = prefill_stub(prefill, auth=None)
+        return {how: await call(stub, "Health", request, TEST_AUTH.rpc_metadata(
+                    method, request, now=time.time() + offset_s))
+                for how, offset_s in dates.items()}
+
+    assert asyncio.run(main()) == {
+        "inside, past": grpc.StatusCode.OK, "inside, future": grpc.StatusCode.OK,
+        "outside, past": grpc.StatusCode.UNAUTHENTICATED,
+        "outside, future": grpc.StatusCode.UNAUTHENTICATED}
+
+
+def test_a_stream_token_binds_the_method_and_is_used_once(cluster):
+    """DecodeSession (a stream of requests) takes a token bound to the method and a
+    nonce: it opens once; replayed, or a token bound to one request message, is refused
+    before the stream is read; and a stream token does not pass on a unary method."""
+    address = cluster.infos["decode"]["grpc_address"]
+    session_method = "/pdserve.v1.DecodeWorker/DecodeSession"
+
+    async def open_session(stub, metadata):
+        call = stub.DecodeSession(timeout=10, metadata=metadata)
+        try:
+            # NOTE: an accepted stream waits for requests; ending ours ends it cleanly
+            await call.done_writing()
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    async def main():
+        stub = decode_stub(address, auth=None)
+        token = TEST_AUTH.rpc_metadata(session_method, None)
+        request = decode_pb2.AbortRequest(request_id="x")
+        return {
+            "valid": await open_session(stub, token),
+            "replayed": await open_session(stub, token),
+            "bound to a message": await open_session(stub, TEST_AUTH.rpc_metadata(
+                session_method, decode_pb2.DecodeSessionRequest())),
+            "stream token on Abort": await call(stub, "Abort", request, TEST_AUTH.rpc_metadata(
+                "/pdserve.v1.DecodeWorker/Abort", None))}
+
+    assert asyncio.run(main()) == {
+        "valid": grpc.StatusCode.OK, "replayed": grpc.StatusCode.UNAUTHENTICATED,
+        "bound to a message": grpc.StatusCode.UNAUTHENTICATED,
+        "stream token on Abort": grpc.StatusCode.UNAUTHENTICATED}
+
+
+def test_the_nonce_cache_forgets_what_left_the_window_and_is_bounded():
+    """A server's memory of nonces: a nonce is refused again until its token's time
+    leaves the window, then dropped; a full cache refuses new nonces (fails closed)."""
+    cache = NonceCache(window_s=60, max_size=3)
+    t = 1_000_000.0
+    tokens = [RpcToken(int(t), f"{i:032x}", "stream") for i in range(4)]
+    assert cache.add(tokens[0], now=t) is None
+    assert "replayed" in cache.add(tokens[0], now=t + 59)
+    assert cache.add(tokens[1], now=t) is None and cache.add(tokens[2], now=t) is None
+    assert "too many" in cache.add(tokens[3], now=t + 1)
+    assert cache.add(tokens[3], now=t + 61) is None  # the others expired, and are gone
+    assert len(cache) == 1

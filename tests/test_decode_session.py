@@ -80,7 +80,7 @@ def test_one_stream_carries_many_requests_in_step_messages(tiny_checkpoints, red
     prompts = random_prompts([9, 17, 30, 41, 5, 12], 7)
 
     async def body(stub):
-        call = stub.DecodeSession(timeout=60, metadata=TEST_AUTH.rpc_metadata(SESSION_METHOD))
+        call = stub.DecodeSession(timeout=60, metadata=TEST_AUTH.rpc_metadata(SESSION_METHOD, None))
         for i, prompt in enumerate(prompts):
             await call.write(decode_pb2.DecodeSessionRequest(decode=request(f"r{i}", prompt)))
         await call.write(decode_pb2.DecodeSessionRequest(
@@ -148,7 +148,7 @@ def test_router_session_stall_probe_close_and_reopen(tiny_checkpoints, redis_ser
             return alive
 
         def session_with(alive) -> DecodeSession:
-            return DecodeSession(stub, lambda: TEST_AUTH.rpc_metadata(SESSION_METHOD), "d",
+            return DecodeSession(stub, lambda: TEST_AUTH.rpc_metadata(SESSION_METHOD, None), "d",
                                  stall_s=0.001, alive=alive)
 
         # a stall interval far under a decode step's time: a probe per message gap

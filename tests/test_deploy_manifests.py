@@ -90,7 +90,8 @@ def test_the_router_is_the_head_containers_main_process_with_probes():
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     env = {e["name"]: e for e in container["env"]}
     assert env["PDSERVE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "pdserve-secrets"
-    claims = {v["persistentVolumeClaim"]["claimName"] for v in head["volumes"]}
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in head["volumes"]
+              if "persistentVolumeClaim" in v}
     assert claims == {_one("PersistentVolumeClaim")["metadata"]["name"]}
 
 
@@ -267,3 +268,76 @@ def test_the_head_takes_the_admin_key_from_the_secret():
     assert env["PDSERVE_ADMIN_API_KEY"] == {"name": "pdserve-secrets", "key": "admin-api-key",
                                             "optional": True}
     assert "--admin-api-key" not in head["args"][0]  # never on a command line
+def _cert_manager(kind: str, name: str) -> dict:
+    (doc,) = [d for d in documents(DEPLOY / "cert-manager.yaml")
+              if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def _ray_pods() -> dict[str, dict]:
+    """The pod spec of the RayCluster's head and of each worker group."""
+    cluster = _one("RayCluster")
+    pods = {"head": cluster["spec"]["headGroupSpec"]["template"]["spec"]}
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        pods[group["groupName"]] = group["template"]["spec"]
+    return pods
+
+
+def test_the_cluster_ca_is_a_cert_manager_ca_issuer_of_a_self_signed_certificate():
+    """cert-manager.yaml: a self-signed Issuer signs the CA Certificate (isCA); the CA
+    Issuer signs with the Secret that Certificate writes."""
+    selfsigned = _cert_manager("Issuer", "pdserve-selfsigned")
+    assert selfsigned["spec"] == {"selfSigned": {}}
+    ca = _cert_manager("Certificate", "pdserve-cluster-ca")
+    assert ca["spec"]["isCA"] is True
+    assert ca["spec"]["issuerRef"] == {"name": "pdserve-selfsigned", "kind": "Issuer",
+                                       "group": "cert-manager.io"}
+    issuer = _cert_manager("Issuer", "pdserve-cluster-ca")
+    assert issuer["spec"]["ca"]["secretName"] == ca["spec"]["secretName"]
+
+
+def test_every_ray_pod_mounts_its_own_certificate_and_pdserve_reads_it():
+    """Each Ray pod (the router's head, every worker group) mounts a csi.cert-manager.io
+    volume signed by the CA Issuer for its DNS name under the headless Service that its
+    ``subdomain`` names (which selects this RayCluster's pods); its container mounts it
+    where ``pdserve serve``'s --cluster-ssl-* flags point, and advertises that same DNS
+    name ($PDSERVE_ADVERTISE_HOST, which the launcher reads)."""
+    from pdserve.entrypoints.launcher import ADVERTISE_HOST_ENV
+
+    cluster = _one("RayCluster")
+    issuer = _cert_manager("Issuer", "pdserve-cluster-ca")
+    (service,) = [d for d in documents(DEPLOY / "cert-manager.yaml") if d["kind"] == "Service"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    subdomain = service["metadata"]["name"]
+    script = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["args"][0]
+    flags = dict(re.findall(r"--(cluster-ssl-[a-z-]+) (\S+)", script))
+    assert set(flags) == {"cluster-ssl-certfile", "cluster-ssl-keyfile", "cluster-ssl-ca-certs"}
+    directories = {str(Path(path).parent) for path in flags.values()}
+    assert len(directories) == 1
+    (directory,) = directories
+    assert {name: Path(path).name for name, path in flags.items()} == {
+        "cluster-ssl-certfile": "tls.crt", "cluster-ssl-keyfile": "tls.key",
+        "cluster-ssl-ca-certs": "ca.crt"}  # the csi-driver's default file names
+    pods = _ray_pods()
+    assert len(pods) >= 2
+    for name, pod in pods.items():
+        assert pod["subdomain"] == subdomain, name
+        csi = [v for v in pod["volumes"] if v.get("csi", {}).get("driver") ==
+               "csi.cert-manager.io"]
+        assert len(csi) == 1, name
+        attributes = csi[0]["csi"]["volumeAttributes"]
+        assert attributes["csi.cert-manager.io/issuer-name"] == issuer["metadata"]["name"]
+        assert attributes["csi.cert-manager.io/issuer-kind"] == "Issuer"
+        assert attributes["csi.cert-manager.io/dns-names"] == \
+            f"${{POD_NAME}}.{subdomain}.${{POD_NAMESPACE}}.svc.cluster.local"
+        (container,) = pod["containers"]
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts[csi[0]["name"]]["mountPath"] == directory, name
+        assert mounts[csi[0]["name"]]["readOnly"] is True
+        env = {e["name"]: e for e in container["env"]}
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+            "metadata.namespace"
+        assert env[ADVERTISE_HOST_ENV]["value"] == \
+            f"$(POD_NAME).{subdomain}.$(POD_NAMESPACE).svc.cluster.local", name

@@ -11,10 +11,16 @@ Sources (record them in README.md beside this file when you update):
   preserve unknown fields admits no others (the API server would silently prune them,
   which hides a misspelt field).
 
+- cert-manager (the cluster CA's Issuers and Certificate, cert-manager.yaml): the
+  pydantic models of ``cloudcoil-models-cert-manager`` (PyPI; generated from
+  cert-manager's CRDs, 1.17.1.0 here), as JSON schemas made strict the same way.
+
     pip download --no-deps kubernetes-validate==1.37.0 && unzip kubernetes_validate-*.whl
     python deploy/kuberay/schemas/update.py \\
         --kubernetes kubernetes_validate/kubernetes-json-schema/v1.34.0-local-strict \\
         --crd ray.io_rayclusters.yaml
+    pip install cloudcoil-models-cert-manager==1.17.1.0
+    python deploy/kuberay/schemas/update.py --cert-manager
 """
 
 from __future__ import annotations
@@ -108,22 +114,53 @@ def crd_schemas(crd_file: Path, object_meta: dict) -> dict[str, dict]:
     return out
 
 
+CERT_MANAGER_KINDS = ("Issuer", "Certificate")
+
+
+def cert_manager_schemas() -> dict[str, dict]:
+    """``{file stem: schema}`` of ``CERT_MANAGER_KINDS`` (cert-manager.io/v1) from
+    cloudcoil's pydantic models: strict, ``apiVersion``, ``kind`` and ``metadata``
+    required, ``status`` left out (the controller writes it)."""
+    from cloudcoil.models.cert_manager import v1
+
+    out = {}
+    for kind in CERT_MANAGER_KINDS:
+        schema = _strict(getattr(v1, kind).model_json_schema(by_alias=True))
+        props = schema["properties"]
+        props.pop("status", None)
+        props["apiVersion"] = {"type": "string", "enum": ["cert-manager.io/v1"]}
+        props["kind"] = {"type": "string", "enum": [kind]}
+        props["metadata"] = {"$ref": "#/$defs/ObjectMeta"}
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        schema["required"] = ["apiVersion", "kind", "metadata", "spec"]
+        out[f"{kind.lower()}-cert-manager-v1"] = schema
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kubernetes", type=Path, required=True,
+    parser.add_argument("--kubernetes", type=Path, default=None,
                         help="a kubernetes-validate *-local-strict schema folder")
+    parser.add_argument("--cert-manager", action="store_true",
+                        help="write the cert-manager kinds' schemas (needs "
+                             "cloudcoil-models-cert-manager)")
     parser.add_argument("--crd", type=Path, action="append", default=[],
                         help="a KubeRay CustomResourceDefinition YAML (repeatable)")
     args = parser.parse_args()
     written = {}
-    for kind in KUBERNETES_KINDS:
-        written[kind] = kubernetes_schema(args.kubernetes, kind)
-    meta = kubernetes_schema(args.kubernetes, "objectmeta-meta-v1")
-    object_meta = {"io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta":
-                   {k: v for k, v in meta.items() if k not in ("$defs", "$schema", "$id")},
-                   **meta["$defs"]}
-    for crd in args.crd:
-        written.update(crd_schemas(crd, object_meta))
+    if args.kubernetes is not None:
+        for kind in KUBERNETES_KINDS:
+            written[kind] = kubernetes_schema(args.kubernetes, kind)
+        meta = kubernetes_schema(args.kubernetes, "objectmeta-meta-v1")
+        object_meta = {"io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta":
+                       {k: v for k, v in meta.items() if k not in ("$defs", "$schema", "$id")},
+                       **meta["$defs"]}
+        for crd in args.crd:
+            written.update(crd_schemas(crd, object_meta))
+    elif args.crd:
+        parser.error("--crd needs --kubernetes (for ObjectMeta)")
+    if args.cert_manager:
+        written.update(cert_manager_schemas())
     for stem, schema in written.items():
         # Compact: the KubeRay schemas spell out a whole PodTemplateSpec per pod group.
         (HERE / f"{stem}.json").write_text(json.dumps(schema, separators=(",", ":")) + "\n")
