@@ -17,11 +17,18 @@ Failures, as the router sees them: a pull that fails (the prefill worker died, i
 expired, the transfer timed out) raises ``KVPullFailed`` (gRPC FAILED_PRECONDITION: the
 router resumes the request without that KV); no free blocks in time raises
 ``NoFreeBlocks`` (RESOURCE_EXHAUSTED: the router tries another decode worker).
+
+No thread waits for a pull: its end wakes the event loop (``KVTransfer.add_done_callback``),
+and a cancel, which waits for a payload already moving, runs on threads of this service's
+own. Pulls parked in the loop's default executor (a few threads: 6 on 2 CPUs) once held
+every one of them while they waited for prefill workers that would never send, and the
+cancels of abandoned requests queued behind them until the transfer timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,6 +42,8 @@ from pdserve.engine.llm_engine import EngineOutput
 from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer import KVPollState, KVPull, KVReceiver, KVTransferError
+from pdserve.kvtransfer.protocol import MIN_TRANSFER_S
+from pdserve.kvtransfer.threads import TransferThreads
 
 logger = logging.getLogger(__name__)
 
@@ -85,18 +94,31 @@ class DecodeService:
         self.transfer_timeout_s = transfer_timeout_s
         self.alloc_timeout_s = alloc_timeout_s
         self._pulls: dict[str, KVPull] = {}  # request id -> its pull in flight
+        # request id -> the SendKV that ends the lease of a prompt cached here whole
+        self._lease_ends: dict[str, asyncio.Future] = {}
         self._aborted_pulls: set[str] = set()
+        self._cancels = TransferThreads(f"kv-cancel-{worker_id}")
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a request wherever it is. A pull in flight is cancelled first, so the
-        request's blocks are freed at once rather than when the transfer times out.
-        Returns False if the request is not here."""
+        """Abort a request wherever it is; returns False if it is not here.
+
+        Never waits on a KV transfer: a pull in flight is cancelled first (on a thread
+        of this service's own) and the request's blocks are freed as soon as it has
+        stopped, which is at once unless its payload is already moving into them (then
+        once that has landed, within the transfer timeout); the SendKV that ends the
+        lease of a prompt cached here whole is cancelled. The answer comes within one
+        engine command (``AsyncEngine.abort``), so the router's Abort never times out
+        behind a transfer."""
         pull = self._pulls.get(request_id)
-        aborted = await self.engine.abort(request_id)
         if pull is not None:
             self._aborted_pulls.add(request_id)
-            await asyncio.to_thread(pull.cancel)
-        return aborted or pull is not None
+            self._cancels.submit(pull.cancel)
+        lease_end = self._lease_ends.get(request_id)
+        if lease_end is not None:
+            self._aborted_pulls.add(request_id)
+            lease_end.cancel()
+        aborted = await self.engine.abort(request_id)
+        return aborted or pull is not None or lease_end is not None
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      cache_salt: str | None = None, first_token: int | None = None,
@@ -143,6 +165,7 @@ class DecodeService:
                                    len(prompt_token_ids), 0)
                 return
             raise
+        self._aborted_pulls.discard(request_id)  # an Abort that came as the pull ended
         outputs = self.engine.stream_outputs(request_id, stream)
         streaming = False
         try:
@@ -168,8 +191,7 @@ class DecodeService:
                     num_bytes = await self._pull(request_id, handle, alloc.block_ids,
                                                  alloc.block_indices)
                 else:  # everything was cached here: just end the prefill worker's lease
-                    await self.request_kv(handle, self.worker_id, self.receiver.address, [],
-                                          "")
+                    await self._end_lease(request_id, handle)
                     num_bytes = 0
             except (KVTransferError, KeyError, TimeoutError, grpc.aio.AioRpcError) as exc:
                 raise KVPullFailed(f"the KV of request {request_id} could not be pulled from "
@@ -199,35 +221,100 @@ class DecodeService:
                                    f"{self.alloc_timeout_s} s")
             await asyncio.sleep(0.02)
 
+    async def _end_lease(self, request_id: str, handle: KVHandle) -> None:
+        """SendKV of no blocks: the prompt is cached here whole, so the prefill worker
+        only unpins it. ``abort`` cancels it."""
+        send = asyncio.ensure_future(self.request_kv(handle, self.worker_id,
+                                                     self.receiver.address, [], ""))
+        self._lease_ends[request_id] = send
+        try:
+            await send
+        finally:
+            self._lease_ends.pop(request_id, None)
+            _drop(send)
+
     async def _pull(self, request_id: str, handle: KVHandle, block_ids: list[int],
                     block_indices: list[int]) -> int:
         """Receive the prompt blocks at ``block_indices`` into ``block_ids``; returns bytes.
         On any failure or cancellation the pull is cancelled first, so nothing writes into
-        the blocks once this returns or raises."""
+        the blocks once this returns or raises. No thread waits for it (module
+        docstring)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.transfer_timeout_s
         pull = self.receiver.init(request_id, handle.prefill_worker_id, block_ids,
                                   self.transfer_timeout_s)
         self._pulls[request_id] = pull
+        ended = _ended(pull)
         send = asyncio.ensure_future(self.request_kv(handle, self.worker_id,
                                                      self.receiver.address, block_indices,
                                                      pull.ticket_text))
-        waiting = asyncio.ensure_future(asyncio.to_thread(pull.wait, self.transfer_timeout_s))
         try:
-            await asyncio.wait({send, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({send, ended}, timeout=self.transfer_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
             if send.done() and send.exception() is not None:
                 raise KVTransferError(f"prefill worker {handle.prefill_worker_id} did not send "
                                       f"the KV of {request_id}: {_short(send.exception())}")
-            state = await waiting
-            if state != KVPollState.SUCCESS:
+            await asyncio.wait({ended}, timeout=max(deadline - loop.time(), 0.0))
+            if pull.poll() != KVPollState.SUCCESS:
                 raise pull.failure_exception() or KVTransferError(
                     f"KV pull of {request_id} timed out after {self.transfer_timeout_s} s")
             await asyncio.wait_for(send, self.transfer_timeout_s)
             return pull.stats.num_bytes
         except BaseException:
-            await asyncio.shield(asyncio.to_thread(pull.cancel))
-            send.cancel()
+            await self._stop(pull, ended)
             raise
         finally:
             self._pulls.pop(request_id, None)
+            _drop(send)
+
+    async def _stop(self, pull: KVPull, ended: asyncio.Future) -> None:
+        """Cancel ``pull`` and wait until it has ended, so that nothing writes into its
+        blocks once this returns (the caller frees them next). ``KVPull.cancel`` runs on
+        this service's threads: it waits for a payload already moving, at most until the
+        pull's deadline (``MIN_TRANSFER_S`` at least). Being cancelled again meanwhile
+        does not cut the wait short; it is raised once the pull has ended."""
+        if pull.poll().finished:
+            return
+        self._cancels.submit(pull.cancel)
+        interrupted: BaseException | None = None
+        while not ended.done():
+            try:
+                await asyncio.wait({ended}, timeout=pull.remaining_s(MIN_TRANSFER_S) + 1.0)
+            except asyncio.CancelledError as exc:
+                interrupted = exc
+                continue
+            if not ended.done():  # NOTE: cancel() ends the pull by then; never seen
+                logger.error("KV pull of %s did not end after it was cancelled",
+                             pull.request_id)
+                break
+        if interrupted is not None:
+            raise interrupted
+
+
+def _ended(pull: KVPull) -> asyncio.Future:
+    """A future of the running loop that is done once ``pull`` has ended (SUCCESS or
+    FAILED), set from the thread that ends it."""
+    loop = asyncio.get_running_loop()
+    ended = loop.create_future()
+
+    def wake() -> None:
+        with contextlib.suppress(RuntimeError):  # NOTE: the loop closed: nobody waits
+            loop.call_soon_threadsafe(_set_done, ended)
+
+    pull.add_done_callback(wake)
+    return ended
+
+
+def _set_done(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _drop(task: asyncio.Future) -> None:
+    """Cancel ``task`` if it still runs; its failure, if any, is read (it was reported
+    already, or nobody waits for it any more) so asyncio does not log it as lost."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def _undo_kv_transfer_request(engine, alloc) -> None:

@@ -277,7 +277,10 @@ class AsyncEngine:
         while not self._stop.is_set():
             self._run_commands()
             self._housekeeping()
-            if not self.engine.has_unfinished_requests():
+            # NOTE: requests that only wait for their KV (a decode worker's pulls) give a
+            # step nothing to do: stepping anyway spun this thread, holding the GIL that
+            # the event loop and the pulls' threads need (seconds of lag with dozens)
+            if not self.engine.has_schedulable_requests():
                 self._wake.wait(self._idle_wait_s())
                 self._wake.clear()
                 continue

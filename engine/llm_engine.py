@@ -573,6 +573,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step has requests to consider: waiting or running ones. A decode
+        worker's request whose KV is being pulled is unfinished but not schedulable
+        until ``finish_kv_transfer``."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
     def bind_threads(self, explicit_only: bool = False) -> int:
         """Bind the calling thread's intra-op team as ``cpu_omp_threads_bind`` says (CPU
         engines only); returns how many threads were bound. Call it on the thread that

@@ -11,8 +11,9 @@ may succeed (``auth``). The decode side pulls:
     #     sender.send(request_id, decode_worker_id, decode_kv_address, its_block_ids)
     state = pull.wait(timeout_s)       # SUCCESS, or FAILED with pull.failure_exception()
 
-Both classes are thread-safe and block only in ``send`` / ``wait``, so an asyncio server
-calls them through ``asyncio.to_thread``.
+Both classes are thread-safe and block only in ``send``, ``wait`` and ``KVPull.cancel``.
+An asyncio server learns of a pull's end from ``add_done_callback`` rather than a thread
+parked in ``wait`` (the loop's default executor has a few threads for everything).
 """
 
 from pdserve.kvtransfer.handle import KVTransfer

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 
 from pdserve.kvtransfer.protocol import KVPollState, KVTransferError, KVTransferStats
+
+logger = logging.getLogger(__name__)
 
 
 class KVTransfer:
     """One transfer's state, moved forward by a worker thread and read by anyone.
 
-    ``poll()`` never blocks; ``wait()`` blocks up to a timeout (from asyncio:
-    ``await asyncio.to_thread(transfer.wait, timeout_s)``); ``failure_exception()``
+    ``poll()`` never blocks; ``wait()`` blocks up to a timeout; ``add_done_callback``
+    calls back once it ends (from asyncio, wake the loop with it rather than park a
+    thread in ``wait``: a transfer may take its whole timeout, and a pool of such
+    threads, the loop's default executor above all, runs out); ``failure_exception()``
     tells why a FAILED transfer failed. All methods are thread-safe.
     """
 
@@ -25,6 +31,7 @@ class KVTransfer:
         self._state = KVPollState.BOOTSTRAPPING
         self._error: KVTransferError | None = None
         self._stats: KVTransferStats | None = None
+        self._callbacks: list[Callable[[], object]] = []
 
     def poll(self) -> KVPollState:
         """The current state; never blocks."""
@@ -35,6 +42,16 @@ class KVTransfer:
         """Block until SUCCESS or FAILED, or ``timeout_s`` seconds; return the state."""
         self._done.wait(timeout_s)
         return self.poll()
+
+    def add_done_callback(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once the transfer is SUCCESS or FAILED: on the thread that ends
+        it, or at once on this one if it already ended. ``fn`` must not block (from
+        asyncio: ``loop.call_soon_threadsafe``); an exception it raises is logged."""
+        with self._lock:
+            if not self._state.finished:
+                self._callbacks.append(fn)
+                return
+        _call_back(fn)
 
     def failure_exception(self) -> KVTransferError | None:
         """Why the transfer FAILED, or None while it has not."""
@@ -64,7 +81,10 @@ class KVTransfer:
             if self._state.finished:
                 return
             self._state, self._stats = KVPollState.SUCCESS, stats
+            callbacks, self._callbacks = self._callbacks, []
         self._done.set()
+        for fn in callbacks:
+            _call_back(fn)
 
     def _fail(self, error: KVTransferError) -> bool:
         """End as FAILED with ``error``; False if it had already ended."""
@@ -72,5 +92,15 @@ class KVTransfer:
             if self._state.finished:
                 return False
             self._state, self._error = KVPollState.FAILED, error
+            callbacks, self._callbacks = self._callbacks, []
         self._done.set()
+        for fn in callbacks:
+            _call_back(fn)
         return True
+
+
+def _call_back(fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception:  # NOTE: e.g. a closed event loop; the transfer's end stands
+        logger.exception("a KV transfer's done callback failed")

@@ -285,12 +285,15 @@ class KVReceiver:
         """The pull's channel once it is up. A prefill side that refuses the pull before
         joining a new channel (another KV cache dtype, an expired lease) claims ``"F
         <reason>"``: that ends the wait at once, with the reason, rather than at the
-        deadline."""
+        deadline; so does a cancel (a thread left polling here until the deadline costs
+        its wake-ups, 50 a second, for nothing)."""
         while not pull.channel.ready.wait(min(_BOOTSTRAP_POLL_S, pull.remaining_s())):
             if pull.remaining_s() <= 0:
                 break
             if pull._claim_pushed == CLAIM_FAILED_PREFIX[0]:
                 self._await_claim(pull)  # raises the prefill side's reason
+            if pull._cancelled:
+                raise KVTransferError(f"pull of request {pull.request_id} was cancelled")
         return pull.channel.wait_ready(pull.deadline)
 
     def _post_early(self, pull: KVPull, group: PairGroup) -> None:

@@ -9,6 +9,11 @@ router names it in ``Prefill`` and, to retry elsewhere, in ``GrantKV``); an unkn
 or another decode worker is refused before anything is sent or connected; a failed send leaves the lease standing, so the router can retry the
 decode elsewhere. ``Release``, an abort, or the lease running out (the engine thread
 expires leases) unpins them too, so nothing stays pinned when a decode worker never comes.
+
+Sends run on threads of this service's own (``TransferThreads``), never in the event
+loop's default executor: a send holds its thread up to the transfer timeout, and a few
+stuck ones would hold back every other send, and with them the release of the leases
+being sent, which waits for their end.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pdserve.engine.block_hash import hash_block_chain
 from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer import KVSender, KVTransferError
+from pdserve.kvtransfer.threads import TransferThreads
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +81,7 @@ class PrefillService:
         self.block_size = config.block_size
         self.root_hash = engine.engine.kv_cache_manager.root_hash
         self._sends: set[asyncio.Task] = set()
+        self._threads = TransferThreads(f"kv-send-{worker_id}")
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, cache_salt: str | None = None,
@@ -132,7 +139,7 @@ class PrefillService:
                                                 decode_kv_address, block_ids, block_indices,
                                                 ticket))
         self._sends.add(task)  # NOTE: a strong reference while it runs, even if we leave
-        task.add_done_callback(self._sends.discard)
+        task.add_done_callback(self._send_ended)
         return await asyncio.shield(task)
 
     async def _send(self, request_id: str, decode_worker_id: str, decode_kv_address: str,
@@ -145,9 +152,10 @@ class PrefillService:
                 raise ValueError(f"block_indices {bad} outside the request's "
                                  f"{len(block_ids)} blocks")
             if block_indices:
-                stats = await asyncio.to_thread(
-                    self.sender.send, request_id, decode_worker_id, decode_kv_address,
-                    [block_ids[i] for i in block_indices], self.transfer_timeout_s, ticket)
+                stats = await _on_thread(
+                    self._threads, self.sender.send, request_id, decode_worker_id,
+                    decode_kv_address, [block_ids[i] for i in block_indices],
+                    self.transfer_timeout_s, ticket)
                 result = stats.num_blocks, stats.num_bytes
             else:
                 result = 0, 0
@@ -156,6 +164,13 @@ class PrefillService:
         finally:
             with contextlib.suppress(EngineDeadError):  # stopping: the leases go with it
                 await asyncio.shield(self.engine.call(lambda e: e.end_kv_send(request_id, ok)))
+
+    def _send_ended(self, task: asyncio.Task) -> None:
+        """Forget an ended send; its failure is read here too, since a caller that left
+        (the decode worker gave up on the pull) never reads it."""
+        self._sends.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("send of a KV lease failed: %s", task.exception())
 
     async def grant(self, request_id: str, decode_worker_id: str,
                     decode_kv_address: str) -> bool:
@@ -168,6 +183,33 @@ class PrefillService:
         """Stop a prefill or unpin its lease now (the router will not decode it); a lease
         being sent is unpinned when the send ends. False if neither is here."""
         return await self.engine.call(lambda e: e.abort_request(request_id))
+
+
+def _on_thread(threads: TransferThreads, fn, *args) -> asyncio.Future:
+    """``fn(*args)`` on one of ``threads``; a future of the running loop with its result
+    or exception."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error) -> None:
+        if future.done():  # NOTE: the awaiting task was cancelled; the result is moot
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            error = exc
+        with contextlib.suppress(RuntimeError):  # NOTE: the loop closed: nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threads.submit(run)
+    return future
 
 
 __all__ = ["KVHandle", "KVTransferError", "PrefillResult", "PrefillService"]

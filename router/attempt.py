@@ -5,6 +5,15 @@ clean-up RPCs that give back what an attempt held.
 ``Progress`` is what a request keeps across attempts (the tokens already sent to the
 client, the prefill's leased KV); ``WorkerCalls`` runs one attempt's RPCs and raises
 ``AttemptFailed`` when a worker fails, after which ``Router.generate`` tries again.
+
+Clean-up RPCs (``Abort`` to a decode worker, ``Release`` to a prefill worker) run in the
+background. A failed one is retried (``CLEANUP_ATTEMPTS`` in all, ``control_timeout_s``
+each, ``CLEANUP_BACKOFF_S`` doubling between them); every failure is logged at WARNING
+with the request id and counted (``pdserve:cleanup_rpc_retries``, and
+``pdserve:cleanup_rpc_failures`` once given up). None is needed for the blocks to be
+freed: a cancelled decode stream aborts its request on the worker by itself, a pull ends
+at its transfer timeout, and a lease expires after ``--kv-lease-s``; the RPCs make that
+happen at once.
 """
 
 from __future__ import annotations
@@ -29,6 +38,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 MAX_HANDLE_ATTEMPTS = 2  # decode workers that try to pull one prefill's KV
+CLEANUP_ATTEMPTS = 3  # tries of one clean-up RPC
+CLEANUP_BACKOFF_S = 0.2  # before the first retry; doubled before each next one
+# NOTE: codes a later try may not get; the others (bad credentials, the router's own
+# channel closed, an unknown method) would fail the same way again
+_RETRIED_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL})
 
 
 @dataclass(slots=True)
@@ -63,16 +80,23 @@ class AttemptFailed(Exception):
 
 
 class WorkerCalls:
-    """The RPCs of one attempt, and background clean-up RPCs (``Release``, ``Abort``) kept
-    until they end (``wait_idle``). ``Prefill`` and the decode stream have no deadline
-    while their worker is alive (``WorkerPool.watched``, ``router/session.py``); the
-    control RPCs (``GrantKV``, ``Abort``, ``Release``) have ``control_timeout_s``."""
+    """The RPCs of one attempt, and background clean-up RPCs (``Release``, ``Abort``),
+    retried as the module docstring says and kept until they end (``wait_idle``).
+    ``Prefill`` and the decode stream have no deadline while their worker is alive
+    (``WorkerPool.watched``, ``router/session.py``); the control RPCs (``GrantKV``,
+    ``Abort``, ``Release``) have ``control_timeout_s`` a try."""
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, metrics: RouterMetrics) -> None:
         self.config = config
         self.pool = pool
         self.metrics = metrics
         self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def cleanup_bound_s(self) -> float:
+        """The longest one clean-up RPC takes with its retries, seconds."""
+        backoff = sum(CLEANUP_BACKOFF_S * 2 ** i for i in range(CLEANUP_ATTEMPTS - 1))
+        return CLEANUP_ATTEMPTS * self.config.control_timeout_s + backoff
 
     async def wait_idle(self, timeout_s: float) -> None:
         """Wait at most ``timeout_s`` seconds for the clean-up RPCs under way."""
@@ -184,10 +208,8 @@ class WorkerCalls:
         finally:
             call.cancel()  # the worker aborts the request when it is cancelled
             if not worker_done:
-                abort = decode_pb2.AbortRequest(request_id=message.request_id)
-                self.spawn(worker.stub.Abort(
-                    abort, timeout=self.config.control_timeout_s,
-                    metadata=self.pool.credentials(worker, "Abort", abort)))
+                self.cleanup(worker, "Abort", message.request_id,
+                             decode_pb2.AbortRequest(request_id=message.request_id))
 
     async def grant_kv(self, kv: LeasedKV, decode: WorkerHandle, request_id: str) -> bool:
         """Have the prefill worker lease ``kv`` to ``decode`` instead (a retry on another
@@ -225,19 +247,50 @@ class WorkerCalls:
             progress.kv = None
 
     def release(self, worker: WorkerHandle, request_id: str) -> None:
-        message = prefill_pb2.ReleaseRequest(request_id=request_id)
-        self.spawn(worker.stub.Release(message, timeout=self.config.control_timeout_s,
-                                       metadata=self.pool.credentials(worker, "Release",
-                                                                      message)))
+        """Have the prefill worker ``worker`` stop ``request_id``'s prefill or unpin its
+        lease (in the background)."""
+        self.cleanup(worker, "Release", request_id,
+                     prefill_pb2.ReleaseRequest(request_id=request_id))
 
-    def spawn(self, rpc) -> None:
-        """Run a clean-up RPC in the background (kept until done; failures logged)."""
-        async def run() -> None:
-            try:
-                await rpc
-            except grpc.aio.AioRpcError as exc:
-                logger.info("cleanup RPC failed: %s", exc.details())
-
-        task = asyncio.get_running_loop().create_task(run())
+    def cleanup(self, worker: WorkerHandle, method: str, request_id: str, message) -> None:
+        """Call the clean-up RPC ``method`` (``"Abort"``, ``"Release"``) of ``worker``
+        with ``message`` in the background, retried on failure (module docstring); kept
+        until it ends (``wait_idle``). ``request_id`` names it in logs."""
+        task = asyncio.get_running_loop().create_task(
+            self._cleanup(worker, method, request_id, message))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _cleanup(self, worker: WorkerHandle, method: str, request_id: str,
+                       message) -> None:
+        rpc = getattr(worker.stub, method)
+        where = f"{worker.record.role} worker {worker.worker_id}"
+        delay_s = CLEANUP_BACKOFF_S
+        for attempt in range(1, CLEANUP_ATTEMPTS + 1):
+            try:
+                # NOTE: credentials per try: a token is good for one call
+                await rpc(message, timeout=self.config.control_timeout_s,
+                          metadata=self.pool.credentials(worker, method, message))
+                return
+            except grpc.aio.AioRpcError as exc:
+                error = f"{exc.code().name}: {exc.details()}"
+                if exc.code() not in _RETRIED_CODES or attempt == CLEANUP_ATTEMPTS:
+                    break
+            self.metrics.record_cleanup(method, retried=True)
+            logger.warning("%s of request %s on %s failed (%s); try %d of %d in %.1f s",
+                           method, request_id, where, error, attempt + 1, CLEANUP_ATTEMPTS,
+                           delay_s)
+            await asyncio.sleep(delay_s)
+            delay_s *= 2
+        self.metrics.record_cleanup(method, retried=False)
+        logger.warning("%s of request %s on %s failed after %d tries (%s); the worker frees "
+                       "it by itself: %s", method, request_id, where, attempt, error,
+                       _FREED_BY_WORKER[method])
+
+
+_FREED_BY_WORKER = {
+    "Abort": "the request is aborted when its decode stream is cancelled, and a KV pull "
+             "ends at its transfer timeout (--kv-transfer-timeout-s)",
+    "Release": "a prefill whose call was cancelled is aborted, and its KV lease expires "
+               "(--kv-lease-s)",
+}

@@ -28,6 +28,7 @@ E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
 
 
 REJECTION_REASONS = ("max_waiting_requests", "prefill_pool_full", "decode_pool_full")
+CLEANUP_METHODS = ("Abort", "Release")  # the clean-up RPCs (router/attempt.py)
 
 
 class RouterMetrics:
@@ -47,7 +48,9 @@ class RouterMetrics:
     because their signature does not verify), ``pdserve:requests_rejected`` (``reason``),
     ``pdserve:stall_probes`` (``role``; ``result``: alive or dead: a worker asked for its
     Health after a call to it was silent for ``--stall-interval-s``),
-    and from the
+    ``pdserve:cleanup_rpc_retries`` and ``pdserve:cleanup_rpc_failures`` (``method``:
+    ``Abort``, ``Release``; failed attempts of clean-up RPCs that were retried, and
+    clean-up RPCs given up after their last attempt), and from the
     workers' Health: ``pdserve:worker_requests_waiting_for_kv``, ``pdserve:worker_kv_leases``,
     ``pdserve:worker_leased_blocks``, ``pdserve:worker_unowned_blocks`` and
     ``pdserve:worker_kv_transfers_in_flight`` (``role``, ``worker``).
@@ -110,6 +113,17 @@ class RouterMetrics:
             registry=self.registry)
         for reason in REJECTION_REASONS:  # NOTE: 0 from the start, so dashboards see them
             self._rejections.labels(self.model_name, reason)
+        self._cleanup_retries = Counter(
+            "pdserve:cleanup_rpc_retries", "Failed attempts of clean-up RPCs to workers "
+            "(Abort, Release) that were retried.", labelnames=["model_name", "method"],
+            registry=self.registry)
+        self._cleanup_failures = Counter(
+            "pdserve:cleanup_rpc_failures", "Clean-up RPCs to workers (Abort, Release) that "
+            "failed on every attempt; the worker frees what they were for by itself.",
+            labelnames=["model_name", "method"], registry=self.registry)
+        for method in CLEANUP_METHODS:  # NOTE: 0 from the start, so dashboards see them
+            self._cleanup_retries.labels(self.model_name, method)
+            self._cleanup_failures.labels(self.model_name, method)
         self._worker_gauges = {
             name: Gauge(f"pdserve:worker_{name}", documentation,
                         labelnames=["model_name", "role", "worker"], registry=self.registry)
@@ -165,6 +179,12 @@ class RouterMetrics:
     def record_rejection(self, reason: str) -> None:  # one of REJECTION_REASONS
         """Count one request refused by admission control (``reason``: the cap)."""
         self._rejections.labels(self.model_name, reason).inc()
+
+    def record_cleanup(self, method: str, retried: bool) -> None:
+        """Count one failed attempt of the clean-up RPC ``method`` (``CLEANUP_METHODS``):
+        ``retried``, or the last one, after which the RPC is given up."""
+        counter = self._cleanup_retries if retried else self._cleanup_failures
+        counter.labels(self.model_name, method).inc()
 
     def record_registry(self, available: bool, num_rejected: int | None = None) -> None:
         """The registry answered (or not) a refresh; an outage is counted as it starts.

@@ -254,7 +254,7 @@ class Router:
             self._pool_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pool_task
-        await self.calls.wait_idle(self.config.control_timeout_s)
+        await self.calls.wait_idle(self.calls.cleanup_bound_s)
         await self.pool.close()
         self.index.close()
 
