@@ -5,8 +5,11 @@ The sources are compiled with ``torch.utils.cpp_extension.load`` (g++ or clang++
 ninja, must be on PATH) and ``-march=native``, so the build fits the CPU it runs on; the
 build directory's name carries a hash of the CPU's feature flags, so a home directory
 shared by different machines (a cluster's NFS) keeps one build per kind of CPU, and a
-hash of the sources (headers included). The
-first build takes about 10 s; later processes load the cached library at once.
+hash of the sources (headers included) and of their folder (a checkout each). The
+first build takes about 10 s on an idle machine (minutes on two busy cores); later
+processes load the cached library at once. A process builds or loads only while it holds
+the build folder (``_build_folder_lock``: an ``flock`` the OS drops with its process), so
+a build killed midway leaves nothing that makes later loads wait forever.
 
 Where the build fails (no compiler, an unsupported platform) ``load`` logs one warning
 and returns False, and the kernels' dispatchers use the PyTorch references instead.
@@ -19,6 +22,8 @@ False, so the workers load the cached build instead of each compiling it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -27,6 +32,8 @@ import platform
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,6 +52,9 @@ _OPS = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "store_
         "linear_panel_width", "sample_rows", "filter_rows", "pack_quant_weight", "linear_quant",
         "moe_grouped")
 _CSRC = Path(__file__).resolve().parent / "csrc"
+# NOTE: the longest another process's build may hold the folder before load gives up (a
+# first build takes minutes on two busy cores)
+BUILD_WAIT_S = 1800.0
 _lock = threading.Lock()
 _loaded: bool | None = None
 
@@ -164,29 +174,81 @@ def bind_intra_op_threads(cpus: list[int]) -> int:
     return int(torch.ops.pdserve_cpu.bind_intra_op_threads(list(cpus)))
 
 
+@contextlib.contextmanager
+def _build_folder_lock(name: str) -> Iterator[None]:
+    """Hold the extension's build folder while torch builds or loads it: an advisory
+    ``flock`` on a file of ours, which the OS drops when its process ends, killed or not.
+
+    torch's own lock is a ``lock`` file it deletes when its build ends, and waits for
+    without a timeout; a build killed midway (Ctrl-C during a first, minutes-long build)
+    left it behind and every later process waited on it forever. No pdserve process
+    builds in the folder without holding this lock, so a ``lock`` file found under it is
+    such a leftover, and is removed.
+
+    Raises:
+        TimeoutError: another process held the folder for ``BUILD_WAIT_S`` seconds.
+    """
+    from torch.utils import cpp_extension
+
+    try:
+        # NOTE: the folder cpp_extension.load builds in; private, hence the fallback
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    except (AttributeError, TypeError):
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "pdserve.flock", "a") as held:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has held {folder} for "
+                                       f"{BUILD_WAIT_S:.0f} s") from None
+                time.sleep(0.2)
+        try:
+            leftover = folder / "lock"
+            if leftover.exists():
+                logger.warning("removing %s, left by a build that did not finish", leftover)
+                leftover.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 def _build_and_load() -> bool:
     from torch.utils import cpp_extension
 
     try:
-        cpp_extension.load(
-            name=_extension_name(),
-            sources=[str(_CSRC / name) for name in _SOURCES],
-            # NOTE: no fast-math: results stay IEEE; these two only let loops with
-            # clamps and conversions vectorize.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
-                          "-fno-trapping-math"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _build_folder_lock(_extension_name()):
+            _load(cpp_extension)
         return all(hasattr(torch.ops.pdserve_cpu, op) for op in _OPS)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:
-        # NOTE: any build or load failure means "use the references"
+        # NOTE: any build or load failure means "use the references" (TimeoutError is
+        # an OSError)
         lines = str(exc).strip().splitlines() or [""]
         detail = next((line for line in lines if "error" in line.lower()), lines[-1])
         logger.warning("pdserve C++ CPU kernels unavailable, using the PyTorch references "
                        "(%s: %s)", type(exc).__name__, detail.strip())
         return False
+
+
+def _load(cpp_extension) -> None:
+    """Build (where torch's versioning asks) and load the extension; raises as
+    ``cpp_extension.load``."""
+    cpp_extension.load(
+        name=_extension_name(),
+        sources=[str(_CSRC / name) for name in _SOURCES],
+        # NOTE: no fast-math: results stay IEEE; these two only let loops with
+        # clamps and conversions vectorize.
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
+                      "-fno-trapping-math"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def _extension_name() -> str:

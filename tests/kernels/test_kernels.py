@@ -463,6 +463,42 @@ def test_cpu_kernels_build():
 
 
 @CPU_KERNELS
+def test_a_build_killed_midway_hangs_no_later_load():
+    """torch's build lock (a file it deletes when its build ends), left by a build that
+    was killed, made every later load wait forever; now a fresh process removes it and
+    loads. And a process that holds the build folder (building) makes another wait for
+    it, then load."""
+    import fcntl
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    cpu_ext.load()  # NOTE: built and loaded here first: the subprocesses only load
+    folder = Path(cpp_extension._get_build_directory(cpu_ext._extension_name(), verbose=False))
+    loader = [sys.executable, "-c", "from pdserve.kernels import cpu_ext; print(cpu_ext.load())"]
+    (folder / "lock").touch()
+    try:
+        left = subprocess.run(loader, capture_output=True, text=True, timeout=120,
+                              check=False)
+    finally:
+        lock_left = (folder / "lock").exists()
+        (folder / "lock").unlink(missing_ok=True)
+    assert left.stdout.strip() == "True" and not lock_left, left.stderr[-2000:]
+    assert "left by a build that did not finish" in left.stderr
+    with open(folder / "pdserve.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiting = subprocess.Popen(loader, stdout=subprocess.PIPE, text=True)
+        time.sleep(3.0)
+        assert waiting.poll() is None  # it waits for the folder
+        fcntl.flock(held, fcntl.LOCK_UN)
+    out, _ = waiting.communicate(timeout=120)
+    assert out.strip() == "True"
+
+
+@CPU_KERNELS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 128, 256])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [*GQA, (6, 2), (4, 4)])
