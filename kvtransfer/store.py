@@ -47,6 +47,7 @@ MAGIC = b"pdkv-store/1\n"
 HANDSHAKE_TIMEOUT_S = 5.0  # a connection must prove the key within this
 MAX_HANDSHAKES = 64  # connections still in their handshake at once; more are closed
 MAX_FRAME_BYTES = 1 << 20
+REFUSAL_LOG_INTERVAL_S = 10.0
 _NONCE = 16
 _MAC = 32
 _TAG = 16
@@ -422,7 +423,9 @@ class KVStoreServer:
 
     A connection that does not complete the handshake within ``HANDSHAKE_TIMEOUT_S`` is
     closed; at most ``MAX_HANDSHAKES`` are in their handshake at once (more are closed at
-    once). ``rejected`` counts connections refused.
+    once). ``rejected`` counts connections refused; they are logged at most once per
+    ``REFUSAL_LOG_INTERVAL_S`` (with how many were refused since), so a flood of them
+    cannot flood the log.
     """
 
     def __init__(self, host: str, port: int, key: bytes, timeout_s: float = 30.0) -> None:
@@ -441,6 +444,7 @@ class KVStoreServer:
                                f"{exc.strerror or exc}") from None
         self.host, self.port = host, self._sock.getsockname()[1]
         self.rejected = 0
+        self._last_report = (-REFUSAL_LOG_INTERVAL_S, 0)  # (monotonic s, rejected then)
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
@@ -474,7 +478,7 @@ class KVStoreServer:
             except OSError:
                 return  # closed
             if not self._handshakes.acquire(blocking=False):
-                self.rejected += 1
+                self._refused(peer, f"{MAX_HANDSHAKES} handshakes under way")
                 conn.close()
                 continue
             with self._lock:
@@ -484,6 +488,21 @@ class KVStoreServer:
                 self._conns.add(conn)
             threading.Thread(target=self._serve_conn, args=(conn, peer), daemon=True,
                              name=f"kv-store-conn-{self.port}").start()
+
+    def _refused(self, peer, reason: str) -> None:
+        """Count a refused connection; log it unless one was logged in the last
+        ``REFUSAL_LOG_INTERVAL_S``."""
+        now = time.monotonic()
+        with self._lock:
+            self.rejected += 1
+            last_s, last_count = self._last_report
+            if now - last_s < REFUSAL_LOG_INTERVAL_S:
+                return
+            self._last_report = (now, self.rejected)
+            since = self.rejected - last_count - 1
+        logger.warning("KV store %s:%d refused a connection from %s: %s%s", self.host,
+                       self.port, peer, reason,
+                       f" ({since} more refused since the last report)" if since else "")
 
     def _handshake(self, conn: socket.socket, peer) -> _Framed:
         try:
@@ -508,9 +527,7 @@ class KVStoreServer:
             try:
                 framed = self._handshake(conn, peer)
             except (OSError, StoreAuthError) as exc:
-                self.rejected += 1
-                logger.warning("KV store %s:%d refused a connection from %s: %s", self.host,
-                               self.port, peer, exc or type(exc).__name__)
+                self._refused(peer, str(exc) or type(exc).__name__)
                 return
             while True:
                 body = framed.recv()
