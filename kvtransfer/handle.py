@@ -20,6 +20,19 @@ class KVTransfer:
     thread in ``wait``: a transfer may take its whole timeout, and a pool of such
     threads, the loop's default executor above all, runs out); ``failure_exception()``
     tells why a FAILED transfer failed. All methods are thread-safe.
+
+    Its states (``KVPollState``) and the transitions that move it, each a method:
+
+    =================  ==================  ==============  ===========================
+    from               call                to              called by
+    =================  ==================  ==============  ===========================
+    BOOTSTRAPPING      ``begin()``         TRANSFERRING    ``KVSender``, claim won
+    any not ended      ``finish(stats)``   SUCCESS         the thread that moved bytes
+    any not ended      ``fail(error)``     FAILED          that thread, or a close
+    =================  ==================  ==============  ===========================
+
+    A ``KVPull`` (``pull.py``) adds WAITING_FOR_INPUT and the transitions of a pull.
+    SUCCESS and FAILED are final: no transition moves an ended transfer.
     """
 
     def __init__(self, request_id: str, num_blocks: int, deadline: float) -> None:
@@ -68,15 +81,25 @@ class KVTransfer:
         """Seconds left before the deadline (never below ``at_least_s``)."""
         return max(self.deadline - time.monotonic(), at_least_s)
 
-    def _advance(self, state: KVPollState) -> bool:
-        """Move to a non-final ``state``; False if the transfer already ended."""
-        with self._lock:
-            if self._state.finished:
-                return False
-            self._state = state
-            return True
+    # -- transitions (called by the thread that drives the transfer: ``KVSender`` or
+    # ``KVReceiver``; each takes the transfer's lock, and none moves an ended transfer)
 
-    def _succeed(self, stats: KVTransferStats) -> None:
+    def begin(self) -> bool:
+        """Bytes start moving: BOOTSTRAPPING or WAITING_FOR_INPUT -> TRANSFERRING.
+
+        Called by ``KVSender`` once it won the claim (a ``KVPull`` overrides it, see
+        there). Returns False, and changes nothing, if the transfer already ended.
+
+        Raises:
+            RuntimeError: it is TRANSFERRING already (a bug in the caller).
+        """
+        return self._move((KVPollState.BOOTSTRAPPING, KVPollState.WAITING_FOR_INPUT),
+                          KVPollState.TRANSFERRING)
+
+    def finish(self, stats: KVTransferStats) -> None:
+        """End as SUCCESS with ``stats``, from any state not yet ended (a no-op once
+        ended), and call the done callbacks on this thread. Called by the thread that
+        moved the bytes."""
         with self._lock:
             if self._state.finished:
                 return
@@ -86,8 +109,12 @@ class KVTransfer:
         for fn in callbacks:
             _call_back(fn)
 
-    def _fail(self, error: KVTransferError) -> bool:
-        """End as FAILED with ``error``; False if it had already ended."""
+    def fail(self, error: KVTransferError) -> bool:
+        """End as FAILED with ``error``, from any state not yet ended, and call the done
+        callbacks on this thread; False if it had already ended (nothing changes).
+        Called by the thread that drives the transfer, and by ``KVReceiver.close`` (a
+        caller that wants a pull stopped calls ``KVPull.cancel``, which waits for bytes
+        under way)."""
         with self._lock:
             if self._state.finished:
                 return False
@@ -97,6 +124,18 @@ class KVTransfer:
         for fn in callbacks:
             _call_back(fn)
         return True
+
+    def _move(self, allowed: tuple[KVPollState, ...], state: KVPollState) -> bool:
+        """Move from one of the ``allowed`` states to the non-final ``state``; False if
+        the transfer already ended. Raises RuntimeError from any other state."""
+        with self._lock:
+            if self._state.finished:
+                return False
+            if self._state not in allowed:
+                raise RuntimeError(f"KV transfer of {self.request_id}: no move from "
+                                   f"{self._state.name} to {state.name}")
+            self._state = state
+            return True
 
 
 def _call_back(fn: Callable[[], object]) -> None:

@@ -1,6 +1,7 @@
 """The decode side of KV transfer: pulls blocks from prefill workers into the local cache.
 
-A pull's life (one request, one prefill worker):
+A pull's life (one request, one prefill worker); the receiver moves it through
+``KVPull``'s transitions (its docstring has the table), never through its state:
 
 1. ``KVReceiver.init`` (BOOTSTRAPPING): picks the pair's channel (making a new generation
    when there is none, it broke, or the prefill side invalidated it: checked in the store
@@ -9,20 +10,23 @@ A pull's life (one request, one prefill worker):
    caller then asks the prefill worker to send (gRPC ``SendKV``). A prefill worker that
    refuses the ticket (its ``KVGeometry`` differs: another KV cache dtype) says why in
    the store without joining the channel, which ends the pull at once.
-2. WAITING_FOR_INPUT: the channel's group is up; over gloo the pull posts its header and
-   chunk receives at once (straight into the cache's blocks, or into its ring's slots):
-   in ``init`` itself when the channel is already up, else as soon as it is, so the
-   sender's first bytes need no rendezvous round trip. It waits for the prefill side
-   to claim the transfer (``"S"``) or to report that it cannot (``"F <reason>"``). At the
-   deadline the pull gives up by claiming ``"X"`` itself: a clean failure that leaves the
-   channel usable, since nothing is ever sent on its tag (tags are never reused on a
-   channel); its posted receives are dropped.
-3. TRANSFERRING: header, then the payload's chunks straight into the cache's blocks (or
-   through ring slots and ``scatter_blocks``). Any error here aborts the channel.
-4. SUCCESS or FAILED (``failure_exception()``); the ticket is deleted at once, the claim
-   key minutes later (so a very late prefill side finds ``"X"`` and sends nothing).
-   The pull's ring, if it took one, goes back to the receiver's
-   ``StagingPool`` first (dropped after a failure: an aborted receive may still hold it).
+2. WAITING_FOR_INPUT (``on_channel_up``): the channel's group is up; over gloo the pull
+   posts its header and chunk receives at once (``post_early``, then ``post_rest``),
+   straight into the cache's blocks, or into its ring's slots: in ``init`` itself when
+   the channel is already up, else as soon as it is, so the sender's first bytes need no
+   rendezvous round trip. It waits for the prefill side to claim the transfer (``"S"``)
+   or to report that it cannot (``"F <reason>"``), which the claim watcher passes on
+   (``on_claim``). At the deadline the pull gives up by claiming ``"X"`` itself: a clean
+   failure that leaves the channel usable, since nothing is ever sent on its tag (tags
+   are never reused on a channel); its posted receives are dropped.
+3. TRANSFERRING (``begin``): header, then the payload's chunks straight into the cache's
+   blocks (or through ring slots and ``scatter_blocks``). Any error here aborts the
+   channel.
+4. SUCCESS (``finish``) or FAILED (``fail``; ``failure_exception()``); the ticket is
+   deleted at once, the claim key minutes later (so a very late prefill side finds
+   ``"X"`` and sends nothing). The pull's ring, if it took one, goes back to the
+   receiver's ``StagingPool`` first (``release_sink``; dropped after a failure: an
+   aborted receive may still hold it).
 """
 
 from __future__ import annotations
@@ -56,7 +60,6 @@ from pdserve.kvtransfer.protocol import (
     CounterSet,
     Header,
     KVGeometry,
-    KVPollState,
     KVTransferCounters,
     KVTransferError,
     KVTransferStats,
@@ -177,13 +180,13 @@ class KVReceiver:
                 raise KVTransferError(f"KV receiver store failed: {exc}") from exc
             self._pulls[(prefill_worker_id, request_id)] = pull
         if channel.ready.is_set() and channel.group is not None:
-            pull._advance(KVPollState.WAITING_FOR_INPUT)
+            pull.on_channel_up()
             self._post_early(pull, channel.group)
         try:
             self._threads.submit(self._run, pull)
         except RuntimeError:  # NOTE: closed meanwhile; close() failed the pull
-            pull._early = None
-            self._release_sink(pull, reusable=False)
+            pull.drop_early_receives()
+            pull.release_sink(reusable=False)
             self._forget(pull)
         return pull
 
@@ -201,7 +204,7 @@ class KVReceiver:
             pulls, channels = list(self._pulls.values()), list(self._channels.values())
             self._channels.clear()
         for pull in pulls:
-            pull._fail(KVTransferError("the KV receiver closed"))
+            pull.fail(KVTransferError("the KV receiver closed"))
         for channel in channels:
             channel.fail(wait_s=CLOSE_ABORT_WAIT_S)
         self._threads.close()
@@ -250,16 +253,15 @@ class KVReceiver:
             with self._lock:
                 pull = self._pulls.get((prefill_worker_id, request_id))
             if pull is not None:
-                pull._claim_pushed = kind
-                pull._claimed.set()
+                pull.on_claim(kind)
 
     def _run(self, pull: KVPull) -> None:
         stats, error, moving = None, None, False
         try:
             group = self._wait_channel(pull)
-            if pull._advance(KVPollState.WAITING_FOR_INPUT) and not pull._posted:
+            if pull.on_channel_up() and not pull.posted:
                 self._post_early(pull, group)
-            self._post_rest(pull, group)
+            pull.post_rest(group)  # the receives _post_early left (init stays short)
             self._await_claim(pull)
             self._counters.start()
             moving = True
@@ -271,14 +273,14 @@ class KVReceiver:
             # NOTE: receives still posted belong to a tag nobody sends on (the pull was
             # given up, or failed); gloo keeps only weak references, so this frees them.
             # Before the end is signalled: cancel() returns only after this.
-            pull._early = None
-            self._release_sink(pull, reusable=error is None and stats is not None)
+            pull.drop_early_receives()
+            pull.release_sink(reusable=error is None and stats is not None)
             self._counters.add(stats, moving)
             if error is None and stats is not None:
-                pull._succeed(stats)
+                pull.finish(stats)
             else:
                 pull.channel.verified = False
-                pull._fail(error or KVTransferError(f"pull of {pull.request_id} failed"))
+                pull.fail(error or KVTransferError(f"pull of {pull.request_id} failed"))
             self._forget(pull)
 
     def _wait_channel(self, pull: KVPull) -> PairGroup:
@@ -290,62 +292,24 @@ class KVReceiver:
         while not pull.channel.ready.wait(min(_BOOTSTRAP_POLL_S, pull.remaining_s())):
             if pull.remaining_s() <= 0:
                 break
-            if pull._claim_pushed == CLAIM_FAILED_PREFIX[0]:
+            if pull.claim_pushed == CLAIM_FAILED_PREFIX[0]:
                 self._await_claim(pull)  # raises the prefill side's reason
-            if pull._cancelled:
+            if pull.cancelled:
                 raise KVTransferError(f"pull of request {pull.request_id} was cancelled")
         return pull.channel.wait_ready(pull.deadline)
 
     def _post_early(self, pull: KVPull, group: PairGroup) -> None:
-        """Post the pull's receives before the prefill side claims it (gloo only; see
-        ``PairGroup.post_recv``). The claim protocol makes this safe: if the pull is
-        given up ("X" wins) or the sender reports failure, nothing is ever sent on its
-        tag; if it is cancelled after "S" won, ``cancel`` waits for the payload. A group
-        that cannot post is dead: it is aborted and the pull goes on without posting."""
-        pull._posted = True
+        """Post the pull's first receives before the prefill side claims it (gloo only;
+        see ``PairGroup.post_recv`` and ``KVPull.post_early``). The claim protocol makes
+        this safe: if the pull is given up ("X" wins) or the sender reports failure,
+        nothing is ever sent on its tag; if it is cancelled after "S" won, ``cancel``
+        waits for the payload. A group that cannot post is dead: it is aborted and the
+        pull goes on without posting."""
         with on_device(self.kv_cache):
             sink = PayloadSink(self.kv_cache, pull.block_ids, self.geometry,
                                list(pull.ticket.chunks), group.device_payload,
                                staging=self.staging)
-        with pull._lock:
-            if pull._cancelled or pull._state.finished:
-                sink.release(reusable=True)  # never posted
-                return
-            try:
-                posted = group.post_recv(sink, pull.ticket.tag, _EARLY_CHUNKS)
-            except KVTransferError:
-                # NOTE: the group is dead (e.g. its sender restarted); the claim protocol
-                # still decides how this pull ends (the sender reports why it cannot
-                # send), and the next pull makes a new channel.
-                pull.channel.fail()
-                sink.release(reusable=False)  # some receives may be posted
-                return
-            if posted is None:  # NCCL: posted later, into a sink made then
-                sink.release(reusable=True)
-                return
-            pull._early = (sink, posted)
-            pull._sink = sink
-
-    @staticmethod
-    def _post_rest(pull: KVPull, group: PairGroup) -> None:
-        """Post the receives ``_post_early`` left for this thread (it posts the first
-        ``_EARLY_CHUNKS`` only, so that ``init`` stays short however scattered the
-        blocks). A group that cannot post is dead: the pull goes on and fails there."""
-        with pull._lock:
-            if pull._early is None or pull._cancelled or pull._state.finished:
-                return
-            sink, posted = pull._early
-            try:
-                group.post_more(sink, pull.ticket.tag, posted)
-            except KVTransferError:
-                pull.channel.fail()
-
-    @staticmethod
-    def _release_sink(pull: KVPull, reusable: bool) -> None:
-        """Give the pull's staging buffer back (see ``PayloadSink.release``)."""
-        sink, pull._sink = pull._sink, None
-        if sink is not None:
-            sink.release(reusable)
+        pull.post_early(sink, group, _EARLY_CHUNKS)
 
     def _give_up(self, pull: KVPull) -> None:
         """Claim ``"X"`` for a failed pull unless a claim is there (a sender that holds the
@@ -357,8 +321,7 @@ class KVReceiver:
     def _await_claim(self, pull: KVPull) -> None:
         """Return once the prefill side claimed the pull; raise KVTransferError if it
         reported a failure, or if the pull was cancelled or timed out first."""
-        pull._claimed.wait(pull.remaining_s())
-        if pull._claim_pushed == CLAIM_SENDING:
+        if pull.wait_for_claim(pull.remaining_s()) == CLAIM_SENDING:
             return  # NOTE: pushed only after the prefill side won: no round trip needed
         key = claim_key(pull.channel.prefix, pull.request_id, pull.ticket)
         try:
@@ -371,7 +334,7 @@ class KVReceiver:
         if value.startswith(CLAIM_FAILED_PREFIX):
             raise KVTransferError(f"{who} cannot send request {pull.request_id}: "
                                   f"{value[len(CLAIM_FAILED_PREFIX):]}")
-        if pull._cancelled:
+        if pull.cancelled:
             raise KVTransferError(f"pull of request {pull.request_id} was cancelled")
         raise KVTransferError(f"{who} did not start sending request {pull.request_id} "
                               "before the deadline")
@@ -380,17 +343,19 @@ class KVReceiver:
         """Header and payload into the blocks. Any error aborts the channel."""
         start = time.monotonic()
         deadline = max(pull.deadline, start + MIN_TRANSFER_S)
-        drain = not pull._begin_transfer()  # cancelled: receive, then discard
+        drain = not pull.begin()  # cancelled: receive, then discard
         try:
             with on_device(self.kv_cache):
-                if pull._early is not None:
+                early = pull.early_receives
+                if early is not None:
                     # NOTE: posted into the blocks even if draining: cancel() waits for this
-                    sink, posted = pull._early
+                    sink, posted = early
                 else:
                     sink = PayloadSink(self.kv_cache, pull.block_ids, self.geometry,
                                        list(pull.ticket.chunks), group.device_payload, drain,
                                        staging=self.staging)
-                    pull._sink, posted = sink, None
+                    pull.hold_sink(sink)
+                    posted = None
                 digest = None if drain else PayloadDigest(transfer_key(
                     self._kv_key, pull.prefill_worker_id, self.worker_id, pull.request_id,
                     pull.ticket))

@@ -220,7 +220,7 @@ class KVSender:
                     or not self._claim(peer, transfer.request_id, ticket, CLAIM_SENDING)):
                 raise KVTransferError(f"decode worker {decode_worker_id} gave up on request "
                                       f"{transfer.request_id} before it was sent")
-            transfer._advance(KVPollState.TRANSFERRING)
+            transfer.begin()
             self._counters.start()
             moving = True
             stats = self._move(group, peer, ticket, transfer, ids)
@@ -231,9 +231,9 @@ class KVSender:
             error = KVTransferError(f"decode worker {decode_worker_id} store at {address}: {exc}")
         self._counters.add(stats, moving)
         if stats is not None:
-            transfer._succeed(stats)
+            transfer.finish(stats)
         else:
-            transfer._fail(error)
+            transfer.fail(error)
 
     def _ticket(self, peer: _Peer, transfer: KVTransfer, known: Ticket | None,
                 decode_worker_id: str) -> Ticket:
