@@ -146,19 +146,6 @@ class KVSender:
             raise transfer.failure_exception()
         return transfer.stats
 
-    def start_send(self, request_id: str, decode_worker_id: str, decode_kv_address: str,
-                   block_ids: Sequence[int], timeout_s: float | None = None,
-                   ticket: str | None = None) -> KVTransfer:
-        """``send`` in a background thread; poll the returned ``KVTransfer``.
-        Raises ValueError at once for bad block ids or a malformed ticket."""
-        transfer = KVTransfer(request_id, len(block_ids), self._deadline(timeout_s))
-        ids = check_block_ids(block_ids, self.kv_cache.shape[2])
-        args = (transfer, decode_worker_id, decode_kv_address, ids,
-                self._parse_ticket(ticket))
-        threading.Thread(target=self._send, args=args, daemon=True,
-                         name=f"kv-send-{request_id}").start()
-        return transfer
-
     def send_failure(self, request_id: str, decode_worker_id: str, decode_kv_address: str,
                      reason: str) -> bool:
         """Tell a waiting pull that its blocks will not come (e.g. the lease expired), so
