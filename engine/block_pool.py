@@ -72,11 +72,6 @@ class BlockPool:
         """Fraction of blocks in use (ref count > 0), in [0, 1]."""
         return 1.0 - len(self._free) / self.num_blocks
 
-    @property
-    def cached_block_hashes(self) -> list[bytes]:
-        """Every hash currently in the prefix cache (to republish after an index restart)."""
-        return list(self._cached)
-
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self._cached.get(block_hash)
 
