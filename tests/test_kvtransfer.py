@@ -9,16 +9,13 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
-import threading
 import time
 
 import pytest
 import torch
 
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender, KVTransferError, payload
-from pdserve.kvtransfer.protocol import KVGeometry, Ticket
-from pdserve.kvtransfer.staging import StagingPool, size_class
-from pdserve.kvtransfer.threads import TransferThreads
+from pdserve.kvtransfer.staging import size_class
 
 KV_KEY = hashlib.sha256(b"pdserve test cluster: kv").digest()  # both processes
 
@@ -272,11 +269,11 @@ def test_a_pull_cancelled_with_its_receives_posted_gets_nothing(receivers, prefi
     before = receiver.kv_cache[:, :, [12]].clone()
     handle = receiver.init("posted-then-cancelled", "prefill-bf16", [12], timeout_s=10.0)
     deadline = time.monotonic() + 5.0
-    while handle._early is None and time.monotonic() < deadline:
+    while handle.early_receives is None and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert handle._early is not None and handle.poll() == KVPollState.WAITING_FOR_INPUT
+    assert handle.early_receives is not None and handle.poll() == KVPollState.WAITING_FOR_INPUT
     assert handle.cancel() == KVPollState.FAILED
-    assert handle._early is None  # the posted receives were dropped
+    assert handle.early_receives is None  # the posted receives were dropped
     prefill.request("send", "prefill-bf16", "posted-then-cancelled", receiver, [5],
                     timeout_s=2.0)
     status, detail = prefill.reply()
@@ -391,131 +388,6 @@ def test_large_blocks_go_one_per_message_so_scattered_sender_ids_move_in_place(
     assert receiver.staging.in_use_bytes == 0
 
 
-def test_chunk_plans_and_their_ticket_encoding():
-    layer, block = make_cache(torch.float32, None), make_cache(torch.float32, None, "block")
-    geometry = KVGeometry.of(block)  # 1 KiB blocks; CHUNK_BYTES = 3 KiB here
-    assert payload.plan_chunks(layer, list(range(8)), geometry) == [3, 3, 2]
-    assert payload.plan_chunks(block, list(range(8)), geometry) == [3, 3, 2]
-    assert payload.plan_chunks(block, [4, 5, 6, 9, 2, 3, 10, 11, 12, 13], geometry) == [
-        3, 1, 2, 3, 1]
-    assert payload.plan_chunks(block, [7], geometry) == [1]
-    original, payload.BLOCK_MESSAGE_BYTES = payload.BLOCK_MESSAGE_BYTES, geometry.block_bytes
-    try:  # NOTE: blocks this large go one per message, whatever the layout or the runs
-        assert payload.plan_chunks(block, list(range(8)), geometry) == [1] * 8
-        assert payload.plan_chunks(layer, [5, 2, 3], geometry) == [1, 1, 1]
-    finally:
-        payload.BLOCK_MESSAGE_BYTES = original
-    nonce = "0123456789abcdef" * 2
-    ticket = Ticket("abc", 2, 5, 10, geometry, (3, 1, 2, 3, 1), nonce)
-    # incarnation, nonce, generation, tag, blocks; geometry: layers, block size, kv heads,
-    # head dim, dtype code, scales offset (none), block bytes; chunks
-    assert ticket.encode() == f"abc {nonce} 2 5 10 2 4 2 8 1 0 1024 3 1 2 3 1"
-    assert Ticket.decode(ticket.encode()) == ticket
-    many = Ticket("abc", 2, 5, 1030, geometry, (3,) * 300 + (1,) * 130, nonce)
-    assert many.encode().endswith(" 3*300 1*130") and Ticket.decode(many.encode()) == many
-    for bad in ("3 3", "10 0", ""):
-        with pytest.raises(ValueError, match="do not cut 10 blocks"):
-            Ticket.decode(f"abc {nonce} 2 5 10 2 4 2 8 1 0 1024 {bad}")
-    for nonce in ("", "abc", "0123456789ABCDEF" * 2):  # NOTE: a pull's tag key needs one
-        with pytest.raises(ValueError, match="nonce"):
-            Ticket("abc", 2, 5, 10, geometry, (10,), nonce)
-
-
-def _pair_groups(name: str):
-    """Both ranks of a real 2-rank gloo pair group in this process, rendezvoused through
-    an authenticated KV store; and the store's server (close it)."""
-    from pdserve.kvtransfer.channel import PairGroup
-    from pdserve.kvtransfer.store import KVStoreServer, RemoteStore
-
-    server = KVStoreServer("127.0.0.1", 0, KV_KEY, timeout_s=10)
-    stores = {0: RemoteStore("127.0.0.1", server.port, KV_KEY, 10), 1: server.local()}
-    groups: dict = {}
-    makers = [threading.Thread(target=lambda r=r: groups.__setitem__(r, PairGroup.make(
-        stores[r], name, r, "127.0.0.1", torch.device("cpu"), 10))) for r in (0, 1)]
-    for thread in makers:
-        thread.start()
-    for thread in makers:
-        thread.join(15)
-    return groups, server
-
-
-def _send_in_thread(group, source, ids, geometry, tag, deadline, digest) -> list:
-    from pdserve.kvtransfer.protocol import Header
-
-    sent: list = []
-    thread = threading.Thread(target=lambda: sent.append(group.send(
-        lambda seq: Header(1, len(ids), geometry, seq).encode(), source, tag, deadline,
-        digest)))
-    thread.start()
-    return [thread, sent]
-
-
-def test_a_drained_payload_of_more_chunks_than_ring_slots_is_received_whole():
-    """A pull cancelled after its sender claimed it, with no receives posted early,
-    receives the payload into its ring and discards it: every chunk, re-posting as slots
-    free (6 chunks, 2 slots), and the payload's tag, on a real 2-rank gloo group in this
-    process."""
-    from pdserve.kvtransfer.auth import PayloadDigest
-    from pdserve.kvtransfer.protocol import Header
-
-    groups, server = _pair_groups("drain-test")
-    source_cache = make_cache(torch.float32, 7, "block")
-    geometry = KVGeometry.of(source_cache)
-    ids = list(range(NUM_BLOCKS))[::-1]  # 16 blocks of 1 KiB, 3 per chunk
-    sizes = payload.plan_chunks(make_cache(torch.float32, None), ids, geometry)
-    assert len(sizes) == 6 > payload.RING_SLOTS
-    receiving = make_cache(torch.float32, None)
-    sink = payload.PayloadSink(receiving, ids, geometry, sizes, False, drain=True)
-    deadline = time.monotonic() + 10
-    thread, sent = _send_in_thread(
-        groups[0], payload.PayloadSource(source_cache, ids, geometry, sizes, False), ids,
-        geometry, 5, deadline, PayloadDigest(b"k" * 32))
-    groups[1].recv(sink, 5, deadline, lambda header: Header.decode(header).seq)
-    thread.join(10)
-    assert sent == [NUM_BLOCKS * geometry.block_bytes]
-    assert not receiving.any()  # drained, not written
-    for group in groups.values():
-        group.abort()
-    server.close()
-
-
-@pytest.mark.parametrize("layout", ["block", "layer"])
-def test_a_payload_whose_tag_is_not_its_senders_is_refused(layout):
-    """The receiver computes the payload's GMAC tag as chunks land and compares it
-    with the sender's: the same key passes (bytes equal); bytes tagged under another key
-    (someone without the cluster secret) fail the pull however they arrived (in place, or
-    through the staging ring)."""
-    from pdserve.kvtransfer.auth import PayloadDigest
-    from pdserve.kvtransfer.protocol import Header
-
-    groups, server = _pair_groups(f"tag-test-{layout}")
-    source_cache = make_cache(torch.float32, 7, layout)
-    geometry = KVGeometry.of(source_cache)
-    ids = [3, 4, 5, 9, 1]
-    for tag, sender_key, ok in ((5, b"k" * 32, True), (6, b"x" * 32, False)):
-        receiving = make_cache(torch.float32, None, layout)
-        sizes = payload.plan_chunks(receiving, ids, geometry)
-        sink = payload.PayloadSink(receiving, ids, geometry, sizes, False)
-        deadline = time.monotonic() + 10
-        thread, sent = _send_in_thread(
-            groups[0], payload.PayloadSource(source_cache, ids, geometry, sizes, False), ids,
-            geometry, tag, deadline, PayloadDigest(sender_key))
-        check = PayloadDigest(b"k" * 32)
-        if ok:
-            groups[1].recv(sink, tag, deadline, lambda h: Header.decode(h).seq, digest=check)
-            sink.finish()
-            assert torch.equal(receiving[:, :, ids], source_cache[:, :, ids])
-        else:
-            with pytest.raises(KVTransferError, match="tag is not its sender's"):
-                groups[1].recv(sink, tag, deadline, lambda h: Header.decode(h).seq,
-                               digest=check)
-        thread.join(10)
-        assert sent == [len(ids) * geometry.block_bytes]
-    for group in groups.values():
-        group.abort()
-    server.close()
-
-
 def test_a_failed_pull_gives_back_its_staging_buffer_and_drops_it(receivers, prefill):
     receiver, source = receivers["bf16"], make_cache(torch.bfloat16, 7)
     handle, reply = pull(prefill, receiver, "prefill-bf16", "before-lonely", [2, 9], [10, 4])
@@ -523,9 +395,9 @@ def test_a_failed_pull_gives_back_its_staging_buffer_and_drops_it(receivers, pre
     held = receiver.staging.held_bytes
     lonely = receiver.init("lonely-staged", "prefill-bf16", [4, 10], timeout_s=1.0)
     deadline = time.monotonic() + 5.0
-    while lonely._early is None and time.monotonic() < deadline:
+    while lonely.early_receives is None and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert lonely._early is not None and receiver.staging.in_use_bytes > 0
+    assert lonely.early_receives is not None and receiver.staging.in_use_bytes > 0
     assert lonely.wait(5.0) == KVPollState.FAILED
     assert receiver.staging.in_use_bytes == 0
     assert receiver.staging.held_bytes < held  # dropped: an aborted receive may hold it
@@ -533,114 +405,3 @@ def test_a_failed_pull_gives_back_its_staging_buffer_and_drops_it(receivers, pre
     assert handle.poll() == KVPollState.SUCCESS and reply[0] == "ok"
     assert torch.equal(receiver.kv_cache[:, :, [10, 4]], source[:, :, [2, 9]])
     assert receiver.staging.in_use_bytes == 0 and receiver.staging.held_bytes == held
-
-
-MiB = 2**20
-
-
-def test_staging_pool_reuses_the_smallest_free_buffer_that_fits():
-    pool = StagingPool(max_bytes=64 * MiB)
-    small, large = pool.take(3 * MiB), pool.take(10 * MiB)
-    assert (small.buffer.numel(), large.buffer.numel()) == (3 * MiB, 10 * MiB)
-    assert small.pooled and large.pooled and pool.in_use_bytes == 13 * MiB
-    pool.give_back(small)
-    pool.give_back(large)
-    assert pool.num_free == 2 and pool.in_use_bytes == 0 and pool.held_bytes == 13 * MiB
-    again = pool.take(2 * MiB)
-    assert again.buffer.data_ptr() == small.buffer.data_ptr()
-    other = pool.take(2 * MiB)  # the small one is in use: the large one serves
-    assert other.buffer.data_ptr() == large.buffer.data_ptr()
-    assert pool.held_bytes == 13 * MiB
-
-
-def test_staging_pool_never_holds_more_than_its_bound():
-    pool = StagingPool(max_bytes=16 * MiB)
-    first, second = pool.take(6 * MiB), pool.take(6 * MiB)
-    third = pool.take(6 * MiB)  # 18 MiB in use would pass the bound: a buffer of its own
-    assert (first.pooled, second.pooled, third.pooled) == (True, True, False)
-    assert pool.held_bytes == 12 * MiB and pool.in_use_bytes == 12 * MiB
-    for lease in (first, second, third):
-        pool.give_back(lease)
-    assert pool.held_bytes == 12 * MiB and pool.num_free == 2
-    bigger = pool.take(9 * MiB)  # makes room by dropping the least recently given back
-    assert bigger.pooled and pool.held_bytes == 15 * MiB and pool.num_free == 1
-    assert pool.take(17 * MiB).pooled is False  # over the bound alone
-    assert pool.held_bytes <= 16 * MiB
-
-
-def test_staging_pool_drops_failed_buffers_and_frees_everything_on_close():
-    pool = StagingPool(max_bytes=16 * MiB)
-    failed, ok = pool.take(4 * MiB), pool.take(4 * MiB)
-    pool.give_back(failed, reusable=False)
-    pool.give_back(failed, reusable=False)  # twice: nothing more happens
-    assert pool.held_bytes == 4 * MiB and pool.in_use_bytes == 4 * MiB
-    pool.give_back(ok)
-    assert pool.take(4 * MiB).buffer.data_ptr() == ok.buffer.data_ptr()
-    pool.close()
-    assert pool.num_free == 0 and pool.held_bytes == 4 * MiB  # the lease in use
-    late = pool.take(1 * MiB)
-    assert late.pooled is False
-    assert pool.held_bytes == 4 * MiB
-
-
-def test_staging_pool_disabled_allocates_for_each_transfer():
-    pool = StagingPool(max_bytes=0)
-    lease = pool.take(1024)
-    assert lease.pooled is False and lease.buffer.numel() == 1024
-    pool.give_back(lease)
-    assert pool.held_bytes == 0 and pool.num_free == 0
-
-
-def test_staging_pool_never_hands_one_buffer_to_two_transfers_at_once():
-    pool = StagingPool(max_bytes=8 * MiB)
-    lock, leased, clashes = threading.Lock(), set(), []
-
-    def worker(seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        for _ in range(300):
-            lease = pool.take(int(torch.randint(1, 3 * MiB, (1,), generator=gen)))
-            ptr = lease.buffer.data_ptr()
-            with lock:
-                if ptr in leased:
-                    clashes.append(ptr)
-                leased.add(ptr)
-            assert pool.held_bytes <= 8 * MiB
-            with lock:
-                leased.discard(ptr)
-            pool.give_back(lease, reusable=bool(seed % 3))
-
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert not clashes and pool.in_use_bytes == 0 and pool.held_bytes <= 8 * MiB
-
-
-def test_transfer_threads_reuse_idle_threads_grow_for_concurrent_tasks_and_close():
-    threads = TransferThreads("test")
-    done = threading.Event()
-    ran = []
-    for i in range(5):  # one after another: one thread serves them all
-        done.clear()
-        threads.submit(lambda i=i: (ran.append(i), done.set()))
-        assert done.wait(10)
-        deadline = time.monotonic() + 10
-        while threads._idle == 0 and time.monotonic() < deadline:  # back to idle
-            time.sleep(0.001)
-    assert ran == [0, 1, 2, 3, 4] and threads.num_threads == 1
-    release, started = threading.Event(), threading.Semaphore(0)
-
-    def blocked() -> None:
-        started.release()
-        assert release.wait(10)
-
-    for _ in range(3):  # in flight together: none waits behind another
-        threads.submit(blocked)
-    assert all(started.acquire(timeout=10) for _ in range(3))
-    assert threads.num_threads == 3
-    threads.submit(lambda: 1 / 0)  # a task that raises is logged; its thread lives on
-    release.set()
-    threads.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        threads.submit(print)
