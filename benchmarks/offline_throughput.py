@@ -281,7 +281,8 @@ def timed_run(name: str, model_dir: Path, prompts: list[list[int]], output_len: 
             proc.kill()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The benchmark's command line (``--help`` lists it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=256)
@@ -310,14 +311,18 @@ def main() -> None:
     parser.add_argument("--speculative-config", metavar="JSON",
                         help="also time pdserve with this speculative decoding config "
                              "(pdserve:spec), reported as a ratio to pdserve without")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    dtype = getattr(torch, args.dtype)
-    model_dir = args.model or write_checkpoint(args.model_dir, dtype)
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, 32000, (args.num_prompts, args.input_len), generator=gen).tolist()
-    num_output = args.num_prompts * args.output_len
 
+def time_engines(args: argparse.Namespace, model_dir: Path, prompts: list[list[int]]
+                 ) -> tuple[dict[str, list[float]], dict[str, list[dict]], dict | None]:
+    """Time each engine ``args.repeats`` times, alternating, each run in a child process.
+
+    Returns ``(times, collectives, step_probe)``: seconds of each run by engine name
+    (``pdserve``, ``pdserve:<kv dtype>``, ``pdserve:tp<n>``, ``pdserve:spec``,
+    ``transformers``), the tensor-parallel runs' collective timings, and the decode-step
+    probe of the first pdserve run (None without one).
+    """
     names = (["pdserve", *(f"pdserve:{kv}" for kv in args.kv_cache_dtype),
               *(f"pdserve:tp{n}" for n in args.tensor_parallel_size),
               *(["pdserve:spec"] if args.speculative_config else [])]
@@ -335,24 +340,14 @@ def main() -> None:
                 collectives.setdefault(name, []).append(extra | {"seconds": seconds})
             else:
                 step_probe = step_probe or extra
-    machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
-               else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                    f"{torch.get_num_threads()} threads")
-    result = {"workload": vars(args) | {"model_dir": str(model_dir), "json": None,
-                                        "model": str(args.model)},
-              "machine": f"{machine}, torch {torch.__version__}",
-              "seconds": times, "decode_step": step_probe}
-    for name, runs in times.items():
-        best = min(runs)
-        result[f"{name}_output_tok_s"] = num_output / best
-        print(f"{name + ':':15}{num_output / best:8.1f} output tok/s (best {best:.1f} s of "
-              f"{', '.join(f'{t:.1f}' for t in runs)})")
-    if "transformers" in times:
-        result["ratio"] = min(times["transformers"]) / min(times["pdserve"])
-        paired = [hf / ours for ours, hf in zip(times["pdserve"], times["transformers"])]
-        result["ratio_per_repeat"] = paired
-        print(f"ratio:        {result['ratio']:8.2f}x (best over best; per repeat "
-              f"{', '.join(f'{r:.2f}' for r in paired)})")
+    return times, collectives, step_probe
+
+
+def report_variants(args: argparse.Namespace, result: dict, times: dict[str, list[float]],
+                    collectives: dict[str, list[dict]]) -> None:
+    """Print, and record in ``result``, each pdserve variant's throughput as a ratio to
+    plain pdserve's: KV cache dtypes, speculation, then tensor parallelism with its
+    collectives' time per step."""
 
     def against_pdserve(name: str) -> str:
         """Record ``name``'s throughput over pdserve's (best over best, and per repeat);
@@ -376,6 +371,40 @@ def main() -> None:
               f"{best['collective_s'] / best['steps'] * 1e3:.2f} ms per step "
               f"({best['collectives'] / best['steps']:.0f} per step, {best['steps']} steps), "
               f"{best['collective_s'] / best['seconds']:.0%} of the run")
+
+
+def main() -> None:
+    """Run the benchmark: time the engines, print each one's output tokens per second and
+    the ratios, and write the result to ``--json`` when given."""
+    args = parse_args()
+
+    dtype = getattr(torch, args.dtype)
+    model_dir = args.model or write_checkpoint(args.model_dir, dtype)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 32000, (args.num_prompts, args.input_len), generator=gen).tolist()
+    num_output = args.num_prompts * args.output_len
+
+    times, collectives, step_probe = time_engines(args, model_dir, prompts)
+    machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+               else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                    f"{torch.get_num_threads()} threads")
+    result = {"workload": vars(args) | {"model_dir": str(model_dir), "json": None,
+                                        "model": str(args.model)},
+              "machine": f"{machine}, torch {torch.__version__}",
+              "seconds": times, "decode_step": step_probe}
+    for name, runs in times.items():
+        best = min(runs)
+        result[f"{name}_output_tok_s"] = num_output / best
+        print(f"{name + ':':15}{num_output / best:8.1f} output tok/s (best {best:.1f} s of "
+              f"{', '.join(f'{t:.1f}' for t in runs)})")
+    if "transformers" in times:
+        result["ratio"] = min(times["transformers"]) / min(times["pdserve"])
+        paired = [hf / ours for ours, hf in zip(times["pdserve"], times["transformers"])]
+        result["ratio_per_repeat"] = paired
+        print(f"ratio:        {result['ratio']:8.2f}x (best over best; per repeat "
+              f"{', '.join(f'{r:.2f}' for r in paired)})")
+
+    report_variants(args, result, times, collectives)
     if step_probe:
         print(f"decode step:  {step_probe['median_step_s'] * 1e3:8.2f} ms median over "
               f"{step_probe['decode_steps']} steps of {step_probe['batch']} sequences; "

@@ -359,6 +359,15 @@ async def benchmark(args: argparse.Namespace) -> dict:
         "errors": errors,
         "machine": machine_info(),
     }
+    print_problems(result, args.output_len)
+    return result
+
+
+def print_problems(result: dict, output_len: int) -> None:
+    """Print to stderr what went wrong in a run's ``result``: the failed requests (the
+    first five errors), streams without a usage chunk, and requests that did not produce
+    ``output_len`` tokens. Prints nothing for a clean run."""
+    errors = result["errors"]
     if errors:
         print(f"{len(errors)} failed requests; first errors:", file=sys.stderr)
         for error in errors[:5]:
@@ -367,8 +376,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
         print(f"warning: {result['usage_missing']} streams had no usage chunk", file=sys.stderr)
     if result["wrong_output_len"]:
         print(f"warning: {result['wrong_output_len']} requests did not produce "
-              f"{args.output_len} tokens", file=sys.stderr)
-    return result
+              f"{output_len} tokens", file=sys.stderr)
 
 
 def print_table(metrics: dict, percentiles: Sequence[float], args: argparse.Namespace) -> None:

@@ -168,7 +168,9 @@ def time_round(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
     return decode_s / max(decode_tokens, 1), outputs
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line, with ``--speculative-config`` defaulted for the workload (or
+    made for ``--draft-layers``) and ``--model`` made from ``--gguf`` when not given."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct's .gguf file")
     parser.add_argument("--model", type=Path, help="or a checkpoint folder")
@@ -202,7 +204,18 @@ def main() -> None:
         args.speculative_config = json.dumps(
             {"method": "draft_model", "num_speculative_tokens": 4,
              "model": str(truncated_draft(args.model, args.draft_layers))})
+    return args
 
+
+def run_rounds(args: argparse.Namespace) -> tuple[dict, dict, dict, dict]:
+    """Load the model with speculation off and on, warm both up, then time
+    ``args.repeats`` rounds of the workload on each.
+
+    Returns ``(tpot, outputs, counters, own)``: each engine's seconds per output token
+    per round, its output token ids, the engine's speculation counters over the timed
+    rounds (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``), and this
+    benchmark's own count of them.
+    """
     from pdserve.engine import LLM
 
     engines = {"off": LLM(str(args.model), dtype=args.dtype, load_progress=False,
@@ -225,14 +238,25 @@ def main() -> None:
             seconds, round_outputs = time_round(llm, prompts, args.max_tokens)
             tpot[name].append(seconds)
             outputs[name] += round_outputs
+    counters = {"num_drafts": scheduler.num_drafts_total - drafts0,
+                "num_draft_tokens": scheduler.num_draft_tokens_total - proposed0,
+                "num_accepted_tokens": scheduler.num_accepted_tokens_total - accepted0}
+    return tpot, outputs, counters, own
+
+
+def main() -> None:
+    """Run the benchmark: print TPOT with speculation off and on, the acceptance rate and
+    the counters, write ``--json`` when given; exit with an error when the engine's
+    counters differ from the benchmark's own count."""
+    args = parse_args()
+    tpot, outputs, counters, own = run_rounds(args)
     # NOTE: in bf16 a verification row goes through prefill attention, which sums q . K
     # in another order than decode attention: a near-tie may then flip (docs/
     # architecture.md, Lifecycle and failure); in fp32 the outputs are equal (tests)
     same = [next((i for i, (a, b) in enumerate(zip(on, off)) if a != b), min(len(on), len(off)))
             for on, off in zip(outputs["on"], outputs["off"])]
-    drafts = scheduler.num_drafts_total - drafts0
-    proposed = scheduler.num_draft_tokens_total - proposed0
-    accepted = scheduler.num_accepted_tokens_total - accepted0
+    drafts, proposed, accepted = (counters["num_drafts"], counters["num_draft_tokens"],
+                                  counters["num_accepted_tokens"])
     best = {name: min(runs) for name, runs in tpot.items()}
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -244,8 +268,7 @@ def main() -> None:
         "equal_prefix_tokens": same,
         "acceptance_rate": accepted / max(proposed, 1),
         "tokens_per_verification": (accepted + drafts) / max(drafts, 1),
-        "counters": {"num_drafts": drafts, "num_draft_tokens": proposed,
-                     "num_accepted_tokens": accepted},
+        "counters": counters,
         "own_count": own,
     }
     for name in ("off", "on"):

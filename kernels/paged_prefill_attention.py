@@ -39,6 +39,41 @@ from pdserve.kernels.kv_quant import (
 )
 
 
+def _sequence_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    key_scales: torch.Tensor | None,
+    value_scales: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first ``seq_len`` cached K and V rows, gathered from its blocks.
+
+    Args:
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_table: ``[max_blocks_per_seq]`` int32/int64, the sequence's row of the block
+            table; entries before a sliding window may be padding (-1).
+        seq_len: the sequence's context length, in tokens.
+        key_scales, value_scales: a quantized cache's ``[num_blocks, num_kv_heads]`` fp32
+            scales (K and V come back dequantized, fp32), or None for a float cache.
+
+    Returns:
+        ``(k, v)``, each ``[seq_len, num_kv_heads, head_dim]`` (the cache's dtype, or fp32
+        when dequantized).
+    """
+    block_size = key_cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    # Entries before the window may be padding (-1): read block 0 there, which the
+    # caller masks.
+    blocks = block_table[:num_blocks].long().clamp(min=0)
+    k = key_cache.index_select(0, blocks)  # [blocks, block_size, H_kv, D]
+    v = value_cache.index_select(0, blocks)
+    if key_scales is not None:  # dequantized, attended in fp32
+        k = dequantize_ref(k, key_scales.index_select(0, blocks))
+        v = dequantize_ref(v, value_scales.index_select(0, blocks))
+    return k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]
+
+
 def paged_prefill_attention_ref(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -77,7 +112,6 @@ def paged_prefill_attention_ref(
     """
     out = torch.empty_like(query)
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
-    block_size = key_cache.shape[1]
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     for s, seq_len in enumerate(lens):
@@ -85,16 +119,8 @@ def paged_prefill_attention_ref(
         q_len = end - start
         if q_len == 0:
             continue
-        num_blocks = (seq_len + block_size - 1) // block_size
-        # Entries before the window may be padding (-1): read block 0 there, masked below.
-        blocks = block_tables[s, :num_blocks].long().clamp(min=0)
-        k = key_cache.index_select(0, blocks)  # [blocks, block_size, H_kv, D]
-        v = value_cache.index_select(0, blocks)
-        if key_scales is not None:  # dequantized, attended in fp32
-            k = dequantize_ref(k, key_scales.index_select(0, blocks))
-            v = dequantize_ref(v, value_scales.index_select(0, blocks))
-        k = k.flatten(0, 1)[:seq_len]  # [L, H_kv, D]
-        v = v.flatten(0, 1)[:seq_len]
+        k, v = _sequence_kv(key_cache, value_cache, block_tables[s], seq_len, key_scales,
+                            value_scales)  # [L, H_kv, D]
         # NOTE: 4-D inputs take torch's CPU flash-attention kernel; 3-D ones the slow math path.
         q = query[start:end].transpose(0, 1)[None]  # [1, H, q_len, D]
         if key_scales is not None:

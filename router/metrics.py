@@ -62,6 +62,14 @@ class RouterMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._add_vllm_metrics()
+        self._add_availability_metrics()
+        self._add_refusal_metrics()
+        self._add_labelled_metrics()
+
+    def _add_vllm_metrics(self) -> None:
+        """vLLM's metrics with only the ``model_name`` label: the latency histograms
+        (seconds), the running and waiting gauges, and the token counters."""
         self.time_to_first_token = self._one(
             Histogram, "vllm:time_to_first_token_seconds", "Time to first token, seconds.",
             buckets=TTFT_BUCKETS_S)
@@ -87,6 +95,11 @@ class RouterMetrics:
             Counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in prefix caches.")
         self.prefix_cache_hits = self._one(
             Counter, "vllm:prefix_cache_hits", "Prompt tokens found in prefix caches.")
+
+    def _add_availability_metrics(self) -> None:
+        """pdserve's metrics with only the ``model_name`` label: the prefix index's and the
+        worker registry's availability, registry outages and rejected records, retries and
+        migrations."""
         self.prefix_index_available = self._one(
             Gauge, "pdserve:prefix_index_available",
             "1 while the Redis prefix index answers, 0 while routing by load alone.")
@@ -107,6 +120,10 @@ class RouterMetrics:
             "Worker records in the registry the router ignores: unsigned, forged, or signed "
             "with another cluster's secret.")
         self._registry_up = True
+
+    def _add_refusal_metrics(self) -> None:
+        """Requests refused by admission control, and clean-up RPCs retried or given up,
+        by reason and method; every label value exposed as 0 from the start."""
         self._rejections = Counter(
             "pdserve:requests_rejected", "Requests refused with 503 by admission control, "
             "by the cap that refused them.", labelnames=["model_name", "reason"],
@@ -124,6 +141,11 @@ class RouterMetrics:
         for method in CLEANUP_METHODS:  # NOTE: 0 from the start, so dashboards see them
             self._cleanup_retries.labels(self.model_name, method)
             self._cleanup_failures.labels(self.model_name, method)
+
+    def _add_labelled_metrics(self) -> None:
+        """The metrics with labels past ``model_name``: the workers' Health audit,
+        finish reasons, prefill paths, routing decisions, prefix index lookups, stall
+        probes and pool sizes."""
         self._worker_gauges = {
             name: Gauge(f"pdserve:worker_{name}", documentation,
                         labelnames=["model_name", "role", "worker"], registry=self.registry)

@@ -9,6 +9,9 @@ private Redis with a password, and the router in this process.
 - ``SendKV`` abuse (unknown request ids toward a dead address, a live lease toward
   another decode worker) is refused at once and does not delay real requests.
 - With certificates, the workers and router talk mutual TLS.
+
+The parts that need no worker (the private Redis's password, the nonce cache) are
+``test_cluster_credentials.py``'s.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from disagg_client import (
     start_worker_process,
 )
 
-from pdserve.cluster.auth import TOKEN_WINDOW_S, ClusterAuth, ClusterTLS, NonceCache, RpcToken
+from pdserve.cluster.auth import TOKEN_WINDOW_S, ClusterAuth, ClusterTLS
 from pdserve.cluster.registry import WORKERS_KEY, WorkerRecord, heartbeat_key, record_key
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.engine import LLM, SamplingParams
@@ -125,14 +128,6 @@ async def settled(stub, timeout_s: float = 5.0) -> common_pb2.HealthResponse:
         if clean or time.monotonic() > deadline:
             return state
         await asyncio.sleep(0.1)
-
-
-def test_the_private_redis_refuses_clients_without_its_password():
-    with RedisServer() as server:
-        assert redis.Redis.from_url(server.url).ping()
-        with pytest.raises(redis.AuthenticationError):
-            redis.Redis(host=server.host, port=server.port).ping()
-        assert server.password not in server.display_url
 
 
 def test_worker_rpcs_without_the_cluster_credentials_are_refused_at_once(cluster):
@@ -592,17 +587,3 @@ def test_a_stream_token_binds_the_method_and_is_used_once(cluster):
         "valid": grpc.StatusCode.OK, "replayed": grpc.StatusCode.UNAUTHENTICATED,
         "bound to a message": grpc.StatusCode.UNAUTHENTICATED,
         "stream token on Abort": grpc.StatusCode.UNAUTHENTICATED}
-
-
-def test_the_nonce_cache_forgets_what_left_the_window_and_is_bounded():
-    """A server's memory of nonces: a nonce is refused again until its token's time
-    leaves the window, then dropped; a full cache refuses new nonces (fails closed)."""
-    cache = NonceCache(window_s=60, max_size=3)
-    t = 1_000_000.0
-    tokens = [RpcToken(int(t), f"{i:032x}", "stream") for i in range(4)]
-    assert cache.add(tokens[0], now=t) is None
-    assert "replayed" in cache.add(tokens[0], now=t + 59)
-    assert cache.add(tokens[1], now=t) is None and cache.add(tokens[2], now=t) is None
-    assert "too many" in cache.add(tokens[3], now=t + 1)
-    assert cache.add(tokens[3], now=t + 61) is None  # the others expired, and are gone
-    assert len(cache) == 1

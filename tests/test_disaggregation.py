@@ -199,6 +199,41 @@ async def wait_no_transfer_in_flight(stub, timeout_s: float) -> bool:
     return True
 
 
+async def kill_decode_mid_transfer(prefill, dying, proc: subprocess.Popen,
+                                   sampling: SamplingParams, max_tries: int):
+    """Send fresh prompts through ``prefill`` to the decode worker whose stub is ``dying``
+    and whose process is ``proc``, until one kill lands mid-payload: once a transfer is seen in
+    flight the process is stopped (SIGSTOP); still in flight a second later (the sender
+    blocks on a full socket), it is killed (SIGKILL), else resumed (SIGCONT) for the next
+    try. Returns ``(tries, landed)``: per try (seen in flight, killed, the request's
+    outcome or exception), and the try whose kill landed (request ``dies-<try>``), or
+    None after ``max_tries`` misses."""
+    tries, landed = [], None
+    for attempt in range(max_tries):
+        # an earlier try's send has ended: a transfer seen in flight is this one's
+        idle = await wait_no_transfer_in_flight(prefill, timeout_s=60)
+        assert idle, f"a send of an earlier try never ended: {tries}"
+        # a fresh prompt per try, so that the decode worker caches none of it
+        prompt = random_prompts([BIG_KV_PROMPT_TOKENS], seed=350 + attempt)[0]
+        task = asyncio.ensure_future(generate(prefill, dying, f"dies-{attempt}", prompt,
+                                              sampling, timeout_s=60))
+        seen = await wait_transfer_in_flight(prefill, task, timeout_s=60)
+        if seen:
+            os.kill(proc.pid, signal.SIGSTOP)
+            await asyncio.sleep(1.0)  # an unblocked 80 MiB send takes ~50 ms
+            if (await health(prefill)).num_kv_transfers_in_flight > 0:
+                landed = attempt
+                os.kill(proc.pid, signal.SIGKILL)
+                await asyncio.to_thread(proc.wait, 30)
+            else:
+                os.kill(proc.pid, signal.SIGCONT)
+        outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+        tries.append((seen, landed == attempt, outcome))
+        if landed is not None:
+            break
+    return tries, landed
+
+
 def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints, tmp_path):
     """A decode worker (a plain process) dies while the payload moves: it is stopped
     (SIGSTOP) once the prefill worker reports the transfer in flight, the transfer is seen
@@ -220,29 +255,8 @@ def test_decode_worker_killed_mid_transfer_frees_prefill_blocks(tiny_checkpoints
             p = prefill_stub(prefill.grpc_address)
             dying, survivor = decode_stub(infos[1]["grpc_address"]), decode_stub(
                 infos[0]["grpc_address"])
-            tries, landed = [], None
-            for attempt in range(max_tries):
-                # an earlier try's send has ended: a transfer seen in flight is this one's
-                idle = await wait_no_transfer_in_flight(p, timeout_s=60)
-                assert idle, f"a send of an earlier try never ended: {tries}"
-                # a fresh prompt per try, so that the decode worker caches none of it
-                prompt = random_prompts([BIG_KV_PROMPT_TOKENS], seed=350 + attempt)[0]
-                task = asyncio.ensure_future(generate(p, dying, f"dies-{attempt}", prompt,
-                                                      greedy, timeout_s=60))
-                seen = await wait_transfer_in_flight(p, task, timeout_s=60)
-                if seen:
-                    os.kill(procs[1].pid, signal.SIGSTOP)
-                    await asyncio.sleep(1.0)  # an unblocked 80 MiB send takes ~50 ms
-                    if (await health(p)).num_kv_transfers_in_flight > 0:
-                        landed = attempt
-                        os.kill(procs[1].pid, signal.SIGKILL)
-                        await asyncio.to_thread(procs[1].wait, 30)
-                    else:
-                        os.kill(procs[1].pid, signal.SIGCONT)
-                outcome = (await asyncio.gather(task, return_exceptions=True))[0]
-                tries.append((seen, landed == attempt, outcome))
-                if landed is not None:
-                    break
+            tries, landed = await kill_decode_mid_transfer(p, dying, procs[1], greedy,
+                                                           max_tries)
             # A failed send leaves its lease standing, so that another decode worker may
             # pull the same KV; the router releases it when it gives the KV up.
             await wait_no_transfer_in_flight(p, timeout_s=60)
