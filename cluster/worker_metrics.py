@@ -37,7 +37,7 @@ pays nothing per token for them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import (
@@ -51,15 +51,27 @@ from prometheus_client.registry import Collector
 from pdserve.kvtransfer.protocol import KVTransferCounters
 
 if TYPE_CHECKING:
-    from pdserve.cluster.worker_runtime import WorkerRuntime
+    from pdserve.cluster.worker_config import WorkerConfig
+    from pdserve.engine.async_engine import AsyncEngine
 
 LABELS = ["model_name", "worker", "role"]
+
+
+class MetricsSource(Protocol):
+    """What ``WorkerCollector`` reads of a worker at each scrape (``WorkerRuntime`` is
+    one): its engine (None before it is built: nothing is reported), its id, its
+    configuration (``role``) and whether it drains."""
+
+    engine: AsyncEngine | None
+    worker_id: str
+    config: WorkerConfig
+    draining: bool
 
 
 class WorkerCollector(Collector):
     """Reads ``runtime``'s engine and ``kv_counters()`` at each scrape."""
 
-    def __init__(self, runtime: WorkerRuntime,
+    def __init__(self, runtime: MetricsSource,
                  kv_counters: Callable[[], KVTransferCounters]) -> None:
         self.runtime = runtime
         self.kv_counters = kv_counters

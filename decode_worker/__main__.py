@@ -1,5 +1,5 @@
 import sys
 
-from pdserve.entrypoints.worker_main import main
+from pdserve.decode_worker.main import main
 
-sys.exit(main("decode"))
+sys.exit(main())

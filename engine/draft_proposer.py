@@ -29,7 +29,7 @@ from pdserve.engine.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.kv_cache_layout import KVCacheLayout
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_source import open_model
-from pdserve.engine.models.llama import AttentionMetadata
+from pdserve.engine.models.blocks import AttentionMetadata
 from pdserve.engine.models.loader import load_model
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import SchedulerOutput

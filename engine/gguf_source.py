@@ -32,16 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdserve.engine.config import UnsupportedModelError
+from pdserve.engine.families import UnsupportedModelError
 from pdserve.engine.gguf_quant import KEPT_TYPES, permute_rows, quant_weight
-from pdserve.engine.parallel import take_shard
+from pdserve.engine.weight_shard import WeightShard, take_shard
 from pdserve.kernels.quant_linear import QuantWeight
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
     from transformers import PreTrainedTokenizerBase
 
-    from pdserve.engine.model_source import WeightShard
 
 # GGUF key (after "llama.") -> config.json key, as transformers maps them
 GGUF_LLAMA_CONFIG = {

@@ -9,21 +9,27 @@
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.block_hash import root_block_hash
 from pdserve.engine.block_pool import KVEvent
 from pdserve.engine.config import ModelConfig, cpu_compute_dtype
+from pdserve.engine.cpu_threads import bind_intra_op_threads, parse_cpu_list
 from pdserve.engine.draft_proposer import PENDING
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.engine_outputs import (
+    BlockOwnership,
+    EngineOutput,
+    KVTransferAllocation,
+    TokenHistogram,
+)
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.model_resolution import resolve_model_paths
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.model_source import open_model
 from pdserve.engine.models.quantization import check_quantization
@@ -36,185 +42,10 @@ from pdserve.engine.suffix_decoding import SuffixProposer
 from pdserve.engine.tokenizer import eos_token_ids as checkpoint_eos_token_ids
 from pdserve.engine.tokenizer import load_tokenizer, read_chat_template
 from pdserve.engine.tp_executor import threads_per_rank
-from pdserve.kernels.kv_quant import canonical_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
 
 _CPU_KV_CACHE_BYTES = 4 << 30  # vLLM's VLLM_CPU_KVCACHE_SPACE default: 4 GiB
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    """Everything an engine needs; flag names follow vLLM's.
-
-    Where the model comes from (``engine/hub.py``, ``engine/model_source.py``): ``model``
-    is a checkpoint folder, a ``.gguf`` file (or a folder holding one), or a hub id
-    downloaded at ``revision`` into ``download_dir`` (default ``$HF_HOME/hub``);
-    ``tokenizer`` another folder or hub id to take the tokenizer from;
-    ``chat_template`` a Jinja template, or a file holding one, replacing the tokenizer's;
-    ``generation_config`` (``auto``, ``vllm`` or a folder,
-    ``engine/generation_config.py``) says whose ``eos_token_id`` ends generation.
-    ``resolve_model_paths`` turns hub ids into local paths (``pdserve serve`` does it once,
-    before its workers start).
-
-    ``kv_cache_dtype`` (vLLM's ``--kv-cache-dtype``): ``auto`` stores the KV cache in
-    the model's dtype; ``int8``, ``fp8`` (= ``fp8_e4m3``) and ``fp8_e5m2`` store one byte
-    per value and one fp32 scale per (block, layer, K or V, kv head)
-    (``kernels/kv_quant.py``), about twice the blocks in the same memory. It is part of
-    the prefix-cache identity (``block_hash.root_block_hash``).
-
-    Sizes: ``max_model_len``, ``max_num_batched_tokens`` in tokens; ``block_size`` in
-    tokens per block; ``kv_cache_memory_bytes`` in bytes. ``device="auto"`` takes CUDA
-    when available. ``num_threads`` caps torch's CPU threads (None leaves torch's default).
-    ``max_num_batched_tokens=None`` resolves to 8192 on CUDA and 1024 on CPU: on CPU a
-    step of 1024 tokens runs at the same tokens per second as one of 2048 (both ~1.5x
-    faster than 8192-row matmuls, which leave the cache), and a burst of prompts gets its
-    first tokens in smaller groups (W1's served shape on 2 cores: mean TTFT ~0.67 s
-    against ~0.85 s, same throughput).
-
-    ``cpu_omp_threads_bind`` (CPU only; vLLM's ``VLLM_CPU_OMP_THREADS_BIND``; see
-    ``LLMEngine.bind_threads`` for which thread it applies to): ``"auto"``
-    binds intra-op thread i to the i-th CPU this process may run on when there are as
-    many threads as such CPUs (the engine owns them; otherwise nothing is bound, so two
-    engines sharing a machine are not stacked on its first cores), ``"nobind"`` leaves
-    the threads to the kernel, and a CPU list (``"0-3"``, ``"0,2,4-5"``) binds thread i
-    to its i-th CPU. A bound team is never stacked onto one core while other processes
-    (the router, the client) take the other: under W1's served load on 2 cores, unbound
-    threads cost the decode worker ~13% more CPU time than the same work offline.
-
-    ``tensor_parallel_size`` (vLLM's ``--tensor-parallel-size``): this engine's process
-    is rank 0 of that many, the others processes it starts on this machine, each
-    holding its share of the weights and of the KV cache (``engine/parallel.py``,
-    ``engine/tp_executor.py``): one CUDA device each from ``device``'s index on, or on the
-    CPU ``num_threads`` threads each (default: an equal share of the CPUs).
-    ``kv_cache_memory_bytes`` is then each rank's.
-
-    ``speculative_config`` (vLLM's ``--speculative-config``, JSON text or a dict, e.g.
-    ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}``):
-    decoding requests propose tokens and verify them in one forward pass
-    (``engine/spec_decode.py``).
-    """
-
-    model: str
-    served_model_name: str | None = None
-    tokenizer: str | None = None
-    revision: str | None = None
-    download_dir: str | None = None
-    generation_config: str = "auto"
-    chat_template: str | None = None
-    dtype: str | torch.dtype = "auto"
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
-    max_model_len: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    seed: int = 0
-    device: str = "auto"
-    num_threads: int | None = None
-    cpu_omp_threads_bind: str = "auto"
-    load_progress: bool = True
-    tensor_parallel_size: int = 1
-    speculative_config: str | dict | None = None
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.tensor_parallel_size <= 64:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be in "
-                             "[1, 64]")
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"block_size={self.block_size} must be a power of two <= 128")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.cpu_omp_threads_bind not in ("auto", "nobind"):
-            parse_cpu_list(self.cpu_omp_threads_bind)
-        canonical_kv_cache_dtype(self.kv_cache_dtype)  # NOTE: raises for an unknown name
-        SpeculativeConfig.parse(self.speculative_config)  # NOTE: raises, naming the key
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """``"0-3,6"`` -> ``[0, 1, 2, 3, 6]`` (Linux's cpu list format, in the order given).
-
-    Raises:
-        ValueError: not such a list, naming ``cpu_omp_threads_bind``.
-    """
-    cpus: list[int] = []
-    for part in text.split(","):
-        first, dash, last = part.strip().partition("-")
-        if not first.isdigit() or (dash and not last.isdigit()) or int(last or first) < int(first):
-            raise ValueError(f"cpu_omp_threads_bind={text!r} must be auto, nobind or a CPU "
-                             "list such as 0-3 or 0,2,4-5")
-        cpus.extend(range(int(first), int(last or first) + 1))
-    if len(set(cpus)) != len(cpus):
-        raise ValueError(f"cpu_omp_threads_bind={text!r} names a CPU twice")
-    return cpus
-
-
-@dataclass(slots=True)
-class KVTransferAllocation:
-    """Where a decode worker puts pulled KV: prompt block ``block_indices[i]`` (its
-    position in the prompt's block list) goes into local block ``block_ids[i]``.
-    ``num_cached_tokens`` prompt tokens were already cached here and are not pulled."""
-
-    request_id: str
-    block_indices: list[int]
-    block_ids: list[int]
-    num_cached_tokens: int
-
-
-@dataclass(slots=True)
-class EngineOutput:
-    """What one step produced for one request (token counts in tokens)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[Logprob]
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    prompt_logprobs: list[Logprob | None] | None = None  # on the first output, if asked
-
-
-@dataclass(frozen=True, slots=True)
-class BlockOwnership:
-    """A worker's KV ownership audit (docs/architecture.md, Lifecycle and failure): requests whose KV
-    is being pulled, leases and the blocks they pin, and blocks owned by nothing (a leak;
-    always 0)."""
-
-    num_requests_waiting_for_kv: int
-    num_leases: int
-    num_leased_blocks: int
-    num_unowned_blocks: int
-
-
-class TokenHistogram:
-    """Tokens scheduled per engine step, in vLLM's ``vllm:iteration_tokens_total`` buckets
-    (upper bounds, tokens). ``observe`` runs on the engine thread; ``snapshot`` from any
-    thread gives cumulative counts consistent with their total (taken from one copy)."""
-
-    BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-
-    def __init__(self) -> None:
-        self._counts = [0] * (len(self.BUCKETS) + 1)  # the last: above every bound
-        self._sum = 0
-
-    def observe(self, num_tokens: int) -> None:
-        self._counts[bisect.bisect_left(self.BUCKETS, num_tokens)] += 1
-        self._sum += num_tokens
-
-    def snapshot(self) -> tuple[list[tuple[float, int]], int]:
-        """``([(upper bound, cumulative count), ..., (inf, total)], sum of tokens)``."""
-        counts, total = list(self._counts), self._sum
-        cumulative, running = [], 0
-        for bound, count in zip((*self.BUCKETS, float("inf")), counts):
-            running += count
-            cumulative.append((float(bound), running))
-        return cumulative, total
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -249,8 +80,6 @@ class LLMEngine:
                  kv_event_callback: Callable[[KVEvent], None] | None = None,
                  eos_token_ids: Sequence[int] | None = None, kv_lease_s: float = 30.0
                  ) -> None:
-        from pdserve.engine.model_resolution import resolve_model_paths
-
         config = resolve_model_paths(config)
         self.config = config
         if config.num_threads:
@@ -584,36 +413,16 @@ class LLMEngine:
         engines only); returns how many threads were bound. Call it on the thread that
         steps the engine (an OpenMP team belongs to its thread): ``AsyncEngine`` does on
         its own thread; ``LLM`` only for a CPU list (``explicit_only``), since "auto"
-        would pin its caller's thread, and every process that thread starts later.
+        would pin its caller's thread, and every process that thread starts later
+        (``cpu_threads.bind_intra_op_threads``).
 
         Raises:
             ValueError: a CPU list shorter than the team.
         """
-        from pdserve.kernels import cpu_ext
-
-        mode = self.config.cpu_omp_threads_bind
-        if self.device.type != "cpu" or mode == "nobind" or (explicit_only and mode == "auto"):
+        if self.device.type != "cpu":
             return 0
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)  # NOTE: a per-thread setting
-        threads = torch.get_num_threads()
-        if mode == "auto":
-            cpus = sorted(os.sched_getaffinity(0))
-            if len(cpus) != threads:
-                logger.info("intra-op threads not bound: %d threads on %d CPUs "
-                            "(--cpu-omp-threads-bind auto binds only a team that has "
-                            "them all)", threads, len(cpus))
-                return 0
-        else:
-            cpus = parse_cpu_list(mode)
-            if len(cpus) < threads:
-                raise ValueError(f"cpu_omp_threads_bind={mode!r} names {len(cpus)} CPUs "
-                                 f"for {threads} intra-op threads")
-        bound = cpu_ext.bind_intra_op_threads(cpus[:threads])
-        # NOTE: a CPU outside the process's allowed set (or the machine) stays unbound
-        logger.log(logging.INFO if bound == threads else logging.WARNING,
-                   "%d of %d intra-op threads bound to CPUs %s", bound, threads, cpus[:threads])
-        return bound
+        return bind_intra_op_threads(self.config.cpu_omp_threads_bind, self.config.num_threads,
+                                     explicit_only)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (none at ``tensor_parallel_size`` 1)."""
@@ -715,5 +524,7 @@ class LLMEngine:
                 and not self.scheduler.waiting_for_kv)
 
 
+# NOTE: the settings and result types live in engine_config and engine_outputs; they stay
+# importable from here, where the services and tests import them
 __all__ = ["BlockOwnership", "EngineConfig", "EngineOutput", "KVTransferAllocation", "LLMEngine",
-           "RequestStatus"]
+           "RequestStatus", "parse_cpu_list"]

@@ -12,7 +12,7 @@ from pdserve.engine.hub import is_local, resolve_model, resolve_tokenizer
 
 if TYPE_CHECKING:
     from pdserve.engine.config import ModelConfig
-    from pdserve.engine.llm_engine import EngineConfig
+    from pdserve.engine.engine_config import EngineConfig
 
 
 def resolve_model_paths(config: EngineConfig) -> EngineConfig:

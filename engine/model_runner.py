@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
@@ -20,13 +21,19 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.kv_cache_layout import KVCacheLayout
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_source import ModelSource
-from pdserve.engine.models.llama import AttentionMetadata
+from pdserve.engine.models.blocks import AttentionMetadata
 from pdserve.engine.models.loader import load_model
 from pdserve.engine.parallel import TensorParallel, check_tensor_parallel
 from pdserve.engine.request import Logprob, Request
 from pdserve.engine.sampler import Sampler, token_logprob
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.tp_executor import RankSpec, TensorParallelExecutor
+from pdserve.engine.tp_executor import (
+    RankSpec,
+    TensorParallelExecutor,
+    join_group,
+    serve_rank,
+    threads_per_rank,
+)
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.kv_shards import KVShard, KVShards
 from pdserve.kernels.layers import filter_rows
@@ -104,7 +111,7 @@ class ModelRunner:
                 cpu_ext.load()  # NOTE: built once here, before the ranks load it
             self.executor = TensorParallelExecutor(RankSpec(
                 config, block_size, str(device), kv_cache_dtype, seed, tensor_parallel_size,
-                0, num_threads), device)
+                0, num_threads), device, rank_main)
             tp = self.executor.tp
         self.tp = tp or TensorParallel()
         self.kv_layout = KVCacheLayout.of(self.tp.local_config(config), block_size,
@@ -429,3 +436,18 @@ class ModelRunner:
         # NOTE: a few KB per step; pinning a fresh buffer each step would cost more than
         # the synchronous copy it saves.
         return tensor if self.device.type == "cpu" else tensor.to(self.device)
+
+
+def rank_main(spec: RankSpec, rank: int, pipe: Connection) -> None:
+    """A tensor-parallel rank process (``tp_executor``; ranks 1..N-1): build this rank's
+    model shard and KV cache, then run rank 0's commands until it says stop or goes
+    away. A failure to start is sent to rank 0 as ``("error", message)``."""
+    torch.set_num_threads(spec.num_threads or threads_per_rank(spec.size))
+    try:
+        device, tp = join_group(spec, rank, pipe)
+        runner = ModelRunner(spec.model_config, spec.block_size, device, spec.seed,
+                             progress=False, kv_cache_dtype=spec.kv_cache_dtype, tp=tp)
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0
+        pipe.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    serve_rank(runner, rank, pipe)

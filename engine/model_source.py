@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from pdserve.engine.families import UnsupportedModelError
+from pdserve.engine.weight_shard import WeightShard
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -35,8 +38,6 @@ if TYPE_CHECKING:
     from pdserve.engine.quant_config import CheckpointQuantization, WeightFormat
     from pdserve.kernels.quant_linear import QuantWeight
 
-# (name, shape) -> pieces (dim, start, length) of a tensor-parallel rank's share, or None
-WeightShard = Callable[[str, tuple[int, ...]], "list[tuple[int, int, int]] | None"]
 
 
 class ModelSource(Protocol):
@@ -90,7 +91,6 @@ def open_model(path: str | os.PathLike) -> ModelSource:
             ``config.json`` (which one is meant is not known), or a GGUF file pdserve
             cannot read (``engine.gguf_source``).
     """
-    from pdserve.engine.config import UnsupportedModelError
     from pdserve.engine.gguf_source import GGUFFile
 
     local = Path(path)

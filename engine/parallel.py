@@ -137,16 +137,6 @@ def _wait(work, what: str) -> None:
         raise RankFailedError(f"tensor-parallel {what} failed: {exc}") from exc
 
 
-def take_shard(tensor: torch.Tensor, pieces: list[tuple[int, int, int]] | None
-               ) -> torch.Tensor:
-    """The pieces ``(dim, start, length)`` of ``tensor`` (``LlamaForCausalLM.weight_shard``)
-    concatenated along their dimension; ``tensor`` itself for None."""
-    if pieces is None:
-        return tensor
-    parts = [tensor.narrow(dim, start, length) for dim, start, length in pieces]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces[0][0])
-
-
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """Refuse a tensor-parallel size ``config``'s model cannot be split into.
 

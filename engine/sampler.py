@@ -23,18 +23,10 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.engine.request import Logprob, Request
+from pdserve.engine.seeding import position_seed
+from pdserve.engine.spec_decode import verify
 from pdserve.engine.structured_output import apply_grammar_bitmask, bitmask_width
 from pdserve.kernels.layers import argmax, filter_rows, sample_rows
-
-_MASK64 = (1 << 64) - 1
-
-
-def position_seed(seed: int, index: int) -> int:
-    """Mix a request's seed and a token index into a 63-bit generator seed (splitmix64)."""
-    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
 class Sampler:
@@ -79,8 +71,6 @@ class Sampler:
         from its row's raw logits when asked; a structured output's rows masked by its
         grammar at each row's position. Only for requests ``spec_decode.speculates`` lets
         speculate (no penalties, bias or pending ``min_tokens``)."""
-        from pdserve.engine.spec_decode import verify
-
         params = request.sampling_params
         raw = torch.log_softmax(logits, dim=-1) if params.logprobs is not None else None
         if request.grammar is not None:  # NOTE: row i under the grammar after i proposals

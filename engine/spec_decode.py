@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import position_seed
+from pdserve.engine.seeding import position_seed
 from pdserve.engine.suffix_decoding import SuffixSettings
 
 METHODS = ("ngram", "suffix", "draft_model")

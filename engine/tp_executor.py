@@ -24,6 +24,7 @@ import logging
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import reduction
@@ -90,12 +91,17 @@ def threads_per_rank(size: int) -> int:
 class TensorParallelExecutor:
     """Rank 0's handle on ranks 1..N-1: starts them, sends them each step, checks them.
 
+    Each rank is a spawned process running ``rank_main(spec, rank, pipe)`` (a module-level
+    function, pickled by name: ``model_runner.rank_main``, which builds the rank's
+    ``ModelRunner`` between ``join_group`` and ``serve_rank``).
+
     Raises (constructor):
         RankFailedError: a rank did not start (its error in the message) within
             ``START_TIMEOUT_S``.
     """
 
-    def __init__(self, spec: RankSpec, device: torch.device) -> None:
+    def __init__(self, spec: RankSpec, device: torch.device,
+                 rank_main: Callable[[RankSpec, int, Connection], None]) -> None:
         self.size = spec.size
         self._store = dist.TCPStore("127.0.0.1", 0, spec.size, is_master=True,
                                     timeout=timedelta(seconds=START_TIMEOUT_S),
@@ -106,7 +112,7 @@ class TensorParallelExecutor:
         self._pipes: list[Connection] = []
         for rank in range(1, spec.size):
             parent, child = context.Pipe()
-            process = context.Process(target=_rank_main, args=(spec, rank, child),
+            process = context.Process(target=rank_main, args=(spec, rank, child),
                                       name=f"pdserve-tp-rank-{rank}", daemon=True)
             process.start()
             child.close()
@@ -220,23 +226,23 @@ class TensorParallelExecutor:
         self._pipes.clear()
 
 
-def _rank_main(spec: RankSpec, rank: int, pipe: Connection) -> None:
-    """A rank process: build this rank's model shard and KV cache, then run rank 0's
-    commands until it says stop or goes away."""
-    from pdserve.engine.model_runner import ModelRunner  # NOTE: in the child only
+def join_group(spec: RankSpec, rank: int, pipe: Connection
+               ) -> tuple[torch.device, TensorParallel]:
+    """In rank ``rank``'s process: tell rank 0 it is connecting, then join the group; this
+    rank's device and its ``TensorParallel``. Raises what the rendezvous raises (a
+    timeout after ``START_TIMEOUT_S``)."""
+    device = rank_device(torch.device(spec.device), rank)
+    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False,
+                          timeout=timedelta(seconds=START_TIMEOUT_S))
+    pipe.send(("connecting",))
+    return device, TensorParallel(rank, spec.size, make_group(store, rank, spec.size, device))
 
-    torch.set_num_threads(spec.num_threads or threads_per_rank(spec.size))
-    try:
-        device = rank_device(torch.device(spec.device), rank)
-        store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False,
-                              timeout=timedelta(seconds=START_TIMEOUT_S))
-        pipe.send(("connecting",))
-        tp = TensorParallel(rank, spec.size, make_group(store, rank, spec.size, device))
-        runner = ModelRunner(spec.model_config, spec.block_size, device, spec.seed,
-                             progress=False, kv_cache_dtype=spec.kv_cache_dtype, tp=tp)
-    except Exception as exc:  # noqa: BLE001 - reported to rank 0
-        pipe.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
+
+def serve_rank(runner: Any, rank: int, pipe: Connection) -> None:
+    """In rank ``rank``'s process, its shard built: tell rank 0 it is ready, then run rank
+    0's commands on ``runner`` (``runner.run_command(command, *args)``, which may return a
+    file descriptor to hand to rank 0) until it says stop or goes away. A command that
+    fails (a failed collective: rank 0 sees it too) ends the process with status 1."""
     pipe.send(("ready",))
     while True:
         try:

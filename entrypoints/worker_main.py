@@ -1,90 +1,27 @@
-"""``python -m pdserve.prefill_worker`` / ``python -m pdserve.decode_worker``: one worker
-as a plain process (no Ray), finding the others through Redis.
-
-SIGTERM drains: the worker stops taking requests and leaves the registry, its requests
-and KV leases get ``--drain-grace-s`` seconds to end, then it stops (the router migrates
-decodes still running). SIGINT stops it at once."""
+"""A worker of either role: ``make_worker`` for the Ray launcher, ``main(role)`` for a
+plain process. Each service owns its own main (``prefill_worker/main.py``,
+``decode_worker/main.py``, run by ``python -m pdserve.<role>_worker``); the plain-process
+loop, its signals and its ready file are ``cluster/worker_process.py``'s."""
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
-import logging
-import os
-import signal
-import sys
-from pathlib import Path
+from pdserve.cluster.worker_config import WorkerConfig
+from pdserve.cluster.worker_process import write_ready_file
+from pdserve.decode_worker import main as decode_main
+from pdserve.prefill_worker import main as prefill_main
 
-from pdserve.cluster.worker_config import add_worker_args, worker_config_from_args
-from pdserve.engine.args import add_engine_args
+__all__ = ["main", "make_worker", "write_ready_file"]
 
 
-def write_ready_file(path: Path, info: dict) -> None:
-    """Write ``info`` as JSON to ``path`` whole or not at all: a launcher that polls for the
-    file (SLURM scripts, tests) never reads it half-written. The bytes go to a sibling file
-    first, then ``os.replace`` renames it (atomic on one POSIX file system).
-
-    Raises ``OSError`` when the folder is not writable."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps(info))
-    os.replace(partial, path)
-
-
-def make_worker(config):
-    """The worker object for ``config.role`` (imported lazily: each pulls its own deps)."""
+def make_worker(config: WorkerConfig):
+    """The worker object for ``config.role``: a ``PrefillWorker`` for ``"prefill"``, else a
+    ``DecodeWorker`` (each module imported on first use: each pulls its own deps)."""
     if config.role == "prefill":
-        from pdserve.prefill_worker.server import PrefillWorker
-
-        return PrefillWorker(config)
-    from pdserve.decode_worker.server import DecodeWorker
-
-    return DecodeWorker(config)
+        return prefill_main.make_worker(config)
+    return decode_main.make_worker(config)
 
 
-async def serve(config, ready_file: str | None = None) -> None:
-    worker = make_worker(config)
-    await worker.start()
-    metrics = worker.runtime.metrics_server
-    info = {"worker_id": worker.worker_id, "role": config.role,
-            "grpc_address": worker.grpc_address, "kv_address": worker.kv_address,
-            "metrics_address": metrics.address if metrics is not None else ""}
-    print(json.dumps(info), flush=True)
-    if ready_file:
-        write_ready_file(Path(ready_file), info)
-    stop = asyncio.Event()
-    received: list[int] = []
-
-    def on_signal(sig: int) -> None:
-        received.append(sig)
-        stop.set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-    await stop.wait()
-    if received[0] == signal.SIGTERM:
-        logging.getLogger(__name__).info("draining for at most %.1f s", config.drain_grace_s)
-        await worker.drain(config.drain_grace_s)
-        await worker.stop(grace_s=0.0)  # the grace is spent: what still runs migrates
-    else:
-        await worker.stop()
-
-
-def main(role: str, argv=None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m pdserve.{role}_worker",
-                                     description=f"Run one pdserve {role} worker.")
-    add_engine_args(parser)
-    add_worker_args(parser)
-    parser.add_argument("--ready-file", help="write the worker's addresses here once serving")
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = worker_config_from_args(role, args)
-        asyncio.run(serve(config, args.ready_file))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"pdserve {role} worker: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+def main(role: str, argv: list[str] | None = None) -> int:
+    """``python -m pdserve.<role>_worker``'s main for ``role`` (``"prefill"`` or
+    ``"decode"``); the exit status."""
+    return (prefill_main if role == "prefill" else decode_main).main(argv)

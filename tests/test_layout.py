@@ -3,8 +3,7 @@
 From the bottom: the generated gRPC code and the kernels; the engine and KV transfer;
 the cluster's state (``cluster/``); the services (prefill worker, decode worker, router),
 which never import one another; and the entry points (``entrypoints/``). Every import
-counts, also one inside a function. A ``__main__.py`` is an entry point of its own
-(``python -m pdserve.decode_worker``) and may import the entry points.
+counts, also one inside a function.
 """
 
 from __future__ import annotations
@@ -55,8 +54,6 @@ def violations() -> list[str]:
                     continue
                 upward = LAYER[target] > layer
                 sideways = LAYER[target] == layer
-                if path.name == "__main__.py" and target == "entrypoints":
-                    continue
                 if upward or sideways:
                     kind = "up" if upward else "sideways"
                     found.append(f"{path.relative_to(ROOT)}:{line} imports pdserve.{target} "

@@ -4,7 +4,7 @@ A Gemma layer normalises the attention's and the MLP's outputs before each resid
 ("sandwich" norms: ``post_attention_layernorm``, ``pre_feedforward_layernorm``,
 ``post_feedforward_layernorm``), so its adds are plain ones rather than fused into the
 next norm. Everything else (GeGLU, ``(1 + weight)`` norms, q/k norms, the attention scale,
-soft-capping, sliding windows) is a switch on the shared pieces of ``llama.py``. As
+soft-capping, sliding windows) is a switch on the shared pieces of ``blocks.py``. As
 transformers' ``Gemma2DecoderLayer`` (Gemma 2, https://arxiv.org/abs/2408.00118).
 """
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.llama import MLP, Attention, AttentionMetadata, make_norm
+from pdserve.engine.models.blocks import MLP, Attention, AttentionMetadata, make_norm
 from pdserve.engine.parallel import TensorParallel
 
 
