@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "PDSERVE_CPU_KERNELS"
 _SOURCES = ("cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_layers.cpp",
             "cpu_block_copy.cpp", "cpu_gemm.cpp", "cpu_gemm_avx512.cpp", "cpu_gemm_quant.cpp",
+            "cpu_gemm_quant_amx.cpp",
             "cpu_sampling.cpp", "cpu_kv_quant.cpp", "cpu_decode_quant.cpp",
             "cpu_prefill_quant.cpp", "cpu_moe.cpp")
 _OPS = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "store_kv_quant",

@@ -1,0 +1,103 @@
+// The packed quantized weight of cpu_gemm_quant.cpp (its layout is described there) and
+// what both of its paths need to read it: the FMA tiles (cpu_gemm_quant.cpp) and AMX's tile
+// multiplies (cpu_gemm_quant_amx.cpp). Built on first use by pdserve/kernels/cpu_ext.py.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define PDSERVE_QUANT_AVX512 1
+#endif
+#if defined(PDSERVE_QUANT_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__AVX512BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PDSERVE_QUANT_AMX 1
+#endif
+
+namespace pdserve::quant {
+
+constexpr int64_t kPanel = 32;       // output features per panel
+constexpr int64_t kSliceBytes = 16384;  // a slice of a panel's values, in L1
+
+// What one call needs to know of the packed weight.
+struct QuantPanels {
+  const uint8_t* q;        // [panels, K * bits / 8, 32]
+  const void* scale;       // [panels, groups, 32], fp32 or fp16
+  const void* min;         // same, or null
+  bool half_scales;
+  int64_t bits, k, group, groups, panels;
+
+  int64_t panel_bytes() const { return k * bits / 8 * kPanel; }
+  // K per slice: whole groups within kSliceBytes, or one part of a group larger than that.
+  int64_t slice_k() const {
+    const int64_t fit = kSliceBytes * 8 / (bits * kPanel);
+    return group >= fit ? fit - fit % 2 : fit / group * group;
+  }
+};
+
+// 32 scales (or mins) of group g of panel p, as fp32, into out.
+inline void load_group(const QuantPanels& w, const void* base, int64_t p, int64_t g, float* out) {
+  const int64_t at = (p * w.groups + g) * kPanel;
+  if (w.half_scales) {
+    const auto* h = static_cast<const c10::Half*>(base) + at;
+    for (int j = 0; j < kPanel; ++j) out[j] = static_cast<float>(h[j]);
+  } else {
+    std::memcpy(out, static_cast<const float*>(base) + at, kPanel * sizeof(float));
+  }
+}
+
+#ifdef PDSERVE_QUANT_AVX512
+
+// k's 32 values (int8) as two fp32 vectors times the group's scales.
+inline void dequant8(const uint8_t* row, __m512 s0, __m512 s1, __m512& w0, __m512& w1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))), s0);
+  w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))),
+                     s1);
+}
+
+// The 32 bytes of a pair of k's (int4): the even k's values (low nibbles) and the odd's.
+inline void dequant4(const uint8_t* row, __m512 s0, __m512 s1, __m512& e0, __m512& e1,
+                     __m512& o0, __m512& o1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(v, nib);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+  auto widen = [](__m128i x) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x)); };
+  e0 = _mm512_mul_ps(widen(_mm256_castsi256_si128(lo)), s0);
+  e1 = _mm512_mul_ps(widen(_mm256_extracti128_si256(lo, 1)), s1);
+  o0 = _mm512_mul_ps(widen(_mm256_castsi256_si128(hi)), s0);
+  o1 = _mm512_mul_ps(widen(_mm256_extracti128_si256(hi, 1)), s1);
+}
+
+// Group g's 32 scales (or mins) of panel p as two fp32 vectors.
+inline void load_group(const QuantPanels& w, const void* base, int64_t p, int64_t g,
+                       __m512& v0, __m512& v1) {
+  const int64_t at = (p * w.groups + g) * kPanel;
+  if (w.half_scales) {
+    const auto* h = static_cast<const uint16_t*>(base) + at;
+    v0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+    v1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 16)));
+  } else {
+    v0 = _mm512_loadu_ps(static_cast<const float*>(base) + at);
+    v1 = _mm512_loadu_ps(static_cast<const float*>(base) + at + 16);
+  }
+}
+
+#endif
+
+// y [M, N] = x [M, K] W^T + bias on AMX when it serves this call (bf16 x of at least 16
+// rows, K a multiple of 32, a CPU and kernel that grant AMX): true once y is written;
+// false, y untouched, otherwise (the caller takes the FMA tiles).
+bool linear_quant_amx(const QuantPanels& w, const at::Tensor& x,
+                      const std::optional<at::Tensor>& bias, at::Tensor& y);
+
+}  // namespace pdserve::quant
