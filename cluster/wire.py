@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.generation_config import SAMPLING_DEFAULT_FIELDS, GenerationDefaults
 from pdserve.engine.request import Logprob
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParamError, SamplingParams
 from pdserve.engine.structured_output import StructuredOutputSpec
 from pdserve.proto import common_pb2
 
@@ -79,19 +79,20 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
     router sends workers every field set.
 
     Raises:
-        ValueError: an out-of-range value, the message starting with the field's name
-            (``top_k=-5 is invalid: ...``, ``stop_token_ids: token id ...``,
-            ``structured_output: ...``). Whether a structured output compiles is not
-            checked here (``engine.structured_output.check_spec``).
+        SamplingParamError: an out-of-range value (a ValueError), its ``param`` the
+            field's name, which also starts the message (``top_k=-5 is invalid: ...``,
+            ``stop_token_ids: token id ...``, ``structured_output: ...``). Whether a
+            structured output compiles is not checked here
+            (``engine.structured_output.check_spec``).
     """
     bad = [t for t in msg.stop_token_ids if vocab_size is not None and not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"stop_token_ids: token id {bad[0]} is out of the vocabulary "
-                         f"(size {vocab_size})")
+        raise SamplingParamError(f"stop_token_ids: token id {bad[0]} is out of the "
+                                 f"vocabulary (size {vocab_size})", "stop_token_ids")
     bad = [t for t in msg.logit_bias if vocab_size is not None and not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"logit_bias: token id {bad[0]} is out of the vocabulary "
-                         f"(size {vocab_size})")
+        raise SamplingParamError(f"logit_bias: token id {bad[0]} is out of the "
+                                 f"vocabulary (size {vocab_size})", "logit_bias")
     kwargs = {name: getattr(msg, name) for name in _PLAIN}
     kwargs.update({name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)})
     if defaults is not None:
@@ -100,7 +101,10 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
     if "max_tokens" not in kwargs:
         kwargs["max_tokens"] = None  # absent: up to max_model_len
     if msg.HasField("structured_output"):
-        kwargs["structured_output"] = structured_output_from_proto(msg.structured_output)
+        try:
+            kwargs["structured_output"] = structured_output_from_proto(msg.structured_output)
+        except ValueError as exc:  # "structured_output: ..."
+            raise SamplingParamError(str(exc), "structured_output") from exc
     return SamplingParams(stop_token_ids=list(msg.stop_token_ids),
                           logit_bias=dict(msg.logit_bias) or None, **kwargs)
 

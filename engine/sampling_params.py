@@ -6,9 +6,18 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.structured_output import StructuredOutputSpec
 
-_MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS_ENTRIES = 1024
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: [-100, 100]
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter out of range: ``param`` names it (e.g. ``top_k``), the
+    message says the value and the rule (``top_k=-5 is invalid: ...``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)
@@ -34,7 +43,8 @@ class SamplingParams:
     ends, so it takes no ``min_tokens``.
 
     Raises:
-        ValueError: from ``__post_init__``, naming the field and the allowed range.
+        SamplingParamError: from ``__post_init__`` (a ValueError), naming the field
+            (``param``) and the allowed range.
     """
 
     n: int = 1
@@ -77,10 +87,10 @@ class SamplingParams:
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
-        _check(self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS, "logprobs",
-               self.logprobs, f"must be in [0, {_MAX_LOGPROBS}]")
-        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= _MAX_LOGPROBS,
-               "prompt_logprobs", self.prompt_logprobs, f"must be in [0, {_MAX_LOGPROBS}]")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+               self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+               "prompt_logprobs", self.prompt_logprobs, f"must be in [0, {MAX_LOGPROBS}]")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed,
                "must be in [0, 2**63)")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
@@ -107,4 +117,4 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: {rule}")
+        raise SamplingParamError(f"{name}={value!r} is invalid: {rule}", name)

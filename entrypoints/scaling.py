@@ -24,7 +24,12 @@ DRAIN_CALL_MARGIN_S = 30.0  # beyond the grace: the stop after a drain
 
 
 class ScaleError(ValueError):
-    """A resize that cannot be done (a size out of bounds); names the field."""
+    """A resize that cannot be done (a size out of bounds); ``param`` names the field
+    (``prefill_workers``, ``decode_workers``) where one is at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclasses.dataclass(slots=True)
@@ -81,7 +86,7 @@ class PoolScaler:
             low = 1 if role == "decode" else 0
             if size is not None and not low <= size <= MAX_WORKERS_PER_POOL:
                 raise ScaleError(f"{role}_workers={size} must be in [{low}, "
-                                 f"{MAX_WORKERS_PER_POOL}]")
+                                 f"{MAX_WORKERS_PER_POOL}]", f"{role}_workers")
         async with self._lock:
             for role, size in sizes.items():
                 if size is None:

@@ -59,7 +59,12 @@ from pdserve.router.limits import (
     check_stop_strings,
     check_text,
 )
-from pdserve.router.protocol import INTERNAL_ERROR, RequestError
+from pdserve.router.protocol.errors import INTERNAL_ERROR, RequestError
+from pdserve.router.protocol.validation import (
+    check_field,
+    checked_sampling_params,
+    fit_max_tokens,
+)
 from pdserve.router.routers import Routers
 from pdserve.router.service import GenerateRequest, Router
 
@@ -284,25 +289,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
         Raises:
             RequestError: naming the field (``text``, ``token_ids``, ``stop``,
-                ``cache_salt``, ``stop_token_ids``, ``max_tokens``: 400).
-            ValueError: another sampling parameter is out of range, naming it first.
+                ``cache_salt``, ``stop_token_ids``, ``max_tokens``, another sampling
+                parameter: 400; the rules are the HTTP API's, ``protocol/validation.py``).
         """
         prompt = self._prompt(request, router)
         stop = list(request.stop)
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-        _check_field("stop", check_stop_strings, stop)
+        check_field("stop", check_stop_strings, stop)
         if cache_salt is not None:
-            _check_field("cache_salt", check_text, cache_salt)
+            check_field("cache_salt", check_text, cache_salt)
         params = self._sampling_params(request.sampling_params, router)
-        limit = router.max_model_len
-        room = limit - len(prompt)
-        if params.max_tokens is None:
-            params.max_tokens = room
-        if room < 1 or params.max_tokens > room:
-            raise RequestError(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {len(prompt) + params.max_tokens} tokens ({len(prompt)} in the "
-                f"prompt, {params.max_tokens} in the completion).", "max_tokens")
+        params.max_tokens = fit_max_tokens(len(prompt), params.max_tokens,
+                                           router.max_model_len, api="grpc")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return GenerateRequest(request_id, prompt, params, stop,
                                request.include_stop_str_in_output, skip, cache_salt)
@@ -313,7 +311,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if kind == "text":
             # NOTE: protobuf strings arrive as valid UTF-8 (an invalid one fails to parse,
             # see UndecodableRequest); the check costs little and keeps the rule in one place.
-            _check_field("text", check_text, request.text)
+            check_field("text", check_text, request.text)
             prompt = encode_prompt(router.tokenizer, request.text)
         elif kind == "token_ids":
             prompt = list(request.token_ids.ids)
@@ -330,17 +328,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got "
                                f"{len(msg.stop_token_ids)}", "stop_token_ids")
-        try:
-            params = sampling_params_from_proto(msg, vocab_size=router.vocab_size,
-                                                defaults=router.generation_defaults)
-        except ValueError as exc:  # "top_k=-5 is invalid: ..." or "stop_token_ids: ..."
-            raise RequestError(str(exc), str(exc).split("=", 1)[0].split(":", 1)[0]) from exc
+        params = checked_sampling_params(lambda: sampling_params_from_proto(
+            msg, vocab_size=router.vocab_size, defaults=router.generation_defaults))
         if params.structured_output is not None:
-            try:
-                check_spec(params.structured_output)
-            except ValueError as exc:
-                raise RequestError(f"Invalid value for 'structured_output': {exc}",
-                                   "structured_output") from exc
+            check_field("structured_output", check_spec, params.structured_output)
         return params
 
 
@@ -353,7 +344,7 @@ def _client_request_id(value: str) -> str:
     """
     if not value:
         return f"grpc-{uuid.uuid4().hex}"
-    _check_field("request_id", check_request_id, value)
+    check_field("request_id", check_request_id, value)
     return value
 
 
@@ -364,14 +355,6 @@ def _worker_request_id(client_id: str, chosen: bool) -> str:
     attempt (``<id>.<n>``, ``router/attempt.py``). The suffix ends in hex digits and
     every attempt id in ``.<n>``, so these never meet either."""
     return f"{client_id}-{uuid.uuid4().hex[:16]}" if chosen else client_id
-
-
-def _check_field(name: str, check, value) -> None:
-    """Run ``check(value)``; its ValueError becomes a RequestError naming ``name``."""
-    try:
-        check(value)
-    except ValueError as exc:
-        raise RequestError(f"Invalid value for '{name}': {exc}", name) from exc
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,8 @@ out of these bounds must get a 400 / INVALID_ARGUMENT naming the field, never a 
 protobuf, the tokenizer or block hashing further on).
 
 The ``check_*`` functions raise ``ValueError`` with a message that names the limit; the
-callers add the field's name (pydantic's ``loc`` in ``router/protocol.py``, ``RequestError``'s
-``param`` in ``router/grpc_server.py``).
+callers add the field's name (pydantic's ``loc`` in ``router/protocol/``, or
+``check_field`` in ``router/protocol/validation.py``, which the gRPC API calls).
 """
 
 from __future__ import annotations

@@ -1,0 +1,192 @@
+"""How the HTTP API writes one request's answer: ``Formatter`` collects its choices and
+writes OpenAI responses (models) and stream chunks (dicts in the stream models' shape,
+``router/protocol/responses.py``); ``CompletionFormatter`` and ``ChatFormatter`` write the
+two APIs' shapes (``router/http_openai.py`` serves them)."""
+
+from __future__ import annotations
+
+from pdserve.router.detokenizer import fast_decoder
+from pdserve.router.history import ReplyTokens
+from pdserve.router.logprobs import chat_logprobs, completion_logprobs
+from pdserve.router.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatToolCall,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ToolCallFunction,
+    UsageInfo,
+    chat_stream_choice,
+    chat_stream_chunk,
+    completion_stream_choice,
+    completion_stream_chunk,
+)
+from pdserve.router.service import GenerationChunk, Router
+from pdserve.router.tool_calling import ToolCalling
+
+
+class Formatter:
+    """Collects one request's choices (``n`` per prompt, indexed ``prompt * n + i``) and
+    writes OpenAI responses (models) and stream chunks (dicts in the stream models' shape,
+    ``router/protocol/responses.py``); subclasses write the two APIs' shapes."""
+
+    def __init__(self, router: Router, request, response_id: str,
+                 prompts: list[list[int]]) -> None:
+        self.request = request
+        self.response_id = response_id
+        self.model = router.served_model_name
+        self._decode = fast_decoder(router.tokenizer, skip_special_tokens=False)
+        self.prompts = prompts
+        num_choices = len(prompts) * request.n
+        self.texts = [""] * num_choices
+        self.logprobs: list[list] = [[] for _ in range(num_choices)]
+        self.num_tokens = [0] * num_choices
+        self.finish: list[tuple[str | None, int | str | None]] = [(None, None)] * num_choices
+        self.cached_tokens = [0] * len(prompts)
+
+    def add(self, index: int, chunk: GenerationChunk) -> None:
+        """Record ``chunk`` of choice ``index``."""
+        self.texts[index] += chunk.text
+        self.logprobs[index] += chunk.logprobs
+        self.num_tokens[index] += len(chunk.token_ids)
+        prompt = index // self.request.n
+        self.cached_tokens[prompt] = max(self.cached_tokens[prompt], chunk.num_cached_tokens)
+        if chunk.finish_reason:
+            self.finish[index] = (chunk.finish_reason, chunk.stop_reason)
+
+    def usage(self) -> UsageInfo:
+        """Usage so far: prompt tokens (once per prompt), generated tokens, cache hits."""
+        return UsageInfo.of(sum(len(p) for p in self.prompts), sum(self.num_tokens),
+                            sum(self.cached_tokens))
+
+    def decode_token(self, token_id: int) -> str:
+        """The text of one token for logprobs: ``tokenizer.decode([token_id])``."""
+        return self._decode([token_id])
+
+    def stream_start(self) -> list[dict]:
+        """Chunks sent before any token (chat: each choice's role)."""
+        return []
+
+    def stream_usage(self) -> dict | None:
+        """The last chunk, with only usage, when ``stream_options.include_usage``."""
+        if not self.request.include_usage():
+            return None
+        return self._stream_response([], usage=self.usage().model_dump())
+
+
+class CompletionFormatter(Formatter):
+    """``text_completion`` responses; ``echo_texts`` are the prompts' texts with ``echo``."""
+
+    def __init__(self, router: Router, request: CompletionRequest, response_id: str,
+                 prompts: list[list[int]], echo_texts: list[str] | None) -> None:
+        super().__init__(router, request, response_id, prompts)
+        self.echo = ["" if echo_texts is None else echo_texts[i // request.n]
+                     for i in range(len(self.texts))]
+
+    def _logprobs(self, index: int, logprobs: list, text_offset: int):
+        if self.request.logprobs is None:
+            return None
+        return completion_logprobs(logprobs, self.decode_token, text_offset)
+
+    def stream_chunk(self, index: int, chunk: GenerationChunk) -> dict:
+        """Record ``chunk`` of choice ``index``; its ``CompletionStreamResponse`` dict."""
+        prefix = self.echo[index] if not self.num_tokens[index] else ""
+        offset = len(self.echo[index]) + len(self.texts[index])
+        self.add(index, chunk)
+        logprobs = self._logprobs(index, chunk.logprobs, offset)
+        return self._stream_response([completion_stream_choice(
+            index, prefix + chunk.text, chunk.finish_reason, chunk.stop_reason,
+            None if logprobs is None else logprobs.model_dump())])
+
+    def _stream_response(self, choices: list[dict], usage: dict | None = None) -> dict:
+        return completion_stream_chunk(self.response_id, self.model, choices, usage)
+
+    def response(self) -> CompletionResponse:
+        choices = [CompletionChoice(
+            index=i, text=self.echo[i] + text, finish_reason=self.finish[i][0],
+            stop_reason=self.finish[i][1],
+            logprobs=self._logprobs(i, self.logprobs[i], len(self.echo[i])))
+            for i, text in enumerate(self.texts)]
+        return CompletionResponse(id=self.response_id, model=self.model, choices=choices,
+                                  usage=self.usage())
+
+
+class ChatFormatter(Formatter):
+    """``chat.completion`` responses and ``chat.completion.chunk`` stream chunks; with
+    ``tools``, each choice's text is read for tool calls (``ToolCalling``)."""
+
+    def __init__(self, router: Router, request: ChatCompletionRequest, response_id: str,
+                 prompts: list[list[int]], tools: ToolCalling | None = None,
+                 replies: ReplyTokens | None = None) -> None:
+        super().__init__(router, request, response_id, prompts)
+        self.tools = tools
+        self.replies = replies
+        self._streams = [tools.stream() if tools else None for _ in self.texts]
+        self._has_calls = [False] * len(self.texts)
+        self.token_ids: list[list[int]] = [[] for _ in self.texts]
+
+    def add(self, index: int, chunk: GenerationChunk) -> None:
+        """Record ``chunk`` of choice ``index``; a finished plain-text reply's token ids
+        are remembered for the next turn (``ReplyTokens``)."""
+        super().add(index, chunk)
+        self.token_ids[index] += chunk.token_ids
+        if chunk.finish_reason and self.replies is not None and self.tools is None:
+            self.replies.remember(self.texts[index], self.token_ids[index])
+
+    def _logprobs(self, logprobs: list):
+        if not self.request.logprobs:
+            return None
+        return chat_logprobs(logprobs, self.decode_token, self.request.top_logprobs or 0)
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        if reason == "stop" and self._has_calls[index] and self.tools.finish_as_tool_calls:
+            return "tool_calls"
+        return reason
+
+    def stream_start(self) -> list[dict]:
+        return [self._stream_response([chat_stream_choice(i, "", role="assistant")])
+                for i in range(len(self.texts))]
+
+    def stream_chunk(self, index: int, chunk: GenerationChunk) -> dict:
+        """Record ``chunk`` of choice ``index``; its ``ChatCompletionStreamResponse`` dict."""
+        self.add(index, chunk)
+        logprobs = self._logprobs(chunk.logprobs)
+        content, calls = chunk.text, []
+        stream = self._streams[index]
+        if stream is not None:
+            first = len(stream.calls)
+            content, new = stream.feed(chunk.text, final=chunk.finish_reason is not None)
+            calls = [(first + i, call_id, c.name, c.arguments)
+                     for i, (call_id, c) in enumerate(new)]
+            self._has_calls[index] |= bool(stream.calls)
+        return self._stream_response([chat_stream_choice(
+            index, content, finish_reason=self._finish_reason(index, chunk.finish_reason),
+            stop_reason=chunk.stop_reason,
+            logprobs=None if logprobs is None else logprobs.model_dump(), tool_calls=calls)])
+
+    def _stream_response(self, choices: list[dict], usage: dict | None = None) -> dict:
+        return chat_stream_chunk(self.response_id, self.model, choices, usage)
+
+    def _message(self, index: int) -> ChatResponseMessage:
+        text = self.texts[index]
+        if self.tools is None:
+            return ChatResponseMessage(content=text)
+        stream = self.tools.stream()
+        content, calls = stream.feed(text, final=True)
+        self._has_calls[index] = bool(calls)
+        return ChatResponseMessage(content=content or (None if calls else ""), tool_calls=[
+            ChatToolCall(id=call_id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
+            for call_id, c in calls])
+
+    def response(self) -> ChatCompletionResponse:
+        messages = [self._message(i) for i in range(len(self.texts))]
+        choices = [ChatCompletionChoice(
+            index=i, message=message,
+            finish_reason=self._finish_reason(i, self.finish[i][0]),
+            stop_reason=self.finish[i][1], logprobs=self._logprobs(self.logprobs[i]))
+            for i, message in enumerate(messages)]
+        return ChatCompletionResponse(id=self.response_id, model=self.model, choices=choices,
+                                      usage=self.usage())

@@ -1,0 +1,476 @@
+"""OpenAI-compatible request models, as vLLM's server accepts them.
+
+Follows the OpenAI API reference (``/v1/completions``, ``/v1/chat/completions``) and
+vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+``include_stop_str_in_output``, ``cache_salt``, ``/tokenize``, ``/detokenize``), and
+structured output: OpenAI's ``response_format``, vLLM's ``structured_outputs`` and
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (one
+constraint per request, parsed with xgrammar at validation,
+``engine/structured_output.py``). A field none of these declare is refused, naming it.
+Stop strings are not engine parameters: the router applies them
+(``router/detokenizer.py``). ``to_sampling_params`` turns a request into the engine's
+``SamplingParams`` with the rules the gRPC API shares (``validation.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from pdserve.engine.generation_config import GenerationDefaults
+from pdserve.engine.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from pdserve.engine.structured_output import (
+    StructuredOutputSpec,
+    check_spec,
+    json_schema_spec,
+)
+from pdserve.router.limits import (
+    MAX_N,
+    MAX_NUM_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
+    SEED_LIMIT,
+    check_stop_strings,
+    check_text,
+    check_token_id,
+)
+from pdserve.router.protocol.errors import RequestError
+from pdserve.router.protocol.messages import MAX_TOOLS, ChatMessage, ChatTool, NamedToolChoice
+from pdserve.router.protocol.validation import (
+    MAX_LOGPROBS,
+    Int32,
+    StrictInt,
+    Text,
+    TokenId,
+    check_field,
+    checked_sampling_params,
+    fit_max_tokens,
+    unknown_field,
+    vocab_size,
+)
+
+
+class StreamOptions(BaseModel):
+    """``include_usage``: end the stream with a chunk holding only ``usage``."""
+
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: the output is JSON valid against
+    ``schema`` (always enforced, whatever ``strict`` says)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Text = Field(max_length=256)
+    description: Text | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's ``structured_outputs``: one of ``json`` (a JSON schema), ``regex``,
+    ``choice``, ``grammar`` (EBNF, xgrammar's dialect), ``json_object: true``. vLLM's other
+    keys (``whitespace_pattern``, ``structural_tag``, ...) are refused."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
+# OpenAI and vLLM request fields pdserve does not implement yet, and why a request with
+# one is refused rather than served as if it were absent.
+UNSUPPORTED_FIELDS = {
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "guided_decoding_backend": "pdserve has one structured output backend (xgrammar)",
+    "guided_whitespace_pattern": "JSON is written without free whitespace",
+    "suffix": "suffix (insertion) is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported",
+}
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completion and chat requests (OpenAI's, then vLLM's extras).
+
+    A field that is none of these is refused with a 400 naming it (``RequestError``),
+    never accepted and ignored: its effect would silently be missing from the answer.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_fields(cls, data: Any) -> Any:
+        name = unknown_field(cls, data)
+        if name is not None:
+            why = UNSUPPORTED_FIELDS.get(name, "pdserve does not implement it")
+            raise RequestError(f"Unsupported field '{name}': {why}", name)
+        return data
+
+    model: Text | None = None
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = Field(None, ge=0, lt=SEED_LIMIT)  # choice i: choice_seed(seed, i)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    user: Text | None = None  # accepted and ignored, as vLLM does
+    top_k: Int32 | None = Field(None, ge=-1)  # -1 and 0: off
+    # NOTE: None (unset) takes the model's generation_config.json default, then vLLM's
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: Int32 = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: Text | None = None
+    # OpenAI's: token id (a string of digits, as JSON keys are) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields; at most one constraint (see structured_output_spec)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+
+    _structured_output: StructuredOutputSpec | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _check_structured_output(self) -> Any:
+        """Build and check the structured output spec once (``structured_output_spec``).
+
+        Raises:
+            RequestError: two or more constraints (naming them all), a ``json_schema``
+                without its schema, or a constraint that is too large or does not
+                compile (naming its field, e.g. ``response_format.json_schema.schema``).
+        """
+        given = self._structured_output_fields()
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise RequestError(f"Give at most one structured output constraint; this "
+                               f"request has {len(given)}: {names}", given[1][0])
+        if given:
+            name, build = given[0]
+            self._structured_output = check_field(name, _built_and_checked, build,
+                                                  drop_prefix="structured_output: ")
+        return self
+
+    def structured_output_spec(self) -> StructuredOutputSpec | None:
+        """The request's one structured output constraint as the engine's spec (checked
+        with xgrammar's parser, ``check_spec``, when the request was validated), or None."""
+        return self._structured_output
+
+    def _structured_output_fields(self) -> list[tuple[str, Any]]:
+        """(field name, spec builder) of each constraint the request sets."""
+        given: list[tuple[str, Any]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", lambda: StructuredOutputSpec("json_object")))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise RequestError("response_format of type json_schema needs "
+                                   "json_schema.schema", "response_format.json_schema")
+            given.append(("response_format.json_schema.schema",
+                          lambda: json_schema_spec(rf.json_schema.schema_)))
+        so = self.structured_outputs
+        if so is not None:
+            given += _constraints("structured_outputs.", so.json_, so.regex, so.choice,
+                                  so.grammar, so.json_object)
+        given += _constraints("guided_", self.guided_json, self.guided_regex,
+                              self.guided_choice, self.guided_grammar, None)
+        return given
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return None
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (digits), got {key!r}"[:120])
+            check_token_id(int(key), vocab_size(info))
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"bias {bias} of token {key} must be in [-100, 100]")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        strings = [value] if isinstance(value, str) else value
+        if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+            raise ValueError("must be a string or a list of strings")
+        check_stop_strings(strings)
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream=True")
+        return value
+
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (empty when none were given)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+def _constraints(prefix: str, json_schema: Any, regex: str | None, choice: list[str] | None,
+                 grammar: str | None, json_object: bool | None) -> list[tuple[str, Any]]:
+    """The constraints of vLLM's ``structured_outputs`` (``prefix`` "structured_outputs.")
+    or of its ``guided_*`` fields (``prefix`` "guided_"), as (field name, spec builder)."""
+    given = []
+    if json_schema is not None:
+        given.append((prefix + "json", lambda: json_schema_spec(json_schema)))
+    if regex is not None:
+        given.append((prefix + "regex", lambda: StructuredOutputSpec("regex", regex)))
+    if choice is not None:
+        given.append((prefix + "choice", lambda: StructuredOutputSpec("choice", tuple(choice))))
+    if grammar is not None:
+        given.append((prefix + "grammar", lambda: StructuredOutputSpec("grammar", grammar)))
+    if json_object:
+        given.append((prefix + "json_object", lambda: StructuredOutputSpec("json_object")))
+    return given
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions`` body. ``prompt`` is text, texts, token ids or lists of them."""
+
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Int32 | None = Field(16, ge=1)  # OpenAI's and vLLM's default; null = rest
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: StrictInt | None = Field(None, ge=1)  # only as many as n: no extra candidates
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported (no extra candidates "
+                             "are generated and ranked)")
+        return value
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any, info: ValidationInfo) -> Any:
+        """Token ids must be in the vocabulary (``check_token_id``), strings valid Unicode."""
+        if isinstance(value, str):
+            return check_text(value)
+        if not isinstance(value, list) or not value:
+            raise ValueError("prompt must be a string or a non-empty list")
+        if all(isinstance(p, str) for p in value):
+            for p in value:
+                check_text(p)
+            return value
+        lists = [value] if _is_token_ids(value) else value
+        if all(isinstance(p, list) and p and _is_token_ids(p) for p in lists):
+            for p in lists:
+                for t in p:
+                    check_token_id(t, vocab_size(info))
+            return value
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                         "(non-negative integers) or a list of non-empty token-id lists")
+
+    @model_validator(mode="after")
+    def _check_num_sequences(self) -> CompletionRequest:
+        """Raises ``RequestError`` (param ``n``; pydantic cannot name a field from a model
+        validator) when prompts x ``n`` exceeds ``MAX_NUM_SEQUENCES``."""
+        num_prompts = len(self.prompts())
+        if num_prompts * self.n > MAX_NUM_SEQUENCES:
+            raise RequestError(
+                f"Invalid value for 'n': {num_prompts} prompts x n={self.n} is "
+                f"{num_prompts * self.n} sequences; at most {MAX_NUM_SEQUENCES} per request",
+                "n")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+def _is_token_ids(values: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in values)
+
+
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+    "chat_template", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over the
+    deprecated ``max_tokens``; ``top_logprobs`` needs ``logprobs=True``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int32 | None = Field(None, ge=1)
+    max_completion_tokens: Int32 | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value: Any) -> Any:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value or ()))
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is set by the request itself, not "
+                             f"chat_template_kwargs")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tool_names(cls, value: Any) -> Any:
+        names = [tool.function.name for tool in value or ()]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"two tools are named {dup!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise RequestError("tool_choice needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in self.tools or ()}:
+            raise RequestError(f"tool_choice names the function {choice.function.name!r}, "
+                               f"which is not among the tools", "tool_choice")
+        return self
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``tool_choice``, defaulted as OpenAI does: ``auto`` with tools, else ``none``."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=True")
+        return value
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a completion ``prompt``, or chat ``messages`` through the
+    chat template (one of the two)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("give exactly one of 'prompt' and 'messages'", "prompt")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids in the vocabulary."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)
+
+    @field_validator("tokens")
+    @classmethod
+    def _in_vocabulary(cls, value: list[int], info: ValidationInfo) -> list[int]:
+        for t in value:
+            check_token_id(t, vocab_size(info))
+        return value
+
+
+def _built_and_checked(build: Any) -> StructuredOutputSpec:
+    """``build()``'s spec once xgrammar parses it (``check_spec``); ValueError if not."""
+    spec = build()
+    check_spec(spec)
+    return spec
+
+
+def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
+                       max_model_len: int, prompt_len: int,
+                       defaults: GenerationDefaults | None = None) -> SamplingParams:
+    """The engine's ``SamplingParams`` for ``request`` whose prompt has ``prompt_len``
+    tokens. ``max_tokens`` defaults to ``max_model_len - prompt_len`` (vLLM's default);
+    ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` left unset
+    take ``defaults`` (the model's generation config), else vLLM's defaults.
+
+    Raises:
+        RequestError: the prompt, or prompt plus ``max_tokens``, exceeds ``max_model_len``
+            (vLLM's wording, naming both numbers: ``fit_max_tokens``), or the engine
+            refuses a value (``checked_sampling_params``).
+    """
+    is_chat = isinstance(request, ChatCompletionRequest)
+    max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
+    if is_chat and request.max_completion_tokens is not None:
+        max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
+    max_tokens = fit_max_tokens(prompt_len, max_tokens, max_model_len, api="openai",
+                                prompt_param="messages" if is_chat else "prompt",
+                                max_tokens_param=max_tokens_param)
+    if is_chat:
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        logprobs = request.logprobs
+        if request.echo and logprobs is not None:
+            raise RequestError("echo with logprobs is not supported (no prompt logprobs)",
+                               "echo")
+    model_defaults = (defaults or GenerationDefaults()).sampling_kwargs(
+        temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+        min_p=request.min_p, repetition_penalty=request.repetition_penalty)
+    return checked_sampling_params(lambda: SamplingParams(
+        n=request.n, **model_defaults, presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty, seed=request.seed,
+        max_tokens=max_tokens, min_tokens=request.min_tokens,
+        stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos,
+        logprobs=logprobs, logit_bias={int(k): v for k, v in
+                                       (request.logit_bias or {}).items()} or None,
+        structured_output=request.structured_output_spec()))

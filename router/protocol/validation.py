@@ -1,0 +1,116 @@
+"""The request-validation rules that the HTTP API and the gRPC API both call.
+
+One rule, one place: the model's length (``fit_max_tokens``), a field check whose
+ValueError names the field (``check_field``), the engine's checks of the sampling
+parameters (``checked_sampling_params``), and the bounded field types the request models
+are declared with (``Text``, ``TokenId``, ``Int32``, ``StrictInt``). Every error raised
+here is a ``RequestError`` whose ``param`` is set where it is raised, never read back out
+of a message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import AfterValidator, BaseModel, Field, ValidationInfo
+
+from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams
+from pdserve.router.limits import INT32_MAX, check_text, check_token_id
+from pdserve.router.protocol.errors import RequestError
+
+__all__ = ["MAX_LOGPROBS", "Int32", "StrictInt", "Text", "TokenId", "check_field",
+           "checked_sampling_params", "fit_max_tokens", "unknown_field", "vocab_size"]
+
+T = TypeVar("T")
+
+
+def vocab_size(info: ValidationInfo) -> int | None:
+    """The vocabulary size a caller passed as ``model_validate(..., context={"vocab_size":
+    ...})``; None without one (token ids then are not checked against it)."""
+    return info.context.get("vocab_size") if isinstance(info.context, dict) else None
+
+
+def _token_id_in_vocab(value: int, info: ValidationInfo) -> int:
+    return check_token_id(value, vocab_size(info))
+
+
+StrictInt = Annotated[int, Field(strict=True)]
+Int32 = Annotated[int, Field(strict=True, le=INT32_MAX)]
+TokenId = Annotated[int, Field(strict=True, ge=0, le=INT32_MAX),
+                    AfterValidator(_token_id_in_vocab)]
+Text = Annotated[str, AfterValidator(check_text)]  # no lone surrogates
+
+
+def unknown_field(model: type[BaseModel], data: Any) -> str | None:
+    """The first key of a request body ``data`` that ``model`` does not declare."""
+    if isinstance(data, dict):
+        return next((name for name in data if name not in model.model_fields), None)
+    return None
+
+
+def check_field(name: str, check: Callable[[Any], T], value: Any, *,
+                drop_prefix: str = "") -> T:
+    """``check(value)``; its ValueError becomes a 400 ``RequestError`` naming ``name``:
+    ``Invalid value for '<name>': <the error, less drop_prefix>``.
+
+    Raises:
+        RequestError: ``param`` ``name``.
+    """
+    try:
+        return check(value)
+    except ValueError as exc:
+        message = str(exc).removeprefix(drop_prefix)
+        raise RequestError(f"Invalid value for '{name}': {message}", name) from exc
+
+
+def fit_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, *,
+                   api: Literal["openai", "grpc"], prompt_param: str = "prompt",
+                   max_tokens_param: str = "max_tokens") -> int:
+    """The model's length rule: a prompt of ``prompt_len`` tokens plus the tokens to
+    generate fit in ``max_model_len`` tokens. Returns the completion's budget in tokens:
+    ``max_tokens``, or when it is None the rest of the context, ``max_model_len -
+    prompt_len`` (vLLM's default).
+
+    ``api`` picks the wording of the error, which each API has always sent: ``openai``
+    (vLLM's, for the HTTP API) says a prompt that leaves no room for one token is too long
+    (``param`` ``prompt_param``: ``prompt`` or ``messages``) and counts the prompt "in the
+    messages"; ``grpc`` reports that case as the request being too long and counts the
+    prompt "in the prompt".
+
+    Raises:
+        RequestError: 400, the prompt leaves no room (see ``api``), or ``prompt_len +
+            max_tokens > max_model_len`` (``param`` ``max_tokens_param``: ``max_tokens``,
+            or ``max_completion_tokens`` when a chat request set that), naming both numbers.
+    """
+    room = max_model_len - prompt_len
+    if room < 1 and api == "openai":
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {prompt_len} input tokens. Please reduce the length of the input "
+            f"{prompt_param}.", prompt_param)
+    budget = room if max_tokens is None else max_tokens
+    if room < 1 or budget > room:
+        where, advice = ("prompt", "")
+        if api == "openai":
+            where, advice = "messages", " Please reduce the length of the messages or completion."
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + budget} tokens ({prompt_len} in the {where}, "
+            f"{budget} in the completion).{advice}", max_tokens_param)
+    return budget
+
+
+def checked_sampling_params(build: Callable[[], SamplingParams]) -> SamplingParams:
+    """``build()``, the engine's ``SamplingParams`` of a request (the HTTP API builds them
+    from its model, the gRPC API from its message); the engine's refusal of a value
+    becomes a 400 ``RequestError`` with the engine's message, naming the parameter.
+
+    Raises:
+        RequestError: ``param`` the refused parameter (``SamplingParamError.param``, e.g.
+            ``min_tokens`` for ``min_tokens=9 is invalid: ...``).
+    """
+    try:
+        return build()
+    except SamplingParamError as exc:
+        raise RequestError(str(exc), exc.param) from exc
