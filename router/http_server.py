@@ -38,19 +38,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import h11
 import uvicorn
 from prometheus_client import CollectorRegistry, Counter
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pdserve.router.flags import (
-    DEFAULT_REQUEST_BODY_TIMEOUT_S,
-    DEFAULT_REQUEST_HEADER_TIMEOUT_S,
-    DEFAULT_RESPONSE_SEND_TIMEOUT_S,
-    check_seconds,
-)
+from pdserve.router.config import HTTPLimits
 from pdserve.router.protocol import error_response
 
 logger = logging.getLogger(__name__)
@@ -68,30 +62,7 @@ TIMEOUT_PHASES = ("header", "body", "send")
 _WARN_EVERY_S = 60.0  # at most one warning a minute about expired deadlines
 
 
-@dataclass(frozen=True)
-class HTTPTimeouts:
-    """How long a request may take to arrive, in seconds (module docstring).
-
-    Attributes:
-        header_timeout_s: request line and headers, from the connection's opening or the
-            previous response's end.
-        body_timeout_s: the body, from the end of the headers.
-        send_timeout_s: how long the client may leave the response's write buffer full
-            (over its high-water mark) without taking bytes from it.
-
-    Raises:
-        ValueError: a timeout that is not a positive finite number of seconds (the
-            message names the flag).
-    """
-
-    header_timeout_s: float = DEFAULT_REQUEST_HEADER_TIMEOUT_S
-    body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S
-    send_timeout_s: float = DEFAULT_RESPONSE_SEND_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        check_seconds(self.header_timeout_s, "--request-header-timeout-s")
-        check_seconds(self.body_timeout_s, "--request-body-timeout-s")
-        check_seconds(self.send_timeout_s, "--response-send-timeout-s")
+HTTPTimeouts = HTTPLimits  # NOTE: its former name
 
 
 class HTTPServerMetrics:
