@@ -107,97 +107,104 @@ class HTTPServerMetrics:
             self._warned_at, self._warned_counts = now, counts
 
 
-def timed_h11_protocol(timeouts: HTTPTimeouts,
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the deadlines of ``timeouts``, counted in ``metrics``
+    (module docstring); ``timed_h11_protocol`` makes a subclass that sets both."""
+
+    timeouts: HTTPLimits
+    metrics: HTTPServerMetrics
+    _deadline: asyncio.TimerHandle | None = None
+    _phase: str | None = None
+    _send_deadline: asyncio.TimerHandle | None = None
+    _partial_request = False  # bytes of the next request's headers have arrived
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm("header")
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase == "header" and data:
+            self._partial_request = True
+        super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm("header")  # the next request on this kept-alive connection
+            self._follow()  # unless a pipelined one is in already
+
+    def handle_websocket_upgrade(self, event) -> None:
+        self._disarm()  # another protocol takes the connection over
+        super().handle_websocket_upgrade(event)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._disarm_send()
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_deadline is None:
+            self._send_deadline = self.loop.call_later(
+                self.timeouts.send_timeout_s, self._send_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_send()
+
+    def _disarm_send(self) -> None:
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+            self._send_deadline = None
+
+    def _send_expired(self) -> None:
+        self._send_deadline = None
+        if self.transport.is_closing():
+            return
+        self.metrics.request_timed_out("send", self.timeouts.send_timeout_s)
+        self.transport.abort()  # close() would wait for the client to take the rest
+
+    def _follow(self) -> None:
+        """Move the deadline along with the client's side of the exchange."""
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            if self._phase != "body":
+                self._arm("body")
+        elif state is not h11.IDLE and self.cycle is not None \
+                and not self.cycle.response_complete:
+            self._disarm()  # the request is in; the answer takes what it takes
+
+    def _arm(self, phase: str) -> None:
+        self._disarm()
+        limits = self.timeouts
+        limit = limits.header_timeout_s if phase == "header" else limits.body_timeout_s
+        self._phase = phase
+        self._partial_request = False
+        self._deadline = self.loop.call_later(limit, self._expired, phase, limit)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline, self._phase = None, None
+
+    def _expired(self, phase: str, limit_s: float) -> None:
+        self._deadline, self._phase = None, None
+        if self.transport.is_closing():
+            return
+        self.metrics.request_timed_out(phase, limit_s)
+        if phase == "header" and self._partial_request and \
+                self.conn.our_state is h11.IDLE:
+            self.transport.write(_request_timeout_response(limit_s))
+        self.transport.close()
+
+
+def timed_h11_protocol(timeouts: HTTPLimits,
                        metrics: HTTPServerMetrics) -> type[H11Protocol]:
     """uvicorn's h11 ``asyncio.Protocol`` with ``timeouts`` (module docstring), counting
     expiries in ``metrics``; pass it as ``uvicorn.Config(http=...)``."""
-
-    class TimedH11Protocol(H11Protocol):
-        _deadline: asyncio.TimerHandle | None = None
-        _phase: str | None = None
-        _send_deadline: asyncio.TimerHandle | None = None
-        _partial_request = False  # bytes of the next request's headers have arrived
-
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm("header")
-
-        def data_received(self, data: bytes) -> None:
-            if self._phase == "header" and data:
-                self._partial_request = True
-            super().data_received(data)
-            self._follow()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm("header")  # the next request on this kept-alive connection
-                self._follow()  # unless a pipelined one is in already
-
-        def handle_websocket_upgrade(self, event) -> None:
-            self._disarm()  # another protocol takes the connection over
-            super().handle_websocket_upgrade(event)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            self._disarm_send()
-            super().connection_lost(exc)
-
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self._send_deadline is None:
-                self._send_deadline = self.loop.call_later(
-                    timeouts.send_timeout_s, self._send_expired)
-
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            self._disarm_send()
-
-        def _disarm_send(self) -> None:
-            if self._send_deadline is not None:
-                self._send_deadline.cancel()
-                self._send_deadline = None
-
-        def _send_expired(self) -> None:
-            self._send_deadline = None
-            if self.transport.is_closing():
-                return
-            metrics.request_timed_out("send", timeouts.send_timeout_s)
-            self.transport.abort()  # close() would wait for the client to take the rest
-
-        def _follow(self) -> None:
-            """Move the deadline along with the client's side of the exchange."""
-            state = self.conn.their_state
-            if state is h11.SEND_BODY:
-                if self._phase != "body":
-                    self._arm("body")
-            elif state is not h11.IDLE and self.cycle is not None \
-                    and not self.cycle.response_complete:
-                self._disarm()  # the request is in; the answer takes what it takes
-
-        def _arm(self, phase: str) -> None:
-            self._disarm()
-            limit = timeouts.header_timeout_s if phase == "header" else timeouts.body_timeout_s
-            self._phase = phase
-            self._partial_request = False
-            self._deadline = self.loop.call_later(limit, self._expired, phase, limit)
-
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-            self._deadline, self._phase = None, None
-
-        def _expired(self, phase: str, limit_s: float) -> None:
-            self._deadline, self._phase = None, None
-            if self.transport.is_closing():
-                return
-            metrics.request_timed_out(phase, limit_s)
-            if phase == "header" and self._partial_request and \
-                    self.conn.our_state is h11.IDLE:
-                self.transport.write(_request_timeout_response(limit_s))
-            self.transport.close()
-
-    return TimedH11Protocol
+    return type("TimedH11Protocol", (TimedH11Protocol,),
+                {"timeouts": timeouts, "metrics": metrics})
 
 
 def _request_timeout_response(limit_s: float) -> bytes:
