@@ -75,7 +75,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
             parser._add_action(action)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     """The router's flags (vLLM's names where vLLM has one)."""
     parser = argparse.ArgumentParser(prog="python -m pdserve.router", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,7 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_router_args(parser)
     add_cluster_auth_args(parser)
     parser.add_argument("--log-level", default="info")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``build_parser()``'s flags in ``argv`` (default: the command line's)."""
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
