@@ -10,6 +10,7 @@ import ast
 import asyncio
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -193,6 +194,22 @@ def test_pdserve_serve_reports_a_bad_config_file(tmp_path):
                           timeout=120, check=False)
     assert proc.returncode == 2
     assert "pdserve: error: --config" in proc.stderr and "key 'grpc-port'" in proc.stderr
+
+
+def test_pdserve_serve_starts_with_the_config_files_ports(tmp_path):
+    """A taken gRPC port given in the file stops ``pdserve serve`` at its first phase."""
+    path = tmp_path / "serve.yaml"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path.write_text(f"grpc_port: {port}\nport: 0\n")
+        proc = subprocess.run([sys.executable, "-m", "pdserve.entrypoints.cli", "serve",
+                               "--config", str(path)], capture_output=True, text=True,
+                              timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert f"pdserve: error: cannot listen on 127.0.0.1:{port}" in proc.stderr
+    assert "--grpc-port" in proc.stderr and "Redis at" not in proc.stdout
 
 
 def test_python_m_pdserve_router_serves_grpc(tmp_path):
