@@ -30,18 +30,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 def add_router_args(parser: argparse.ArgumentParser, *classes) -> None:
     """Add the flags of ``classes`` (dataclasses of ``router/config.py``; default: all of
     the router's but ``RouterListen``) to ``parser``, generated from their fields: name,
-    default, help, type, choices and group. A flag that two classes share is added once.
+    default, help, type, choices and group. A ``shared`` field's flag is its other
+    class's (``GRPCLimits``'s deadlines are ``HTTPLimits``' flags).
+
+    Raises:
+        argparse.ArgumentError: a flag ``parser`` has already.
     """
     groups: dict[str, argparse._ArgumentGroup] = {}
-    added = {a.dest for a in parser._actions}
     for cls in classes or ROUTER_SETTINGS:
         for f in flag_fields(cls):
-            if f.metadata.get("shared") or flag_dest(f) in added:
+            if f.metadata.get("shared"):
                 continue
-            added.add(flag_dest(f))
             meta = f.metadata
             where = parser
             if meta["group"] is not None:
