@@ -10,7 +10,7 @@ import argparse
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pdserve.cluster.auth import (
     ClusterAuth,
@@ -102,34 +102,45 @@ class WorkerConfig:
         return self.auth.kv_key
 
 
+def worker_default(name: str):
+    """The default of ``WorkerConfig``'s field ``name``: the one default of its flag here
+    and in ``pdserve serve`` (``--kv-lease-s``: ``lease_s``)."""
+    return next(f.default for f in fields(WorkerConfig) if f.name == name)
+
+
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``python -m pdserve.{prefill,decode}_worker`` beyond the engine's."""
-    parser.add_argument("--host", default="127.0.0.1", help="gRPC listen address")
-    parser.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
+    d = worker_default
+    parser.add_argument("--host", default=d("host"), help="gRPC listen address")
+    parser.add_argument("--port", type=int, default=d("port"), help="gRPC port (0: a free one)")
     parser.add_argument("--kv-host", default=None,
                         help="address of the KV transfer channel (default: --host)")
-    parser.add_argument("--kv-port", type=int, default=0, help="KV store port (decode workers)")
+    parser.add_argument("--kv-port", type=int, default=d("kv_port"),
+                        help="KV store port (decode workers)")
     parser.add_argument("--advertise-host", default=None,
                         help="address other machines reach this worker's gRPC at, when "
                         "--host is a wildcard like 0.0.0.0 (default: --host)")
-    parser.add_argument("--metrics-port", type=int, default=0,
+    parser.add_argument("--metrics-port", type=int, default=d("metrics_port"),
                         help="port of this worker's Prometheus /metrics on --host (0: a free "
                         "one, advertised in the registry for the router's service discovery)")
     parser.add_argument("--redis-url", help="Redis of the worker registry and prefix index")
-    parser.add_argument("--worker-id", default="", help="registry id (default: generated)")
-    parser.add_argument("--kv-lease-s", type=float, default=30.0,
+    parser.add_argument("--worker-id", default=d("worker_id"),
+                        help="registry id (default: generated)")
+    parser.add_argument("--kv-lease-s", type=float, default=d("lease_s"),
                         help="seconds prefilled KV stays pinned waiting for its decode worker")
-    parser.add_argument("--kv-transfer-timeout-s", type=float, default=30.0,
+    parser.add_argument("--kv-transfer-timeout-s", type=float,
+                        default=d("kv_transfer_timeout_s"),
                         help="seconds one KV transfer (a decode worker's pull, a prefill "
                         "worker's send) may take; past it the pull fails and the router "
                         "resumes the request without that KV")
-    parser.add_argument("--kv-connect-timeout-s", type=float, default=5.0,
+    parser.add_argument("--kv-connect-timeout-s", type=float,
+                        default=d("kv_connect_timeout_s"),
                         help="seconds to reach a peer's KV store and set up a pair channel")
-    parser.add_argument("--kv-alloc-timeout-s", type=float, default=30.0,
+    parser.add_argument("--kv-alloc-timeout-s", type=float, default=d("kv_alloc_timeout_s"),
                         help="decode workers: seconds a request with prefilled KV may wait "
                         "for free KV blocks before it is refused (the router tries another "
                         "decode worker)")
-    parser.add_argument("--drain-grace-s", type=float, default=30.0,
+    parser.add_argument("--drain-grace-s", type=float, default=d("drain_grace_s"),
                         help="on SIGTERM: seconds running requests and KV leases get to end "
                         "before the worker stops (the router migrates the rest)")
     add_cluster_auth_args(parser)

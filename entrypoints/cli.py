@@ -3,6 +3,7 @@
     pdserve make-demo-model DIR          write the small demo checkpoint
     pdserve generate [--model DIR] --prompt TEXT [--prompt TEXT ...]
     pdserve serve [MODEL] [--prefill-workers N] [--decode-workers M] [--port 8000]
+                  [--config FILE.yaml]
     pdserve scale [--prefill N] [--decode M] [--model NAME] [--url http://127.0.0.1:8000]
 
 Engine flags follow vLLM's names (``--model``, ``--dtype``, ``--max-model-len``, ...).
@@ -139,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the cluster: workers under Ray, Redis, router")
     serve.add_argument("model_tag", nargs="?", metavar="MODEL",
                        help="the model, as --model takes it (vLLM's `vllm serve MODEL`)")
+    serve.add_argument("--config", metavar="FILE.yaml",
+                       help="flags from a YAML mapping of flag names (dashes or "
+                       "underscores) to values; the command line's override them")
     add_engine_args(serve)
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -165,13 +169,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of ``parser``'s sub-command ``name`` (``build_parser``'s)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; a usage or start-up error (a bad flag value, a missing file, a
     taken port) prints ``pdserve: error: ...`` and returns 2."""
+    from pdserve.entrypoints.config_file import parse_with_config
     from pdserve.entrypoints.serve import StartupError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parse_with_config(parser, subcommand(parser, "serve"),
+                                 list(sys.argv[1:] if argv is None else argv))
+    except ValueError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
     tag = getattr(args, "model_tag", None)
     if tag is not None:
         if args.model is not None and args.model != tag:

@@ -32,17 +32,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
-import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -54,6 +49,15 @@ from pdserve.cluster.auth import (
     redis_password_from_args,
     redis_url_with_password,
 )
+from pdserve.entrypoints.serve_models import (  # noqa: F401 - the names tests import here
+    SHARED_ENGINE_FLAGS,
+    ModelSpec,
+    apply_engine_flags,
+    models_from_config,
+    pool_engine_config,
+    pool_flags,
+)
+from pdserve.router.serving import StartupError, bind_listener, run_router  # noqa: F401
 
 logger = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "pdserve-demo"  # the API's model name when serving the demo model
@@ -62,15 +66,12 @@ KERNEL_BUILD_TIMEOUT_S = 1800.0
 _BUILD_KERNELS = "from pdserve.kernels import cpu_ext; cpu_ext.main()"
 
 
-class StartupError(RuntimeError):
-    """Start-up cannot begin (a port is taken); ``pdserve`` prints it and exits with 2."""
-
-
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="router HTTP address")
-    parser.add_argument("--port", type=int, default=8000, help="router HTTP port")
-    parser.add_argument("--grpc-port", type=int, default=50050,
-                        help="router gRPC port (pdserve.v1.Router; 0: none)")
+    from pdserve.cluster.auth import add_cluster_auth_args
+    from pdserve.cluster.worker_config import worker_default as d
+    from pdserve.router.flags import add_listen_args, add_router_args
+
+    add_listen_args(parser)
     parser.add_argument("--ray-address", default=None,
                         help="join this Ray cluster ('auto' for the local head); "
                              "default: start a local one, on 127.0.0.1 only unless --host "
@@ -86,19 +87,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=None,
                         help="Redis for the registry and prefix index (default: start a "
                              "private redis-server on a free loopback port)")
-    parser.add_argument("--worker-host", default="127.0.0.1",
+    parser.add_argument("--worker-host", default=d("host"),
                         help="address workers bind for gRPC and KV transfer")
-    parser.add_argument("--kv-lease-s", type=float, default=30.0,
+    parser.add_argument("--kv-lease-s", type=float, default=d("lease_s"),
                         help="seconds prefilled KV stays pinned waiting for its decode worker")
-    parser.add_argument("--kv-transfer-timeout-s", type=float, default=30.0,
+    parser.add_argument("--kv-transfer-timeout-s", type=float,
+                        default=d("kv_transfer_timeout_s"),
                         help="seconds one KV transfer (pull and send) may take; past it the "
                         "request is resumed without that KV")
-    parser.add_argument("--kv-connect-timeout-s", type=float, default=5.0,
+    parser.add_argument("--kv-connect-timeout-s", type=float,
+                        default=d("kv_connect_timeout_s"),
                         help="seconds to reach a peer's KV store and set up a pair channel")
-    parser.add_argument("--kv-alloc-timeout-s", type=float, default=30.0,
+    parser.add_argument("--kv-alloc-timeout-s", type=float, default=d("kv_alloc_timeout_s"),
                         help="seconds a request with prefilled KV may wait for free blocks "
                         "on its decode worker before it tries another")
-    parser.add_argument("--drain-grace-s", type=float, default=30.0,
+    parser.add_argument("--drain-grace-s", type=float, default=d("drain_grace_s"),
                         help="seconds a worker that `pdserve scale` removes gives its "
                         "requests and KV leases to end (the rest migrate)")
     parser.add_argument("--prefill-engine-args", default="", metavar="FLAGS",
@@ -124,20 +127,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                          help="seconds between two decisions")
     planner.add_argument("--planner-cooldown-s", type=float, default=30.0,
                          help="seconds after a resize before the next")
-    parser.add_argument("--local-prefill-threshold", type=int, default=None,
-                        help="prompts shorter than this many tokens skip the prefill pool")
-    from pdserve.cluster.auth import add_cluster_auth_args
-    from pdserve.router.flags import (
-        add_api_auth_args,
-        add_grpc_args,
-        add_http_args,
-        add_lifecycle_args,
-    )
-
-    add_lifecycle_args(parser)
-    add_http_args(parser)
-    add_grpc_args(parser)
-    add_api_auth_args(parser)
+    add_router_args(parser)
     add_cluster_auth_args(parser, generated=True)
 
 
@@ -186,29 +176,6 @@ class Interrupts:
             self._pending = True
             return
         raise KeyboardInterrupt
-
-
-def bind_listener(host: str, port: int, what: str) -> socket.socket:
-    """A TCP socket bound to ``host:port`` and listening (SO_REUSEADDR; not inherited by
-    children), so no other process can take the port while pdserve starts.
-
-    Raises:
-        StartupError: the address is taken or not this machine's; the message names it.
-    """
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        raise StartupError(f"cannot listen on {_address(host, port)} ({what}): "
-                           f"{exc.strerror or exc}") from None
-    return sock
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def say(line: str) -> None:
@@ -505,8 +472,6 @@ class _ServeRun:
             generation_config=engine.generation_config, block_size=engine.block_size,
             kv_cache_dtype=engine.kv_cache_dtype, max_model_len=engine.max_model_len,
             auth=auth, **lifecycle_kwargs(self.args))
-        if self.args.local_prefill_threshold is not None:
-            config.local_prefill_threshold = self.args.local_prefill_threshold
         if spec.prefill_workers == 0:
             config.local_prefill_threshold = engine.max_model_len or 1 << 30
         router = Router(config)
@@ -540,138 +505,6 @@ def planner_config_from_args(args: argparse.Namespace):
             raise ValueError(f"--{role}-workers={size} must be within --min-{role}-workers "
                              f"and --max-{role}-workers with --autoscale")
     return config
-
-
-# Flags that must be the same in both pools: the model and where it comes from, the
-# names clients and the prefix index use, the block size KV moves in and the KV cache
-# dtype it is stored in (a pair of workers of two KV dtypes is refused, and the router
-# hashes blocks with one), the tokenizer and EOS ids.
-SHARED_ENGINE_FLAGS = ("model", "served_model_name", "block_size", "kv_cache_dtype",
-                       "tokenizer", "revision", "download_dir", "generation_config",
-                       "chat_template")
-
-
-def pool_flags(args: argparse.Namespace, role: str) -> str:
-    """``--<role>-engine-args``, with ``--<role>-tensor-parallel-size`` when given."""
-    flags = getattr(args, f"{role}_engine_args")
-    size = getattr(args, f"{role}_tensor_parallel_size", None)
-    return flags if size is None else f"{flags} --tensor-parallel-size {size}"
-
-
-def pool_engine_config(engine, flags: str, role: str):
-    """``engine`` with the engine flags in ``flags`` (``--prefill-engine-args`` or
-    ``--decode-engine-args``, as on the command line) applied over it.
-
-    Raises:
-        ValueError: a flag that is not an engine flag, one of ``SHARED_ENGINE_FLAGS``, or
-            a bad value; the message names the flag and ``--<role>-engine-args``.
-    """
-    return apply_engine_flags(engine, flags, f"--{role}-engine-args", SHARED_ENGINE_FLAGS,
-                              "must be the same in both pools; set it once, outside")
-
-
-def apply_engine_flags(engine, flags: str, where: str, forbidden: tuple[str, ...],
-                       why: str):
-    """``engine`` with the engine flags in ``flags`` (as on the command line) applied.
-
-    Raises:
-        ValueError: a flag that is not an engine flag, one of ``forbidden`` (``why``), or a
-            bad value; the message names the flag and ``where`` they came from.
-    """
-    from pdserve.engine.args import add_engine_args
-
-    if not flags.strip():
-        return engine
-    parser = argparse.ArgumentParser(prog=where, add_help=False, exit_on_error=False)
-    add_engine_args(parser)
-    defaults = vars(parser.parse_args([]))
-    try:
-        given, unknown = parser.parse_known_args(shlex.split(flags))
-    except (argparse.ArgumentError, SystemExit) as exc:
-        raise ValueError(f"{where}: {exc}") from None
-    if unknown:
-        raise ValueError(f"{where}: {' '.join(unknown)} is not an engine flag")
-    changed = {k: v for k, v in vars(given).items() if v != defaults[k]}
-    refused = sorted(set(changed) & set(forbidden))
-    if refused:
-        raise ValueError(f"{where}: --{refused[0].replace('_', '-')} {why}")
-    if "enable_prefix_caching" in changed:
-        changed["enable_prefix_caching"] = given.enable_prefix_caching
-    return dataclasses.replace(engine, **changed)
-
-
-@dataclasses.dataclass(slots=True)
-class ModelSpec:
-    """One model ``pdserve serve`` serves: its engine (``served_model_name`` set) and its
-    own pools' sizes (workers)."""
-
-    engine: object
-    prefill_workers: int
-    decode_workers: int
-    aliases: tuple[str, ...] = ()  # further names clients may use (--served-model-name)
-
-    @property
-    def name(self) -> str:
-        return self.engine.served_model_name
-
-
-MODEL_ENTRY_KEYS = ("model", "served_model_name", "prefill_workers", "decode_workers",
-                    "engine_args")
-
-
-def models_from_config(path: str, base, args: argparse.Namespace) -> list[ModelSpec]:
-    """The models of ``--models-config`` (YAML or JSON)::
-
-        models:
-          - model: /models/llama-3.1-8b       # required: a checkpoint folder
-            served_model_name: llama          # default: the folder's name
-            prefill_workers: 2                # default: --prefill-workers
-            decode_workers: 2                 # default: --decode-workers
-            engine_args: "--max-num-seqs 128" # engine flags over the command line's
-
-    ``base`` is the command line's engine configuration, each entry's starting point.
-
-    Raises:
-        ValueError: the file does not parse; an entry that is not a mapping, lacks
-            ``model``, has an unknown key or a bad value; two entries with one name.
-    """
-    import yaml
-
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"--models-config {path}: {exc}") from None
-    entries = data.get("models") if isinstance(data, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(f"--models-config {path}: needs 'models:', a non-empty list")
-    specs = []
-    for i, entry in enumerate(entries):
-        where = f"--models-config models[{i}]"
-        if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
-            raise ValueError(f"{where}: needs 'model', a checkpoint folder")  # noqa: TRY004
-        unknown = sorted(set(entry) - set(MODEL_ENTRY_KEYS))
-        if unknown:
-            raise ValueError(f"{where}: unknown key '{unknown[0]}' (keys: "
-                             f"{', '.join(MODEL_ENTRY_KEYS)})")
-        name = entry.get("served_model_name") or Path(entry["model"]).name
-        engine = dataclasses.replace(base, model=entry["model"], served_model_name=str(name))
-        engine = apply_engine_flags(engine, str(entry.get("engine_args") or ""),
-                                    f"{where}.engine_args", ("model", "served_model_name"),
-                                    "is the entry's own key")
-        counts = {}
-        for role in ("prefill", "decode"):
-            count = entry.get(f"{role}_workers", getattr(args, f"{role}_workers"))
-            if not isinstance(count, int) or isinstance(count, bool) or \
-                    not (0 if role == "prefill" else 1) <= count <= 64:
-                raise ValueError(f"{where}.{role}_workers: {count!r} is not a worker count "
-                                 f"({0 if role == 'prefill' else 1}-64)")
-            counts[role] = count
-        specs.append(ModelSpec(engine, counts["prefill"], counts["decode"]))
-    names = [spec.name for spec in specs]
-    twice = next((n for n in names if names.count(n) > 1), None)
-    if twice is not None:
-        raise ValueError(f"--models-config {path}: two models are served as {twice!r}")
-    return specs
 
 
 def computing_workers(counts: dict[str, int], disaggregation: str, has_gpus: bool) -> int:
@@ -731,58 +564,3 @@ def _stop_group(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout_s)
             return
-
-
-async def run_router(router, app, host: str, http_sock: socket.socket,
-                     grpc_sock: socket.socket | None, note: str = "",
-                     on_serving: Callable[[], None] | None = None, *,
-                     grpc_limits=None) -> None:
-    """Serve ``app`` (HTTP) on the listening ``http_sock`` and, with a ``grpc_sock``, the
-    gRPC API of ``router`` (a ``Router``, or ``Routers`` for several models) on its port,
-    on one event loop until SIGINT/SIGTERM.
-
-    Prints ``pdserve serving ...`` and calls ``on_serving()`` once both accept
-    connections. ``grpc_sock`` only holds the port: it is closed right before the gRPC
-    server binds the same port (grpc cannot take a bound socket). The gRPC API accepts
-    the HTTP app's API keys (``app.state.api_auth``, from ``build_app``), is bounded by
-    ``grpc_limits`` (a ``GRPCLimits``; its defaults when None), and counts its expired
-    deadlines in ``app.state.grpc_metrics`` (on ``/metrics``).
-    """
-    import uvicorn
-
-    from pdserve.router.grpc_server import start_grpc_server
-    from pdserve.router.http_server import uvicorn_config
-    from pdserve.router.routers import Routers
-
-    routers = router if isinstance(router, Routers) else Routers([router])
-
-    class AnnouncingServer(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets=sockets)
-            if self.started and not self.should_exit:
-                print(line, flush=True)
-                if on_serving is not None:
-                    on_serving()
-
-    grpc_server = None
-    grpc_note = ""
-    try:
-        if grpc_sock is not None:
-            grpc_port = grpc_sock.getsockname()[1]
-            grpc_sock.close()
-            grpc_server, grpc_port = await start_grpc_server(
-                routers, host, grpc_port, api_auth=getattr(app.state, "api_auth", None),
-                admin_auth=getattr(app.state, "admin_auth", None),
-                limits=grpc_limits,
-                metrics=app.state.grpc_metrics)
-            grpc_note = f", gRPC {_address(host, grpc_port)}"
-        names = ", ".join(r.served_model_name for r in routers)
-        line = (f"pdserve serving {names} on "
-                f"http://{_address(host, http_sock.getsockname()[1])}/v1{grpc_note} {note}")
-        server = AnnouncingServer(uvicorn_config(app, log_level="warning"))
-        with contextlib.suppress(KeyboardInterrupt):
-            # NOTE: uvicorn stops on SIGINT/SIGTERM, then raises that signal again
-            await server.serve(sockets=[http_sock])
-    finally:
-        if grpc_server is not None:
-            await grpc_server.stop(2)

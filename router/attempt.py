@@ -34,7 +34,8 @@ from pdserve.router.protocol import RequestError
 from pdserve.router.workers import WorkerHandle, WorkerPool
 
 if TYPE_CHECKING:
-    from pdserve.router.service import GenerateRequest, RouterConfig
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.generate_request import GenerateRequest
 
 logger = logging.getLogger(__name__)
 MAX_HANDLE_ATTEMPTS = 2  # decode workers that try to pull one prefill's KV

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import sys
 import time
 import uuid
@@ -46,13 +45,8 @@ from pdserve.engine.structured_output import check_spec
 from pdserve.engine.tokenizer import encode_prompt
 from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.router.auth import AdminAuth, ApiKeyAuth, ApiKeyInterceptor
-from pdserve.router.flags import (
-    DEFAULT_GRPC_MAX_CONCURRENT_STREAMS,
-    DEFAULT_GRPC_MAX_CONNECTION_IDLE_S,
-    DEFAULT_REQUEST_HEADER_TIMEOUT_S,
-    DEFAULT_RESPONSE_SEND_TIMEOUT_S,
-    check_seconds,
-)
+from pdserve.router.config import GRPCLimits
+from pdserve.router.generate_request import GenerateRequest
 from pdserve.router.limits import (
     MAX_STOP_TOKEN_IDS,
     check_request_id,
@@ -66,7 +60,7 @@ from pdserve.router.protocol.validation import (
     fit_max_tokens,
 )
 from pdserve.router.routers import Routers
-from pdserve.router.service import GenerateRequest, Router
+from pdserve.router.service import Router
 
 logger = logging.getLogger(__name__)
 
@@ -74,51 +68,6 @@ _END, _ABORTED = object(), object()  # the end of a Generate's chunks; an Abort
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
            503: grpc.StatusCode.UNAVAILABLE}
 _WARN_EVERY_S = 60.0  # at most one warning a minute about clients that stopped reading
-
-
-@dataclass(frozen=True, slots=True)
-class GRPCLimits:
-    """What one client connection may hold (module docstring).
-
-    Attributes:
-        handshake_timeout_s: seconds from a connection's opening to its HTTP/2 preface
-            (``--request-header-timeout-s``).
-        send_timeout_s: seconds a ``Generate`` may wait to hand its client one response
-            message (``--response-send-timeout-s``).
-        max_concurrent_streams: RPCs one connection runs at once
-            (``--grpc-max-concurrent-streams``, HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS).
-        max_connection_idle_s: seconds a connection may stay open with no RPC
-            (``--grpc-max-connection-idle-s``).
-
-    Raises:
-        ValueError: a time that is not a positive finite number of seconds, or a stream
-            count below 1 (the message names the flag).
-    """
-
-    handshake_timeout_s: float = DEFAULT_REQUEST_HEADER_TIMEOUT_S
-    send_timeout_s: float = DEFAULT_RESPONSE_SEND_TIMEOUT_S
-    max_concurrent_streams: int = DEFAULT_GRPC_MAX_CONCURRENT_STREAMS
-    max_connection_idle_s: float = DEFAULT_GRPC_MAX_CONNECTION_IDLE_S
-
-    def __post_init__(self) -> None:
-        check_seconds(self.handshake_timeout_s, "--request-header-timeout-s")
-        check_seconds(self.send_timeout_s, "--response-send-timeout-s")
-        check_seconds(self.max_connection_idle_s, "--grpc-max-connection-idle-s")
-        streams = self.max_concurrent_streams
-        if isinstance(streams, bool) or not isinstance(streams, int) or not \
-                1 <= streams <= 2**31 - 1:
-            raise ValueError("--grpc-max-concurrent-streams must be an integer in "
-                             f"[1, {2**31 - 1}], not {streams!r}")
-
-    def server_options(self) -> list[tuple[str, int]]:
-        """grpc channel arguments for ``grpc.aio.server`` (milliseconds, rounded up, at
-        most grpc's int range: about 24.8 days)."""
-        def ms(seconds: float) -> int:
-            return min(math.ceil(seconds * 1e3), 2**31 - 1)
-
-        return [("grpc.server_handshake_timeout_ms", ms(self.handshake_timeout_s)),
-                ("grpc.max_concurrent_streams", self.max_concurrent_streams),
-                ("grpc.max_connection_idle_ms", ms(self.max_connection_idle_s))]
 
 
 class GRPCServerMetrics:

@@ -38,19 +38,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import h11
 import uvicorn
 from prometheus_client import CollectorRegistry, Counter
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pdserve.router.flags import (
-    DEFAULT_REQUEST_BODY_TIMEOUT_S,
-    DEFAULT_REQUEST_HEADER_TIMEOUT_S,
-    DEFAULT_RESPONSE_SEND_TIMEOUT_S,
-    check_seconds,
-)
+from pdserve.router.config import HTTPLimits
 from pdserve.router.protocol import error_response
 
 logger = logging.getLogger(__name__)
@@ -68,30 +62,7 @@ TIMEOUT_PHASES = ("header", "body", "send")
 _WARN_EVERY_S = 60.0  # at most one warning a minute about expired deadlines
 
 
-@dataclass(frozen=True)
-class HTTPTimeouts:
-    """How long a request may take to arrive, in seconds (module docstring).
-
-    Attributes:
-        header_timeout_s: request line and headers, from the connection's opening or the
-            previous response's end.
-        body_timeout_s: the body, from the end of the headers.
-        send_timeout_s: how long the client may leave the response's write buffer full
-            (over its high-water mark) without taking bytes from it.
-
-    Raises:
-        ValueError: a timeout that is not a positive finite number of seconds (the
-            message names the flag).
-    """
-
-    header_timeout_s: float = DEFAULT_REQUEST_HEADER_TIMEOUT_S
-    body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S
-    send_timeout_s: float = DEFAULT_RESPONSE_SEND_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        check_seconds(self.header_timeout_s, "--request-header-timeout-s")
-        check_seconds(self.body_timeout_s, "--request-body-timeout-s")
-        check_seconds(self.send_timeout_s, "--response-send-timeout-s")
+HTTPTimeouts = HTTPLimits  # NOTE: its former name
 
 
 class HTTPServerMetrics:
@@ -136,97 +107,104 @@ class HTTPServerMetrics:
             self._warned_at, self._warned_counts = now, counts
 
 
-def timed_h11_protocol(timeouts: HTTPTimeouts,
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the deadlines of ``timeouts``, counted in ``metrics``
+    (module docstring); ``timed_h11_protocol`` makes a subclass that sets both."""
+
+    timeouts: HTTPLimits
+    metrics: HTTPServerMetrics
+    _deadline: asyncio.TimerHandle | None = None
+    _phase: str | None = None
+    _send_deadline: asyncio.TimerHandle | None = None
+    _partial_request = False  # bytes of the next request's headers have arrived
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm("header")
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase == "header" and data:
+            self._partial_request = True
+        super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm("header")  # the next request on this kept-alive connection
+            self._follow()  # unless a pipelined one is in already
+
+    def handle_websocket_upgrade(self, event) -> None:
+        self._disarm()  # another protocol takes the connection over
+        super().handle_websocket_upgrade(event)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._disarm_send()
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_deadline is None:
+            self._send_deadline = self.loop.call_later(
+                self.timeouts.send_timeout_s, self._send_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._disarm_send()
+
+    def _disarm_send(self) -> None:
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+            self._send_deadline = None
+
+    def _send_expired(self) -> None:
+        self._send_deadline = None
+        if self.transport.is_closing():
+            return
+        self.metrics.request_timed_out("send", self.timeouts.send_timeout_s)
+        self.transport.abort()  # close() would wait for the client to take the rest
+
+    def _follow(self) -> None:
+        """Move the deadline along with the client's side of the exchange."""
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            if self._phase != "body":
+                self._arm("body")
+        elif state is not h11.IDLE and self.cycle is not None \
+                and not self.cycle.response_complete:
+            self._disarm()  # the request is in; the answer takes what it takes
+
+    def _arm(self, phase: str) -> None:
+        self._disarm()
+        limits = self.timeouts
+        limit = limits.header_timeout_s if phase == "header" else limits.body_timeout_s
+        self._phase = phase
+        self._partial_request = False
+        self._deadline = self.loop.call_later(limit, self._expired, phase, limit)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline, self._phase = None, None
+
+    def _expired(self, phase: str, limit_s: float) -> None:
+        self._deadline, self._phase = None, None
+        if self.transport.is_closing():
+            return
+        self.metrics.request_timed_out(phase, limit_s)
+        if phase == "header" and self._partial_request and \
+                self.conn.our_state is h11.IDLE:
+            self.transport.write(_request_timeout_response(limit_s))
+        self.transport.close()
+
+
+def timed_h11_protocol(timeouts: HTTPLimits,
                        metrics: HTTPServerMetrics) -> type[H11Protocol]:
     """uvicorn's h11 ``asyncio.Protocol`` with ``timeouts`` (module docstring), counting
     expiries in ``metrics``; pass it as ``uvicorn.Config(http=...)``."""
-
-    class TimedH11Protocol(H11Protocol):
-        _deadline: asyncio.TimerHandle | None = None
-        _phase: str | None = None
-        _send_deadline: asyncio.TimerHandle | None = None
-        _partial_request = False  # bytes of the next request's headers have arrived
-
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm("header")
-
-        def data_received(self, data: bytes) -> None:
-            if self._phase == "header" and data:
-                self._partial_request = True
-            super().data_received(data)
-            self._follow()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm("header")  # the next request on this kept-alive connection
-                self._follow()  # unless a pipelined one is in already
-
-        def handle_websocket_upgrade(self, event) -> None:
-            self._disarm()  # another protocol takes the connection over
-            super().handle_websocket_upgrade(event)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            self._disarm_send()
-            super().connection_lost(exc)
-
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self._send_deadline is None:
-                self._send_deadline = self.loop.call_later(
-                    timeouts.send_timeout_s, self._send_expired)
-
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            self._disarm_send()
-
-        def _disarm_send(self) -> None:
-            if self._send_deadline is not None:
-                self._send_deadline.cancel()
-                self._send_deadline = None
-
-        def _send_expired(self) -> None:
-            self._send_deadline = None
-            if self.transport.is_closing():
-                return
-            metrics.request_timed_out("send", timeouts.send_timeout_s)
-            self.transport.abort()  # close() would wait for the client to take the rest
-
-        def _follow(self) -> None:
-            """Move the deadline along with the client's side of the exchange."""
-            state = self.conn.their_state
-            if state is h11.SEND_BODY:
-                if self._phase != "body":
-                    self._arm("body")
-            elif state is not h11.IDLE and self.cycle is not None \
-                    and not self.cycle.response_complete:
-                self._disarm()  # the request is in; the answer takes what it takes
-
-        def _arm(self, phase: str) -> None:
-            self._disarm()
-            limit = timeouts.header_timeout_s if phase == "header" else timeouts.body_timeout_s
-            self._phase = phase
-            self._partial_request = False
-            self._deadline = self.loop.call_later(limit, self._expired, phase, limit)
-
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-            self._deadline, self._phase = None, None
-
-        def _expired(self, phase: str, limit_s: float) -> None:
-            self._deadline, self._phase = None, None
-            if self.transport.is_closing():
-                return
-            metrics.request_timed_out(phase, limit_s)
-            if phase == "header" and self._partial_request and \
-                    self.conn.our_state is h11.IDLE:
-                self.transport.write(_request_timeout_response(limit_s))
-            self.transport.close()
-
-    return TimedH11Protocol
+    return type("TimedH11Protocol", (TimedH11Protocol,),
+                {"timeouts": timeouts, "metrics": metrics})
 
 
 def _request_timeout_response(limit_s: float) -> bytes:

@@ -38,20 +38,17 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
-from pdserve.cluster.auth import ClusterAuth
 from pdserve.cluster.prefix_index import PrefixIndex, PrefixIndexUnavailable
 from pdserve.cluster.registry import WorkerRegistry
 from pdserve.engine import structured_output
 from pdserve.engine.block_hash import hash_block_chain, root_block_hash
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.generation_config import GenerationDefaults
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer, read_chat_template
-from pdserve.kernels.kv_quant import canonical_kv_cache_dtype
-from pdserve.router import flags
 from pdserve.router.attempt import AttemptFailed, Progress, WorkerCalls
+from pdserve.router.config import RouterConfig
+from pdserve.router.generate_request import GenerateRequest
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.output import GenerationChunk, SequenceOutput
 from pdserve.router.protocol import RequestError
@@ -66,135 +63,6 @@ from pdserve.router.routing import (
 from pdserve.router.workers import WorkerHandle, WorkerPool
 
 logger = logging.getLogger(__name__)
-
-# NOTE: a prompt shorter than one block has no full block to reuse from any prefix cache
-# and costs the decode worker about one step to prefill, less than a KV transfer.
-DEFAULT_LOCAL_PREFILL_THRESHOLD = 16
-
-
-@dataclass(slots=True)
-class RouterConfig:
-    """Router settings. Times in seconds; ``max_model_len`` defaults to the checkpoint's
-    ``max_position_embeddings``; prompts under ``local_prefill_threshold`` tokens are
-    prefilled on the decode worker (0: never).
-
-    ``disaggregation``: ``"auto"`` decides per request where a prompt is prefilled
-    (``routing.choose_prefill_path``: on the decode worker when fewer than
-    ``local_prefill_threshold`` tokens are left after its prefix cache, when every
-    prefill worker computes on the decode worker's own hardware, or when the chosen one
-    has ``max_prefill_queue_size`` prefills waiting); ``"always"`` sends every prompt of
-    at least ``local_prefill_threshold`` tokens to the prefill pool while it has a
-    worker. ``prefill_routing``: ``"prefix-aware"`` (``routing.choose_prefill_worker``)
-    or ``"round-robin"`` (each prefill to the next worker in turn, a baseline).
-
-    Admission control (503 + ``Retry-After`` before any work; migrations bypass it, as
-    they are requests already accepted): ``max_waiting_requests`` admitted requests
-    without their first token yet; per prefill worker ``prefill_max_inflight`` Prefill
-    calls from this router; per decode worker ``decode_max_inflight`` streams and a KV
-    usage under ``decode_max_kv_usage`` (its last Health). A worker at a cap gets no new
-    request; a request that no worker of a needed pool can take is refused.
-    ``migration_limit``: attempts after the first that one request may make.
-
-    Deadlines (``router/flags.py``, ``add_timeout_args``): a Prefill call and a decode
-    stream have none; when one has been silent for ``stall_interval_s`` the router asks
-    its worker's Health, and only a worker that does not answer within
-    ``health_failure_threshold`` calls of ``health_timeout_s`` (or answers ``stopped``)
-    fails the attempt, which moves on as any failed attempt does
-    (``WorkerPool.is_alive``). ``health_interval_s``/``health_timeout_s`` also pace
-    the background Health poll that routing reads; ``control_timeout_s`` bounds each
-    ``GrantKV``, ``Abort`` and ``Release``, and the wait for those still under way at
-    ``stop()``.
-    ``tool_call_parser`` (``router/tool_parsers.py``) reads tool calls out of the model's
-    text; ``enable_auto_tool_choice`` lets requests leave the choice to the model
-    (``tool_choice: auto``), as vLLM's flags of those names do.
-    ``auth``: the cluster secret (and mutual TLS) of every call to a worker, and the key
-    that registry records must be signed with; None: a cluster without authentication.
-    ``redis_url`` may hold the Redis password.
-
-    The model (``engine/model_source.py``): ``model`` is a local checkpoint folder or
-    ``.gguf`` file (``pdserve serve`` resolves hub ids first); ``tokenizer`` another local
-    tokenizer to use (``--tokenizer``), ``chat_template`` a template or a file holding one
-    (``--chat-template``); ``generation_config`` (``auto``, ``vllm`` or a folder) whose
-    sampling defaults fill a request's unset fields. ``served_model_name`` is the name
-    responses give and workers register under (default: ``model``);
-    ``served_model_aliases`` further names requests may use (vLLM's second and later
-    ``--served-model-name``). ``block_size`` and ``kv_cache_dtype`` must be the workers':
-    the prefix index holds the workers' block hashes, whose root includes both
-    (``block_hash.root_block_hash``).
-    """
-
-    model: str
-    redis_url: str
-    served_model_name: str | None = None
-    served_model_aliases: tuple[str, ...] = ()
-    tokenizer: str | None = None
-    chat_template: str | None = None
-    generation_config: str = "auto"
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"
-    max_model_len: int | None = None
-    local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_THRESHOLD
-    disaggregation: str = "auto"
-    max_prefill_queue_size: int = flags.DEFAULT_MAX_PREFILL_QUEUE_SIZE
-    prefill_routing: str = "prefix-aware"
-    overlap_weight: float = 1.0
-    registry_interval_s: float = 1.0
-    health_interval_s: float = flags.DEFAULT_HEALTH_CHECK_INTERVAL_S
-    health_timeout_s: float = flags.DEFAULT_HEALTH_CHECK_TIMEOUT_S
-    health_failure_threshold: int = flags.DEFAULT_HEALTH_FAILURE_THRESHOLD
-    stall_interval_s: float = flags.DEFAULT_STALL_INTERVAL_S
-    control_timeout_s: float = flags.DEFAULT_CONTROL_TIMEOUT_S
-    retry_after_s: int = 1
-    migration_limit: int = flags.DEFAULT_MIGRATION_LIMIT
-    max_waiting_requests: int = flags.DEFAULT_MAX_WAITING_REQUESTS
-    prefill_max_inflight: int = flags.DEFAULT_PREFILL_MAX_INFLIGHT
-    decode_max_inflight: int = flags.DEFAULT_DECODE_MAX_INFLIGHT
-    decode_max_kv_usage: float = flags.DEFAULT_DECODE_MAX_KV_USAGE
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    auth: ClusterAuth | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        for name in ("registry_interval_s", "health_interval_s", "health_timeout_s",
-                     "stall_interval_s", "control_timeout_s"):
-            flags.check_seconds(getattr(self, name), name)
-        for name in ("health_failure_threshold", "migration_limit", "max_waiting_requests",
-                     "prefill_max_inflight", "decode_max_inflight"):
-            if getattr(self, name) < (0 if name == "migration_limit" else 1):
-                raise ValueError(f"{name}={getattr(self, name)} is out of range")
-        if self.disaggregation not in flags.DISAGGREGATION_MODES:
-            raise ValueError(f"disaggregation={self.disaggregation!r} must be one of "
-                             f"{flags.DISAGGREGATION_MODES}")
-        if self.prefill_routing not in flags.PREFILL_ROUTING_POLICIES:
-            raise ValueError(f"prefill_routing={self.prefill_routing!r} must be one of "
-                             f"{flags.PREFILL_ROUTING_POLICIES}")
-        if self.max_prefill_queue_size < 1:
-            raise ValueError(f"max_prefill_queue_size={self.max_prefill_queue_size} must "
-                             "be >= 1")
-        if not 0.0 < self.decode_max_kv_usage <= 1.0:
-            raise ValueError(f"decode_max_kv_usage={self.decode_max_kv_usage} must be in (0, 1]")
-        if self.tool_call_parser not in (None, *flags.TOOL_CALL_PARSERS):
-            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} must be one of "
-                             f"{flags.TOOL_CALL_PARSERS}")
-        canonical_kv_cache_dtype(self.kv_cache_dtype)  # NOTE: raises for an unknown name
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs a tool_call_parser "
-                             "(--tool-call-parser)")
-
-
-@dataclass(slots=True)
-class GenerateRequest:
-    """One sequence to generate: token ids, engine parameters, and the router's own
-    options (stop strings, detokenization, ``cache_salt``)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stop: list[str] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    cache_salt: str | None = None
-
 
 class Router:
     """Routes and runs requests on the cluster in ``config.redis_url``.

@@ -18,8 +18,8 @@ from pdserve.router.routing import WorkerLoad
 from pdserve.router.session import DecodeSession, rpc_error
 
 if TYPE_CHECKING:
+    from pdserve.router.config import RouterConfig
     from pdserve.router.metrics import RouterMetrics
-    from pdserve.router.service import RouterConfig
 
 logger = logging.getLogger(__name__)
 
