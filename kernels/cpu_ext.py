@@ -41,11 +41,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PDSERVE_CPU_KERNELS"
-_SOURCES = ("cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_layers.cpp",
-            "cpu_block_copy.cpp", "cpu_gemm.cpp", "cpu_gemm_avx512.cpp", "cpu_gemm_quant.cpp",
-            "cpu_gemm_quant_amx.cpp",
-            "cpu_sampling.cpp", "cpu_kv_quant.cpp", "cpu_decode_quant.cpp",
-            "cpu_prefill_quant.cpp", "cpu_moe.cpp")
+_SOURCES = ("cpu_attention.cpp", "cpu_store_kv.cpp", "cpu_prefill_attention.cpp",
+            "cpu_layers.cpp", "cpu_block_copy.cpp", "cpu_gemm.cpp", "cpu_gemm_avx512.cpp",
+            "cpu_gemm_quant.cpp", "cpu_gemm_quant_amx.cpp", "cpu_sampling.cpp", "cpu_kv_quant.cpp",
+            "cpu_decode_quant.cpp", "cpu_prefill_quant.cpp", "cpu_moe.cpp")
 _OPS = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "store_kv_quant",
         "paged_decode_attention_quant", "paged_prefill_attention_quant", "rms_norm",
         "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax_rows",

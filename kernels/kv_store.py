@@ -194,7 +194,7 @@ def store_kv(key, value, key_cache, value_cache, slot_mapping, key_scales=None,
     """Dispatching entry point; see ``store_kv_ref`` for the contract.
 
     CUDA tensors go to ``store_kv_triton``; CPU tensors of the caches' dtype, each token's
-    row and each cache block packed, to the C++ kernel (``kernels/csrc/cpu_attention.cpp``:
+    row and each cache block packed, to the C++ kernel (``kernels/csrc/cpu_store_kv.cpp``:
     one copy per token, slots range-checked, RuntimeError naming the bad slot) where it is
     built; a quantized CPU cache to ``kv_store_quant.store_kv_quant_cpu`` where it is
     built; the rest to ``store_kv_ref``.
