@@ -26,7 +26,7 @@ import serving
 import torch
 from plain_cluster import PlainCluster, pin_self
 
-from pdserve.router.routing import PREFILL_PATH_REASONS
+from pdserve.router.routing_policy import PREFILL_PATH_REASONS
 
 
 def parse_args() -> argparse.Namespace:

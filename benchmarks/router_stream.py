@@ -10,7 +10,7 @@ No engine runs: the tokens are the demo corpus encoded by the demo model's token
   completions and chat, without and with logprobs (5 alternatives).
 - ``asgi``: the whole HTTP streaming path in this process: ``build_app``'s FastAPI app
   (its middlewares, ``_Merged``, ``_sse``, the SSE response) driven through ASGI by
-  ``--streams`` concurrent ``stream=true`` completions. A stand-in for ``Router`` yields
+  ``--streams`` concurrent ``stream=true`` completions. A stand-in for ``ModelService`` yields
   each stream's chunks from a real ``SequenceOutput`` (detokenizer and stop strings), one
   token per stream per decode step of ``--step-ms``, as a decode batch produces them;
   uvicorn, h11 and the socket are left out.
@@ -39,7 +39,8 @@ from pdserve.engine.demo_model import ensure_demo_model, read_demo_corpus
 from pdserve.engine.request import Logprob
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.router.detokenizer import IncrementalDetokenizer
-from pdserve.router.http import ChatFormatter, CompletionFormatter, build_app
+from pdserve.router.http import build_app
+from pdserve.router.http_format import ChatFormatter, CompletionFormatter
 from pdserve.router.output import GenerationChunk, SequenceOutput
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, sse_event
 
@@ -102,7 +103,7 @@ def bench_format(tokenizer, token_ids: list[int]) -> dict[str, float]:
 
 
 class StandInRouter:
-    """What ``build_app`` needs of a ``Router``, with ``generate`` replaced by a decode
+    """What ``build_app`` needs of a ``ModelService``, with ``generate`` replaced by a decode
     batch's rhythm: every ``step_s`` each running stream gets its next corpus token, run
     through a real ``SequenceOutput`` as ``router/attempt.py`` does."""
 

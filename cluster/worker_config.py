@@ -19,7 +19,7 @@ from pdserve.cluster.auth import (
     redis_password_from_args,
     redis_url_with_password,
 )
-from pdserve.engine.llm_engine import EngineConfig
+from pdserve.engine.engine_config import EngineConfig
 
 ROLES = ("prefill", "decode")
 

@@ -38,7 +38,7 @@ import grpc
 
 from pdserve.cluster.wire import KVHandle
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.llm_engine import EngineOutput
+from pdserve.engine.engine_outputs import EngineOutput
 from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer import KVPollState, KVPull, KVReceiver, KVTransferError

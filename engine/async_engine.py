@@ -24,7 +24,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pdserve.engine.llm_engine import BlockOwnership, EngineOutput, LLMEngine
+from pdserve.engine.engine_outputs import BlockOwnership, EngineOutput
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tp_executor import RankFailedError
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pdserve.engine.llm_engine import EngineConfig, EngineOutput, LLMEngine
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.engine_outputs import EngineOutput
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams

@@ -19,7 +19,7 @@ import torch
 from pdserve.engine.block_hash import root_block_hash
 from pdserve.engine.block_pool import KVEvent
 from pdserve.engine.config import ModelConfig, cpu_compute_dtype
-from pdserve.engine.cpu_threads import bind_intra_op_threads, parse_cpu_list
+from pdserve.engine.cpu_threads import bind_intra_op_threads
 from pdserve.engine.draft_proposer import PENDING
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_outputs import (
@@ -524,7 +524,4 @@ class LLMEngine:
                 and not self.scheduler.waiting_for_kv)
 
 
-# NOTE: the settings and result types live in engine_config and engine_outputs; they stay
-# importable from here, where the services and tests import them
-__all__ = ["BlockOwnership", "EngineConfig", "EngineOutput", "KVTransferAllocation", "LLMEngine",
-           "RequestStatus", "parse_cpu_list"]
+__all__ = ["LLMEngine"]

@@ -66,9 +66,9 @@ def scale_admin_key(args: argparse.Namespace,
 
     Raises:
         ValueError: the key or file is unusable, or ``$PDSERVE_ADMIN_API_KEY`` is set but
-            empty (named as ``router/auth.py``'s ``load_admin_api_keys`` names it).
+            empty (named as ``router/api_keys.py``'s ``load_admin_api_keys`` names it).
     """
-    from pdserve.router.auth import load_admin_api_keys
+    from pdserve.router.api_keys import load_admin_api_keys
 
     keys, _ = load_admin_api_keys([args.admin_api_key] if args.admin_api_key else (),
                                   None if args.admin_api_key else args.admin_api_key_file,
@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; a usage or start-up error (a bad flag value, a missing file, a
     taken port) prints ``pdserve: error: ...`` and returns 2."""
     from pdserve.entrypoints.config_file import parse_with_config
-    from pdserve.entrypoints.serve import StartupError
+    from pdserve.router.serving import StartupError
 
     parser = build_parser()
     try:

@@ -49,15 +49,13 @@ from pdserve.cluster.auth import (
     redis_password_from_args,
     redis_url_with_password,
 )
-from pdserve.entrypoints.serve_models import (  # noqa: F401 - the names tests import here
-    SHARED_ENGINE_FLAGS,
+from pdserve.entrypoints.serve_models import (
     ModelSpec,
-    apply_engine_flags,
     models_from_config,
     pool_engine_config,
     pool_flags,
 )
-from pdserve.router.serving import StartupError, bind_listener, run_router  # noqa: F401
+from pdserve.router.serving import bind_listener, run_router
 
 logger = logging.getLogger(__name__)
 DEMO_MODEL_NAME = "pdserve-demo"  # the API's model name when serving the demo model
@@ -225,7 +223,7 @@ class _ServeRun:
         self.admin_auth = admin_auth_from_args(args, self.api_auth)
         self.auth = cluster_auth_from_args(args, generate=True)
         self.announced = False  # "pdserve serving" printed
-        from pdserve.engine.llm_engine import EngineConfig
+        from pdserve.engine.engine_config import EngineConfig
 
         for role in ("prefill", "decode"):  # NOTE: a bad flag stops us before anything starts
             pool_engine_config(EngineConfig("<model>"), pool_flags(args, role), role)
@@ -292,13 +290,13 @@ class _ServeRun:
             scalers[spec.name] = scaler
             background += tasks
         from pdserve.router.http import build_app
-        from pdserve.router.routers import Routers
+        from pdserve.router.served_models import ServedModels
 
         app = build_app(routers, api_auth=self.api_auth, admin_auth=self.admin_auth,
                         scaler=scalers,
                         background=background, http_timeouts=self.http_timeouts)
         try:
-            asyncio.run(run_router(Routers(routers), app, args.host, http_sock, grpc_sock,
+            asyncio.run(run_router(ServedModels(routers), app, args.host, http_sock, grpc_sock,
                                    f"(Redis {redact_url(redis_url)})", self._on_serving,
                                    grpc_limits=self.grpc_limits))
         except KeyboardInterrupt:
@@ -348,7 +346,7 @@ class _ServeRun:
 
     def _engine_config(self):
         from pdserve.engine.args import engine_kwargs
-        from pdserve.engine.llm_engine import EngineConfig
+        from pdserve.engine.engine_config import EngineConfig
 
         engine = EngineConfig(**engine_kwargs(self.args), load_progress=False)
         if self.args.model is None and self.args.served_model_name is None:
@@ -461,8 +459,9 @@ class _ServeRun:
     def _make_router(self, spec: ModelSpec, redis_url: str, auth, scaler=None):
         """The router of model ``spec`` and its background tasks (the SLO planner of
         its pools with ``--autoscale``)."""
+        from pdserve.router.config import RouterConfig
         from pdserve.router.flags import lifecycle_kwargs
-        from pdserve.router.service import Router, RouterConfig
+        from pdserve.router.model_service import ModelService
 
         engine = spec.engine
         config = RouterConfig(
@@ -474,7 +473,7 @@ class _ServeRun:
             auth=auth, **lifecycle_kwargs(self.args))
         if spec.prefill_workers == 0:
             config.local_prefill_threshold = engine.max_model_len or 1 << 30
-        router = Router(config)
+        router = ModelService(config)
         background = []
         if scaler is not None:
             scaler.on_change = router.pool.workers_changed

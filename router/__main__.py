@@ -29,6 +29,7 @@ from pdserve.cluster.auth import (
 )
 from pdserve.engine.args import add_engine_args
 from pdserve.engine.hub import resolve_model, resolve_tokenizer
+from pdserve.router.config import RouterConfig
 from pdserve.router.flags import (
     add_listen_args,
     add_router_args,
@@ -40,7 +41,7 @@ from pdserve.router.flags import (
     log_exposure,
 )
 from pdserve.router.http import build_app
-from pdserve.router.service import Router, RouterConfig
+from pdserve.router.model_service import ModelService
 from pdserve.router.serving import StartupError, bind_listener, run_router
 
 # the engine flags the router reads too (RouterConfig's model fields), with the engine's
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"python -m pdserve.router: error: {exc}", file=sys.stderr)
         sys.exit(2)
     names = args.served_model_name or [args.model]
-    router = Router(RouterConfig(
+    router = ModelService(RouterConfig(
         model=model, redis_url=redis_url, served_model_name=names[0],
         served_model_aliases=tuple(names[1:]), tokenizer=tokenizer,
         chat_template=args.chat_template, generation_config=args.generation_config,

@@ -4,7 +4,7 @@ clean-up RPCs that give back what an attempt held.
 
 ``Progress`` is what a request keeps across attempts (the tokens already sent to the
 client, the prefill's leased KV); ``WorkerCalls`` runs one attempt's RPCs and raises
-``AttemptFailed`` when a worker fails, after which ``Router.generate`` tries again.
+``AttemptFailed`` when a worker fails, after which ``ModelService.generate`` tries again.
 
 Clean-up RPCs (``Abort`` to a decode worker, ``Release`` to a prefill worker) run in the
 background. A failed one is retried (``CLEANUP_ATTEMPTS`` in all, ``control_timeout_s``

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from pdserve.cluster.auth import ClusterAuth
 
 DEFAULT_PUBLIC_ENDPOINTS = ("/health", "/ready", "/metrics")  # served without an API key
-# the admin endpoints (router/auth.py), and every path under them: never public
+# the admin endpoints (router/api_keys.py), and every path under them: never public
 ADMIN_PATHS = ("/admin", "/metrics/targets")
 DISAGGREGATION_MODES = ("auto", "always")
 PREFILL_ROUTING_POLICIES = ("prefix-aware", "round-robin")
@@ -243,7 +243,7 @@ class GRPCLimits:
 @dataclass(slots=True)
 class APIAuthSettings:
     """The client and operator API-key flags as given (``router/flags.py`` reads them,
-    with the environment, into ``router/auth.py``'s ``ApiKeyAuth`` and ``AdminAuth``).
+    with the environment, into ``router/api_keys.py``'s ``ApiKeyAuth`` and ``AdminAuth``).
     ``public_endpoints``: HTTP paths served without a key, never an admin one."""
 
     api_key: list[str] | None = setting(  # noqa: RUF009

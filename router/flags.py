@@ -1,7 +1,7 @@
 """The router's command-line flags, shared by ``python -m pdserve.router`` and ``pdserve
 serve`` (README, Operating pdserve): generated from the fields of ``router/config.py``,
 and read back into its dataclasses. Light on imports: ``pdserve --help`` reads them
-without loading the router (``router/auth.py`` is imported by the functions that read
+without loading the router (``router/api_keys.py`` is imported by the functions that read
 API keys)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pdserve.router.config import (
 )
 
 if TYPE_CHECKING:
-    from pdserve.router.auth import AdminAuth, ApiKeyAuth
+    from pdserve.router.api_keys import AdminAuth, ApiKeyAuth
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def add_api_auth_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _api_key(value: str) -> str:
-    from pdserve.router.auth import check_api_key
+    from pdserve.router.api_keys import check_api_key
 
     return _argument(check_api_key, value)
 
@@ -145,7 +145,7 @@ def _api_key(value: str) -> str:
 def _api_key_file(path: str) -> str:
     # NOTE: read now, and again by api_auth_from_args, so that a bad file stops
     # ``pdserve serve`` before it starts anything
-    from pdserve.router.auth import read_api_key_file
+    from pdserve.router.api_keys import read_api_key_file
 
     _argument(read_api_key_file, path)
     return path
@@ -181,10 +181,10 @@ def api_auth_from_args(args: argparse.Namespace,
 
     Raises:
         ValueError: a key is empty or invalid, or the key file is unusable; the message
-            names the flag, file and line, or variable (``router/auth.py``,
+            names the flag, file and line, or variable (``router/api_keys.py``,
             ``load_api_keys``).
     """
-    from pdserve.router.auth import ApiKeyAuth, load_api_keys
+    from pdserve.router.api_keys import ApiKeyAuth, load_api_keys
 
     keys, source = load_api_keys(args.api_key or (), args.api_key_file,
                                  os.environ if environ is None else environ)
@@ -213,7 +213,7 @@ def admin_auth_from_args(args: argparse.Namespace, api_auth: ApiKeyAuth | None =
             ``load_admin_api_keys`` names it), or an admin key is also one of
             ``api_auth``'s client keys (operators and clients must hold different keys).
     """
-    from pdserve.router.auth import AdminAuth, load_admin_api_keys
+    from pdserve.router.api_keys import AdminAuth, load_admin_api_keys
 
     keys, source = load_admin_api_keys(args.admin_api_key or (), args.admin_api_key_file,
                                        os.environ if environ is None else environ)
@@ -235,7 +235,7 @@ def is_loopback_host(host: str) -> bool:
     """Whether a listening address (``--host``) is reachable from this machine only:
     ``localhost``, 127.0.0.0/8 or ``::1``. A wildcard (``0.0.0.0``, ``::``), any other
     address or a host name is routable."""
-    from pdserve.router.auth import is_loopback
+    from pdserve.router.api_keys import is_loopback
 
     return host.strip("[]").lower() == "localhost" or is_loopback(host.strip("[]"))
 

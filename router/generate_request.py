@@ -1,5 +1,5 @@
 """``GenerateRequest``: one sequence for the router to generate, as the HTTP and gRPC APIs
-hand it to ``Router.generate`` (``router/service.py``)."""
+hand it to ``ModelService.generate`` (``router/model_service.py``)."""
 
 from __future__ import annotations
 

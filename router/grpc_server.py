@@ -1,9 +1,9 @@
 """The router's gRPC API (``pdserve.v1.Router``): ``Generate`` streams one completion,
 ``Abort`` stops one, ``Health`` and ``ListModels`` describe the service.
 
-It runs on the same event loop and the same ``Router`` as the HTTP API, so both see the
+It runs on the same event loop and the same ``ModelService`` as the HTTP API, so both see the
 same workers, routing and metrics. Errors map to status codes: UNAUTHENTICATED without an
-accepted API key where keys are set (``router/auth.py``); INVALID_ARGUMENT for bad
+accepted API key where keys are set (``router/api_keys.py``); INVALID_ARGUMENT for bad
 input (the message names the field and the limit; the bounds are the HTTP API's,
 ``router/limits.py``), also for a request that does not parse (a string field that is not
 UTF-8) and for a ``request_id`` that is longer than 128 characters or holds a character
@@ -44,7 +44,7 @@ from pdserve.cluster.wire import logprob_to_proto, sampling_params_from_proto
 from pdserve.engine.structured_output import check_spec
 from pdserve.engine.tokenizer import encode_prompt
 from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
-from pdserve.router.auth import AdminAuth, ApiKeyAuth, ApiKeyInterceptor
+from pdserve.router.api_keys import AdminAuth, ApiKeyAuth, ApiKeyInterceptor
 from pdserve.router.config import GRPCLimits
 from pdserve.router.generate_request import GenerateRequest
 from pdserve.router.limits import (
@@ -53,14 +53,14 @@ from pdserve.router.limits import (
     check_stop_strings,
     check_text,
 )
+from pdserve.router.model_service import ModelService
 from pdserve.router.protocol.errors import INTERNAL_ERROR, RequestError
 from pdserve.router.protocol.validation import (
     check_field,
     checked_sampling_params,
     fit_max_tokens,
 )
-from pdserve.router.routers import Routers
-from pdserve.router.service import Router
+from pdserve.router.served_models import ServedModels
 
 logger = logging.getLogger(__name__)
 
@@ -119,12 +119,12 @@ else:  # NOTE: wait_for runs the write in a task of its own: a little more per m
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """Serves ``pdserve.v1.Router`` over ``router``, or several routers (``Routers``, one
+    """Serves ``pdserve.v1.Router`` over ``router``, or several routers (``ServedModels``, one
     per model; a request's ``model`` picks one, the first when it names none)."""
 
-    def __init__(self, router: Router | Routers, limits: GRPCLimits | None = None,
+    def __init__(self, router: ModelService | ServedModels, limits: GRPCLimits | None = None,
                  metrics: GRPCServerMetrics | None = None) -> None:
-        self.routers = router if isinstance(router, Routers) else Routers([router])
+        self.routers = router if isinstance(router, ServedModels) else ServedModels([router])
         self.limits = limits or GRPCLimits()
         self.metrics = metrics or GRPCServerMetrics()
         # request id -> (the task running it, the queue its Generate reads)
@@ -197,7 +197,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                 f"the client took no response message within {limit:g} s "
                                 "(--response-send-timeout-s)")
 
-    async def _pump(self, router: Router, request: GenerateRequest,
+    async def _pump(self, router: ModelService, request: GenerateRequest,
                     chunks: asyncio.Queue) -> None:
         """Run ``request`` on ``router``, handing its chunks (then ``_END``, or the
         exception that ended it) to ``chunks``."""
@@ -232,7 +232,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             models=[name for r in self.routers for name in r.served_model_names],
             max_model_len=self.routers.first.max_model_len)
 
-    def _to_request(self, request, router: Router, request_id: str) -> GenerateRequest:
+    def _to_request(self, request, router: ModelService, request_id: str) -> GenerateRequest:
         """Validate and tokenize for ``router`` (the request's model's), with the HTTP
         API's bounds; ``request_id`` is the id the workers see (``_worker_request_id``).
 
@@ -254,7 +254,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return GenerateRequest(request_id, prompt, params, stop,
                                request.include_stop_str_in_output, skip, cache_salt)
 
-    def _prompt(self, request, router: Router) -> list[int]:
+    def _prompt(self, request, router: ModelService) -> list[int]:
         """The prompt's token ids: ``text`` tokenized, or ``token_ids`` in the vocabulary."""
         kind = request.WhichOneof("prompt")
         if kind == "text":
@@ -273,7 +273,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return prompt
 
     @staticmethod
-    def _sampling_params(msg: common_pb2.SamplingParams, router: Router):
+    def _sampling_params(msg: common_pb2.SamplingParams, router: ModelService):
         if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got "
                                f"{len(msg.stop_token_ids)}", "stop_token_ids")
@@ -363,7 +363,7 @@ def _add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> N
         (grpc.method_handlers_generic_handler("pdserve.v1.Router", handlers),))
 
 
-async def start_grpc_server(router: Router | Routers, host: str, port: int, *,
+async def start_grpc_server(router: ModelService | ServedModels, host: str, port: int, *,
                             api_auth: ApiKeyAuth | None = None,
                             admin_auth: AdminAuth | None = None,
                             limits: GRPCLimits | None = None,
@@ -371,7 +371,7 @@ async def start_grpc_server(router: Router | Routers, host: str, port: int, *,
                             ) -> tuple[grpc.aio.Server, int]:
     """Start the router's gRPC server on ``host:port`` (0: a free port); returns it and
     the bound port. With ``api_auth``, a call needs the metadata ``authorization:
-    Bearer <key>`` (UNAUTHENTICATED otherwise; ``router/auth.py``), a client key or one
+    Bearer <key>`` (UNAUTHENTICATED otherwise; ``router/api_keys.py``), a client key or one
     of ``admin_auth``'s (the service has no admin method). ``limits`` (default
     ``GRPCLimits()``) bound what a client connection holds, counted in ``metrics``.
     Raises RuntimeError when the port cannot be bound."""

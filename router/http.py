@@ -6,7 +6,7 @@ discovery); vLLM's ``/v1/models/{id}``, ``/tokenize``, ``/detokenize`` and ``/ve
 
 Every error is an OpenAI error body (``router/protocol/errors.py``): 401 without an accepted API
 key where keys are set, 403 on an admin endpoint for a client key or, with no admin key,
-a client not on loopback (``router/auth.py``), 400 naming the offending
+a client not on loopback (``router/api_keys.py``), 400 naming the offending
 field for invalid JSON or values, 404 for an unknown model or path, 413 for a body over
 ``max_body_bytes``, 503 with ``Retry-After`` when no worker can take the request, and 500
 ("internal error", nothing more) for a bug, whose stack goes to the log; the connection
@@ -33,37 +33,37 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve import __version__ as pdserve_version
-from pdserve.router.auth import AdminAuth, ApiKeyAuth, ApiKeyMiddleware
+from pdserve.router.api_keys import AdminAuth, ApiKeyAuth, ApiKeyMiddleware
+from pdserve.router.config import HTTPLimits
 from pdserve.router.grpc_server import GRPCServerMetrics
 from pdserve.router.http_admin import add_admin_routes
-from pdserve.router.http_format import ChatFormatter, CompletionFormatter, Formatter
 from pdserve.router.http_guard import (
     MAX_BODY_BYTES,
     ErrorJSONResponse,
     InternalErrorMiddleware,
 )
 from pdserve.router.http_openai import add_openai_routes
-from pdserve.router.http_server import HTTPServerMetrics, HTTPTimeouts
+from pdserve.router.http_server import HTTPServerMetrics
+from pdserve.router.model_service import ModelService
 from pdserve.router.protocol import (
     INTERNAL_ERROR,
     RequestError,
     error_response,
     validation_error_response,
 )
-from pdserve.router.routers import Routers
-from pdserve.router.service import Router
+from pdserve.router.served_models import ServedModels
 
 # NOTE: the formatters moved to router/http_format.py; importers of this module find them here
-__all__ = ["ChatFormatter", "CompletionFormatter", "Formatter", "build_app"]
+__all__ = ["build_app"]
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BODY_BYTES,
+def build_app(router: ModelService | Sequence[ModelService], *, max_body_bytes: int = MAX_BODY_BYTES,
               api_auth: ApiKeyAuth | None = None, admin_auth: AdminAuth | None = None,
               scaler=None,
               background: Sequence[Callable[[], Awaitable[None]]] = (),
-              http_timeouts: HTTPTimeouts | None = None) -> FastAPI:
+              http_timeouts: HTTPLimits | None = None) -> FastAPI:
     """The FastAPI app serving ``router``, or several routers, one per model (their
     ``served_model_name``s distinct; a request's ``model`` picks one, the first when it
     names none); its lifespan starts and stops them.
@@ -76,13 +76,13 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
 
     ``max_body_bytes`` bounds a request body (413 beyond it, from ``Content-Length`` or
     while reading). With ``api_auth``, every path but its public ones needs one of its
-    API keys (401 otherwise, ``router/auth.py``); it is kept as ``app.state.api_auth``,
+    API keys (401 otherwise, ``router/api_keys.py``); it is kept as ``app.state.api_auth``,
     so that a gRPC server started beside the app can take the same keys. The admin
     endpoints (``/admin/*``, ``/metrics/targets``) take ``admin_auth``'s keys only, or
     with none (the default) answer loopback clients only (403 otherwise); kept as
     ``app.state.admin_auth``.
 
-    ``http_timeouts`` (default ``HTTPTimeouts()``) bound how long a request may take to
+    ``http_timeouts`` (default ``HTTPLimits()``) bound how long a request may take to
     arrive; kept as ``app.state.http_timeouts`` beside ``app.state.http_metrics`` for the
     server that ``router/http_server.py``'s ``uvicorn_config`` makes for the app.
     ``app.state.grpc_metrics`` (shown on ``/metrics``) is for a gRPC server beside it.
@@ -90,7 +90,7 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
     Raises:
         ValueError: no router, or two serving the same model name.
     """
-    routers = Routers([router] if isinstance(router, Router) else list(router))
+    routers = ServedModels([router] if isinstance(router, ModelService) else list(router))
     scalers = scaler if isinstance(scaler, Mapping) or scaler is None else \
         {routers.first.served_model_name: scaler}
     app = FastAPI(title="pdserve router", lifespan=_lifespan(routers, background))
@@ -98,7 +98,7 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
     app.add_middleware(InternalErrorMiddleware)
     app.state.api_auth = api_auth
     app.state.admin_auth = admin_auth = admin_auth or AdminAuth()
-    app.state.http_timeouts = http_timeouts or HTTPTimeouts()
+    app.state.http_timeouts = http_timeouts or HTTPLimits()
     app.state.http_metrics = http_metrics = HTTPServerMetrics()
     # NOTE: on /metrics with the HTTP server's, from the start: a gRPC server started
     # beside the app (entrypoints/serve.py's run_router) counts in it
@@ -111,7 +111,7 @@ def build_app(router: Router | Sequence[Router], *, max_body_bytes: int = MAX_BO
     return app
 
 
-def _lifespan(routers: Routers, background: Sequence[Callable[[], Awaitable[None]]]):
+def _lifespan(routers: ServedModels, background: Sequence[Callable[[], Awaitable[None]]]):
     """The app's lifespan: start ``routers``, then run ``background`` as tasks; on exit
     cancel the tasks (waiting up to 30 s for them), then stop the routers."""
 
@@ -133,7 +133,7 @@ def _lifespan(routers: Routers, background: Sequence[Callable[[], Awaitable[None
     return lifespan
 
 
-def _add_status_routes(app: FastAPI, routers: Routers, http_metrics: HTTPServerMetrics) -> None:
+def _add_status_routes(app: FastAPI, routers: ServedModels, http_metrics: HTTPServerMetrics) -> None:
     """Add, in this order, ``GET /version``, ``/health``, ``/ready`` and ``/metrics``."""
 
     @app.get("/version")
@@ -142,7 +142,7 @@ def _add_status_routes(app: FastAPI, routers: Routers, http_metrics: HTTPServerM
 
     @app.get("/health")
     async def health() -> Response:
-        """Liveness: 200 while the router runs, with its state (``Router.health``):
+        """Liveness: 200 while the router runs, with its state (``ModelService.health``):
         ``status`` ``ok``, ``degraded`` (Redis unreachable: serving on the last view) or
         ``unavailable`` (no live decode worker); with several models, the worst of theirs
         and each model's under ``models``."""
@@ -161,7 +161,7 @@ def _add_status_routes(app: FastAPI, routers: Routers, http_metrics: HTTPServerM
                         media_type=routers.first.metrics.CONTENT_TYPE)
 
 
-def _add_error_handlers(app: FastAPI, router: Router) -> None:
+def _add_error_handlers(app: FastAPI, router: ModelService) -> None:
     """Answer every error as an OpenAI error body (module docstring); a 503 carries
     ``Retry-After`` (``router``'s ``retry_after_s``)."""
     retry_after = {"Retry-After": str(router.config.retry_after_s)}

@@ -1,4 +1,4 @@
-"""The HTTP API's admin routes (``router/auth.py`` lets only operators call them):
+"""The HTTP API's admin routes (``router/api_keys.py`` lets only operators call them):
 ``GET /admin/pools`` and ``POST /admin/scale`` (``pdserve scale``), and
 ``GET /metrics/targets`` (the workers' metrics, for Prometheus's HTTP service discovery).
 """
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 
 from pdserve.router.http_guard import json_body
 from pdserve.router.protocol import RequestError
-from pdserve.router.routers import Routers
+from pdserve.router.served_models import ServedModels
 
 
 class ScaleRequest(BaseModel):
@@ -29,7 +29,7 @@ class ScaleRequest(BaseModel):
     decode_workers: StrictInt | None = None
 
 
-def add_admin_routes(app: FastAPI, routers: Routers, scalers: Mapping[str, Any] | None,
+def add_admin_routes(app: FastAPI, routers: ServedModels, scalers: Mapping[str, Any] | None,
                      max_body_bytes: int) -> None:
     """Add, in this order, ``GET /admin/pools``, ``POST /admin/scale`` and ``GET
     /metrics/targets`` to ``app``. ``scalers``: the pools' owner of each model by name
@@ -54,7 +54,7 @@ def add_admin_routes(app: FastAPI, routers: Routers, scalers: Mapping[str, Any] 
     @app.post("/admin/scale")
     async def scale(raw: Request) -> Response:
         """Resize a model's pools; answers once new workers serve and removed ones have
-        drained (minutes, when a model loads). An admin endpoint (``router/auth.py``)."""
+        drained (minutes, when a model loads). An admin endpoint (``router/api_keys.py``)."""
         request = ScaleRequest.model_validate(await json_body(raw, max_body_bytes))
         owner = need_scaler(request.model)
         wanted = {"prefill": request.prefill_workers, "decode": request.decode_workers}

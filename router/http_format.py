@@ -8,6 +8,8 @@ from __future__ import annotations
 from pdserve.router.detokenizer import fast_decoder
 from pdserve.router.history import ReplyTokens
 from pdserve.router.logprobs import chat_logprobs, completion_logprobs
+from pdserve.router.model_service import ModelService
+from pdserve.router.output import GenerationChunk
 from pdserve.router.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -24,7 +26,6 @@ from pdserve.router.protocol import (
     completion_stream_choice,
     completion_stream_chunk,
 )
-from pdserve.router.service import GenerationChunk, Router
 from pdserve.router.tool_calling import ToolCalling
 
 
@@ -33,7 +34,7 @@ class Formatter:
     writes OpenAI responses (models) and stream chunks (dicts in the stream models' shape,
     ``router/protocol/responses.py``); subclasses write the two APIs' shapes."""
 
-    def __init__(self, router: Router, request, response_id: str,
+    def __init__(self, router: ModelService, request, response_id: str,
                  prompts: list[list[int]]) -> None:
         self.request = request
         self.response_id = response_id
@@ -80,7 +81,7 @@ class Formatter:
 class CompletionFormatter(Formatter):
     """``text_completion`` responses; ``echo_texts`` are the prompts' texts with ``echo``."""
 
-    def __init__(self, router: Router, request: CompletionRequest, response_id: str,
+    def __init__(self, router: ModelService, request: CompletionRequest, response_id: str,
                  prompts: list[list[int]], echo_texts: list[str] | None) -> None:
         super().__init__(router, request, response_id, prompts)
         self.echo = ["" if echo_texts is None else echo_texts[i // request.n]
@@ -118,7 +119,7 @@ class ChatFormatter(Formatter):
     """``chat.completion`` responses and ``chat.completion.chunk`` stream chunks; with
     ``tools``, each choice's text is read for tool calls (``ToolCalling``)."""
 
-    def __init__(self, router: Router, request: ChatCompletionRequest, response_id: str,
+    def __init__(self, router: ModelService, request: ChatCompletionRequest, response_id: str,
                  prompts: list[list[int]], tools: ToolCalling | None = None,
                  replies: ReplyTokens | None = None) -> None:
         super().__init__(router, request, response_id, prompts)

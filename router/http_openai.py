@@ -15,10 +15,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
+from pdserve.router.generate_request import GenerateRequest
 from pdserve.router.history import ReplyTokens
 from pdserve.router.http_format import ChatFormatter, CompletionFormatter, Formatter
 from pdserve.router.http_guard import json_body
 from pdserve.router.limits import choice_seed
+from pdserve.router.model_service import ModelService
+from pdserve.router.output import GenerationChunk
 from pdserve.router.protocol import (
     INTERNAL_ERROR,
     SSE_DONE,
@@ -35,14 +38,13 @@ from pdserve.router.protocol import (
     sse_event,
     to_sampling_params,
 )
-from pdserve.router.routers import Routers
-from pdserve.router.service import GenerateRequest, GenerationChunk, Router
+from pdserve.router.served_models import ServedModels
 from pdserve.router.tool_calling import ToolCalling
 
 logger = logging.getLogger(__name__)
 
 
-def add_openai_routes(app: FastAPI, routers: Routers, max_body_bytes: int) -> None:
+def add_openai_routes(app: FastAPI, routers: ServedModels, max_body_bytes: int) -> None:
     """Add, in this order, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
     /v1/models``, ``GET /v1/models/{model_id}``, ``POST /tokenize`` and ``POST
     /detokenize`` to ``app``, serving ``routers`` (a request's ``model`` picks one, the
@@ -51,8 +53,8 @@ def add_openai_routes(app: FastAPI, routers: Routers, max_body_bytes: int) -> No
     _add_model_routes(app, routers, max_body_bytes)
 
 
-async def request_body(raw: Request, routers: Routers,
-                       max_body_bytes: int) -> tuple[Router, Any]:
+async def request_body(raw: Request, routers: ServedModels,
+                       max_body_bytes: int) -> tuple[ModelService, Any]:
     """The request's JSON body and the router of the model it names.
 
     Raises:
@@ -64,11 +66,11 @@ async def request_body(raw: Request, routers: Routers,
     return routers.pick(model if isinstance(model, str) else None), body
 
 
-def _add_completion_routes(app: FastAPI, routers: Routers, max_body_bytes: int) -> None:
+def _add_completion_routes(app: FastAPI, routers: ServedModels, max_body_bytes: int) -> None:
     # The tokenizers are loaded when the routers start: a cache is made on first use.
     history: dict[str, ReplyTokens] = {}
 
-    def reply_tokens(router: Router) -> ReplyTokens:
+    def reply_tokens(router: ModelService) -> ReplyTokens:
         if router.served_model_name not in history:
             history[router.served_model_name] = ReplyTokens(router.tokenizer)
         return history[router.served_model_name]
@@ -96,7 +98,7 @@ def _add_completion_routes(app: FastAPI, routers: Routers, max_body_bytes: int) 
             router, request, random_id("chatcmpl"), [prompt], tools, replies))
 
 
-def _chat_prompt(router: Router, request: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(router: ModelService, request: ChatCompletionRequest) -> list[int]:
     """The chat's token ids through the model's chat template, with the request's tools.
 
     Raises:
@@ -112,7 +114,7 @@ def _chat_prompt(router: Router, request: ChatCompletionRequest) -> list[int]:
         raise RequestError(str(exc), "messages") from exc
 
 
-def _add_model_routes(app: FastAPI, routers: Routers, max_body_bytes: int) -> None:
+def _add_model_routes(app: FastAPI, routers: ServedModels, max_body_bytes: int) -> None:
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[_card(r, name) for r in routers for name in r.served_model_names])
@@ -150,12 +152,12 @@ def _add_model_routes(app: FastAPI, routers: Routers, max_body_bytes: int) -> No
         return JSONResponse({"prompt": router.tokenizer.decode(request.tokens)})
 
 
-def _card(router: Router, name: str) -> ModelCard:
+def _card(router: ModelService, name: str) -> ModelCard:
     return ModelCard(id=name, root=router.config.model,
                      max_model_len=router.max_model_len)
 
 
-def _tokenize_prompt(router: Router, prompt: str | list[int]) -> list[int]:
+def _tokenize_prompt(router: ModelService, prompt: str | list[int]) -> list[int]:
     """Token ids of one prompt (token-id prompts were checked against the vocabulary
     when the request was validated)."""
     if isinstance(prompt, str):
@@ -163,7 +165,7 @@ def _tokenize_prompt(router: Router, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
-async def _serve(router: Router, request: CompletionRequest | ChatCompletionRequest,
+async def _serve(router: ModelService, request: CompletionRequest | ChatCompletionRequest,
                  prompts: list[list[int]], formatter: Formatter) -> Response:
     """Validate, start every sequence (n per prompt), and answer in full or as a stream."""
     sequences = []

@@ -62,7 +62,6 @@ TIMEOUT_PHASES = ("header", "body", "send")
 _WARN_EVERY_S = 60.0  # at most one warning a minute about expired deadlines
 
 
-HTTPTimeouts = HTTPLimits  # NOTE: its former name
 
 
 class HTTPServerMetrics:

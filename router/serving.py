@@ -41,7 +41,7 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
                      on_serving: Callable[[], None] | None = None, *,
                      grpc_limits=None, log_level: str = "warning") -> None:
     """Serve ``app`` (HTTP) on the listening ``http_sock`` and, with a ``grpc_sock``, the
-    gRPC API of ``router`` (a ``Router``, or ``Routers`` for several models) on its port,
+    gRPC API of ``router`` (a ``ModelService``, or ``ServedModels`` for several models) on its port,
     on one event loop until SIGINT/SIGTERM.
 
     Prints ``pdserve serving ...`` and calls ``on_serving()`` once both accept
@@ -55,9 +55,9 @@ async def run_router(router, app, host: str, http_sock: socket.socket,
 
     from pdserve.router.grpc_server import start_grpc_server
     from pdserve.router.http_server import uvicorn_config
-    from pdserve.router.routers import Routers
+    from pdserve.router.served_models import ServedModels
 
-    routers = router if isinstance(router, Routers) else Routers([router])
+    routers = router if isinstance(router, ServedModels) else ServedModels([router])
 
     class AnnouncingServer(uvicorn.Server):
         async def startup(self, sockets=None) -> None:

@@ -14,7 +14,7 @@ import grpc
 
 from pdserve.cluster.registry import RegistryUnavailable, WorkerRecord, WorkerRegistry
 from pdserve.proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from pdserve.router.routing import WorkerLoad
+from pdserve.router.routing_policy import WorkerLoad
 from pdserve.router.session import DecodeSession, rpc_error
 
 if TYPE_CHECKING:

@@ -19,16 +19,17 @@ from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
 from pdserve.engine import EngineConfig
 from pdserve.entrypoints.redis_server import RedisServer
+from pdserve.router.config import RouterConfig
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http import build_app
-from pdserve.router.service import Router, RouterConfig
+from pdserve.router.model_service import ModelService
 
 
 @dataclass
 class Served:
     url: str  # http://127.0.0.1:PORT
     grpc_address: str  # 127.0.0.1:PORT
-    router: Router
+    router: ModelService
     decode: DecodeWorker
 
     @property
@@ -57,7 +58,7 @@ def decode_only_cluster(model: Path | str, max_model_len: int, *, engine: dict |
     with RedisServer() as redis:
         decode = DecodeWorker(WorkerConfig("decode", config, redis_url=redis.url))
         call(decode.start())
-        the_router = Router(RouterConfig(str(model), redis.url, max_model_len=max_model_len,
+        the_router = ModelService(RouterConfig(str(model), redis.url, max_model_len=max_model_len,
                                          **(router or {})),
                             tokenizer=decode.runtime.engine.engine.tokenizer)
         grpc_server, grpc_port = call(start_grpc_server(the_router, "127.0.0.1", 0))

@@ -23,9 +23,10 @@ from pdserve.engine import LLM, EngineConfig, SamplingParams
 from pdserve.engine.demo_model import make_demo_model
 from pdserve.entrypoints.redis_server import RedisServer, free_port
 from pdserve.prefill_worker.server import PrefillWorker
+from pdserve.router.config import HTTPLimits, RouterConfig
 from pdserve.router.http import build_app
-from pdserve.router.http_server import HTTPTimeouts, uvicorn_config
-from pdserve.router.service import Router, RouterConfig
+from pdserve.router.http_server import uvicorn_config
+from pdserve.router.model_service import ModelService
 
 
 @dataclass
@@ -35,7 +36,7 @@ class Cluster:
     redis_url: str
     prefill: PrefillWorker
     decode: DecodeWorker
-    router: Router
+    router: ModelService
     oracle: LLM
     app: Any = None  # the router's FastAPI app
     loop: asyncio.AbstractEventLoop | None = None  # where the workers, router and app run
@@ -77,7 +78,7 @@ class Cluster:
 @contextlib.contextmanager
 def in_process_cluster(folder: Path, max_model_len: int, *, model: Path | None = None,
                        oracle: LLM | None = None, num_gpu_blocks: int = 64,
-                       http_timeouts: HTTPTimeouts | None = None,
+                       http_timeouts: HTTPLimits | None = None,
                        prefill_engine: dict | None = None, decode_engine: dict | None = None,
                        auth: ClusterAuth | None = None, **router_kwargs) -> Iterator[Cluster]:
     """The cluster on ``model`` (default: the demo model, written under ``folder``), each
@@ -106,7 +107,7 @@ def in_process_cluster(folder: Path, max_model_len: int, *, model: Path | None =
             redis_url=redis.url, kv_transfer_timeout_s=10.0, auth=auth))
         call(prefill.start())
         call(decode.start())
-        router = Router(RouterConfig(str(model), redis.url, max_model_len=max_model_len,
+        router = ModelService(RouterConfig(str(model), redis.url, max_model_len=max_model_len,
                                      auth=auth, **router_kwargs))
         port = free_port()
         app = build_app(router, http_timeouts=http_timeouts)

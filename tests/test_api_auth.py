@@ -1,4 +1,4 @@
-"""Client authentication with API keys (``router/auth.py``), end to end: a real Redis, one
+"""Client authentication with API keys (``router/api_keys.py``), end to end: a real Redis, one
 prefill and one decode worker in this process on the demo model, and two routers that
 find them through Redis:
 
@@ -41,12 +41,13 @@ from pdserve.engine.demo_model import make_demo_model
 from pdserve.entrypoints.cli import build_parser
 from pdserve.entrypoints.redis_server import RedisServer, free_port
 from pdserve.entrypoints.scaling import PoolScaler
-from pdserve.entrypoints.serve import Interrupts, _ServeRun, bind_listener, run_router
+from pdserve.entrypoints.serve import Interrupts, _ServeRun
 from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
-from pdserve.router.auth import ApiKeyAuth, is_loopback
+from pdserve.router.api_keys import ApiKeyAuth, is_loopback
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http import build_app
+from pdserve.router.serving import bind_listener, run_router
 
 openai = pytest.importorskip("openai")
 

@@ -1,5 +1,5 @@
 """Client and admin API keys as ``pdserve serve``'s flags and the environment give them
-(``router/flags.py``, ``router/auth.py``), and what start-up logs of their exposure: no
+(``router/flags.py``, ``router/api_keys.py``), and what start-up logs of their exposure: no
 cluster. The keys on real routers are ``test_api_auth.py``'s.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.entrypoints.cli import build_parser
-from pdserve.router.auth import AdminAuth, ApiKeyAuth, load_api_keys
+from pdserve.router.api_keys import AdminAuth, ApiKeyAuth, load_api_keys
 from pdserve.router.flags import admin_auth_from_args, api_auth_from_args, log_exposure
 
 KEY = "sk-first-0123456789abcdef"  # a valid client key (test_api_auth's first key)

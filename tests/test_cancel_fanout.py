@@ -30,8 +30,10 @@ from inproc_cluster import uvicorn_server
 from pdserve.engine.demo_model import make_demo_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.entrypoints.redis_server import RedisServer
+from pdserve.router.config import RouterConfig
+from pdserve.router.generate_request import GenerateRequest
 from pdserve.router.http import build_app
-from pdserve.router.service import GenerateRequest, Router, RouterConfig
+from pdserve.router.model_service import ModelService
 
 MAX_MODEL_LEN = 512
 NUM_STREAMS = 12
@@ -63,7 +65,7 @@ def cluster(tmp_path_factory):
             for role in ("prefill", "decode"):
                 procs.append(start_worker_process(role, worker_args(model, redis.url),
                                                   folder / f"{role}.json"))
-            router = Router(RouterConfig(str(model), redis.url, max_model_len=MAX_MODEL_LEN,
+            router = ModelService(RouterConfig(str(model), redis.url, max_model_len=MAX_MODEL_LEN,
                                          disaggregation="always", registry_interval_s=0.2,
                                          health_interval_s=0.2, auth=TEST_AUTH))
             server = uvicorn_server(build_app(router), 0)
@@ -122,7 +124,7 @@ async def first_chunk_then_leave(http: httpx.AsyncClient, prompt: list[int]) -> 
     return False
 
 
-def cleanup_counts(router: Router) -> dict[str, float]:
+def cleanup_counts(router: ModelService) -> dict[str, float]:
     """``pdserve:cleanup_rpc_retries`` and ``pdserve:cleanup_rpc_failures`` by
     ``"<metric>/<method>"``."""
     counts = {}
@@ -175,7 +177,7 @@ def test_a_cleanup_rpc_that_times_out_is_retried_counted_and_logged(cluster, cap
     given up (counted, logged), and the worker still frees the request by itself (the
     cancelled stream), so no block stays held."""
     _, _, _, decode_address, _, decode_proc, redis_url, model = cluster
-    router = Router(RouterConfig(str(model), redis_url, max_model_len=MAX_MODEL_LEN,
+    router = ModelService(RouterConfig(str(model), redis_url, max_model_len=MAX_MODEL_LEN,
                                  disaggregation="always", control_timeout_s=1.0,
                                  registry_interval_s=0.2, health_interval_s=0.2,
                                  auth=TEST_AUTH))

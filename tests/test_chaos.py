@@ -53,10 +53,11 @@ from pdserve.proto import (
     router_pb2,
     router_pb2_grpc,
 )
+from pdserve.router.config import RouterConfig
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http import build_app
 from pdserve.router.http_server import uvicorn_config
-from pdserve.router.service import Router, RouterConfig
+from pdserve.router.model_service import ModelService
 
 MAX_MODEL_LEN = 256
 LEASE_S = 5.0
@@ -79,7 +80,7 @@ class Cluster:
     model: str
     redis: RedisServer
     launcher: RayLauncher
-    router: Router
+    router: ModelService
     url: str
     grpc_address: str
     oracle: LLM
@@ -114,7 +115,7 @@ def engine_config(model: str) -> EngineConfig:
                         load_progress=False, num_gpu_blocks_override=160, num_threads=1)
 
 
-async def serve_http(router: Router, port: int):
+async def serve_http(router: ModelService, port: int):
     """Start uvicorn for ``router`` on loopback; returns (server, its serving task)."""
     import uvicorn
 
@@ -142,7 +143,7 @@ def cluster(tmp_path_factory):
                   "kv_transfer_timeout_s": 10.0, "auth": TEST_AUTH}
         launcher.launch(WorkerConfig("prefill", **common), 2, workers_on_node=4)
         launcher.launch(WorkerConfig("decode", **common), 2, workers_on_node=4)
-        router = Router(RouterConfig(model, redis.url, max_model_len=MAX_MODEL_LEN,
+        router = ModelService(RouterConfig(model, redis.url, max_model_len=MAX_MODEL_LEN,
                                      health_timeout_s=5.0,
                                      disaggregation="always", auth=TEST_AUTH))
         port = free_port()
@@ -359,7 +360,7 @@ def test_past_the_caps_requests_get_503_at_once_and_below_none_is_lost(cluster):
     """A router with small caps on the same workers: 24 concurrent streams, of which at
     most ``max_waiting_requests`` may wait for a first token. The refused ones get 503
     with ``Retry-After`` fast; every admitted one completes exactly."""
-    caps = Router(RouterConfig(cluster.model, cluster.redis.url, max_model_len=MAX_MODEL_LEN,
+    caps = ModelService(RouterConfig(cluster.model, cluster.redis.url, max_model_len=MAX_MODEL_LEN,
                                max_waiting_requests=4, prefill_max_inflight=2,
                                decode_max_inflight=6, disaggregation="always",
                                auth=TEST_AUTH))
@@ -404,7 +405,7 @@ def test_past_the_caps_requests_get_503_at_once_and_below_none_is_lost(cluster):
     assert len(rejected) == 3 and all(float(n) == 0 for n in rejected)  # every cap at 0
 
 
-def decode_routing(router: Router) -> dict[str, float]:
+def decode_routing(router: ModelService) -> dict[str, float]:
     """``pdserve:routing_decisions`` of the decode pool, by worker."""
     return {sample.labels["worker"]: sample.value
             for metric in router.metrics.registry.collect()
@@ -575,7 +576,7 @@ def test_kill_a_decode_worker_mid_stream(cluster, caplog):
     logprob), so a seeded draw that falls that close to the boundary between two tokens
     can go the other way (2 of 160 resumptions in the offline engine on this model)."""
     before = cluster.router.metrics.request_migrations._value.get()
-    caplog.set_level("WARNING", logger="pdserve.router.service")
+    caplog.set_level("WARNING", logger="pdserve.router.model_service")
     results, expected = run_streams_and_kill(cluster, "decode", 40, 48)
     # request id -> tokens it had when it last moved
     migrated = {m[1]: int(m[2]) for r in caplog.records

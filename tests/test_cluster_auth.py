@@ -44,7 +44,9 @@ from pdserve.engine.demo_model import make_demo_model
 from pdserve.engine.tokenizer import encode_prompt, load_tokenizer
 from pdserve.entrypoints.redis_server import RedisServer
 from pdserve.proto import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from pdserve.router.service import GenerateRequest, Router, RouterConfig
+from pdserve.router.config import RouterConfig
+from pdserve.router.generate_request import GenerateRequest
+from pdserve.router.model_service import ModelService
 
 MAX_MODEL_LEN = 256
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -105,13 +107,13 @@ def prompts_and_expected(model):
     return prompts, [o.outputs[0].token_ids for o in oracle.generate(prompts, GREEDY)]
 
 
-def router_for(cluster: Cluster, auth: ClusterAuth | None = TEST_AUTH, **kwargs) -> Router:
-    return Router(RouterConfig(cluster.model, cluster.redis.url, max_model_len=MAX_MODEL_LEN,
+def router_for(cluster: Cluster, auth: ClusterAuth | None = TEST_AUTH, **kwargs) -> ModelService:
+    return ModelService(RouterConfig(cluster.model, cluster.redis.url, max_model_len=MAX_MODEL_LEN,
                                local_prefill_threshold=0, disaggregation="always",
                                auth=auth, **kwargs))
 
 
-async def run_request(router: Router, request_id: str, prompt: list[int]) -> list[int]:
+async def run_request(router: ModelService, request_id: str, prompt: list[int]) -> list[int]:
     tokens = []
     async for chunk in router.generate(GenerateRequest(request_id, prompt, GREEDY)):
         tokens += chunk.token_ids

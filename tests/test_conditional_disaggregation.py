@@ -18,7 +18,9 @@ from disagg_client import TEST_AUTH, start_worker_process
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.demo_model import make_demo_model
 from pdserve.entrypoints.redis_server import RedisServer
-from pdserve.router.service import GenerateRequest, Router, RouterConfig
+from pdserve.router.config import RouterConfig
+from pdserve.router.generate_request import GenerateRequest
+from pdserve.router.model_service import ModelService
 
 MAX_MODEL_LEN = 256
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -33,7 +35,7 @@ def worker_args(model, redis_url: str) -> list[str]:
             "--log-level", "WARNING"]
 
 
-def path_counts(router: Router) -> dict[str, float]:
+def path_counts(router: ModelService) -> dict[str, float]:
     """``pdserve:prefill_path`` by reason."""
     counts = {}
     for metric in router.metrics.registry.collect():
@@ -44,7 +46,7 @@ def path_counts(router: Router) -> dict[str, float]:
     return counts
 
 
-async def run(router: Router, request_id: str, prompt: list[int],
+async def run(router: ModelService, request_id: str, prompt: list[int],
               cached: dict[str, int] | None = None) -> list[int]:
     """The request's tokens; ``cached[request_id]``: the prefix-cache hit it reported."""
     tokens = []
@@ -88,7 +90,7 @@ def test_each_rule_decides_a_real_request(tmp_path):
                                     ("prefill", "beside", cpus[1])):
                 procs.append(start_worker_process(role, args, tmp_path / f"{name}.json",
                                                   cpus={cpu})[0])
-            router = Router(RouterConfig(str(model), redis.url, max_model_len=MAX_MODEL_LEN,
+            router = ModelService(RouterConfig(str(model), redis.url, max_model_len=MAX_MODEL_LEN,
                                          registry_interval_s=0.2, health_interval_s=0.1,
                                          auth=TEST_AUTH))
 
@@ -136,7 +138,7 @@ def test_each_rule_decides_a_real_request(tmp_path):
                          "shared_compute": 1}
 
 
-def router_hashes(router: Router, prompt: list[int]) -> list[bytes]:
+def router_hashes(router: ModelService, prompt: list[int]) -> list[bytes]:
     from pdserve.engine.block_hash import hash_block_chain
 
     return hash_block_chain(prompt, router.config.block_size, router._root_hash, None)

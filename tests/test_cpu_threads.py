@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from pdserve.engine.llm_engine import EngineConfig, parse_cpu_list
+from pdserve.engine.cpu_threads import parse_cpu_list
+from pdserve.engine.engine_config import EngineConfig
 from pdserve.kernels import cpu_ext
 
 CPUS = sorted(os.sched_getaffinity(0))

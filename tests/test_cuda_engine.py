@@ -179,7 +179,7 @@ def test_structured_output_on_cuda(tmp_path):
 
 def test_a_cuda_worker_records_its_gpu_so_the_router_sees_shared_compute():
     from pdserve.cluster.worker_runtime import compute_placement
-    from pdserve.router.routing import shares_compute
+    from pdserve.router.routing_policy import shares_compute
 
     placement = compute_placement(torch.device("cuda", 0))
     assert placement.startswith("cuda@") and ":GPU-" in placement

@@ -18,7 +18,9 @@ from pdserve.engine.demo_model import make_demo_model
 from pdserve.engine.tokenizer import encode_prompt, load_tokenizer
 from pdserve.entrypoints.redis_server import RedisServer
 from pdserve.proto import common_pb2, decode_pb2_grpc
-from pdserve.router.service import GenerateRequest, Router, RouterConfig
+from pdserve.router.config import RouterConfig
+from pdserve.router.generate_request import GenerateRequest
+from pdserve.router.model_service import ModelService
 
 MAX_MODEL_LEN = 256
 GRACE_S = 0.3
@@ -50,7 +52,7 @@ def test_sigterm_drains_a_decode_worker_without_losing_a_stream(model, tmp_path)
             (victim, victim_info), (_, survivor_info) = procs
 
             async def main():
-                router = Router(RouterConfig(model, redis.url, max_model_len=MAX_MODEL_LEN,
+                router = ModelService(RouterConfig(model, redis.url, max_model_len=MAX_MODEL_LEN,
                                              local_prefill_threshold=MAX_MODEL_LEN,
                                              auth=TEST_AUTH))
                 await router.start()

@@ -27,11 +27,12 @@ from pdserve.engine.demo_model import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, train
 from pdserve.entrypoints.launcher import RayLauncher
 from pdserve.entrypoints.redis_server import RedisServer, free_port
 from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.router.config import RouterConfig
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http import build_app
 from pdserve.router.http_guard import MAX_BODY_BYTES
+from pdserve.router.model_service import ModelService
 from pdserve.router.protocol import INTERNAL_ERROR
-from pdserve.router.service import Router, RouterConfig
 
 MAX_MODEL_LEN = 128
 NUM_CASES = 1200
@@ -59,7 +60,7 @@ DEEP = b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}"
 class Served:
     url: str
     grpc_address: str
-    router: Router
+    router: ModelService
     vocab_size: int
 
 
@@ -96,7 +97,7 @@ def served(tiny_checkpoints, tmp_path_factory):
         for role in ("prefill", "decode"):
             launcher.launch(WorkerConfig(role, engine, redis_url=redis.url,
                                          kv_transfer_timeout_s=10.0), 1, workers_on_node=2)
-        router = Router(RouterConfig(str(model), redis.url, max_model_len=MAX_MODEL_LEN,
+        router = ModelService(RouterConfig(str(model), redis.url, max_model_len=MAX_MODEL_LEN,
                                      disaggregation="always"))
         grpc_server, grpc_port = call(start_grpc_server(router, "127.0.0.1", 0))
         server = uvicorn_server(build_app(router), free_port(), log_level="error")

@@ -22,7 +22,7 @@ import uvicorn
 from inproc_cluster import in_process_cluster
 
 from pdserve.entrypoints.redis_server import free_port
-from pdserve.router.http_server import HTTPServerMetrics, HTTPTimeouts, timed_h11_protocol
+from pdserve.router.http_server import HTTPLimits, HTTPServerMetrics, timed_h11_protocol
 
 HEADER_S = 0.6
 BODY_S = 0.8
@@ -35,7 +35,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with in_process_cluster(tmp_path_factory.mktemp("timeouts"), MAX_MODEL_LEN,
-                            http_timeouts=HTTPTimeouts(HEADER_S, BODY_S)) as c:
+                            http_timeouts=HTTPLimits(HEADER_S, BODY_S)) as c:
         yield c
 
 
@@ -163,7 +163,7 @@ def test_requests_that_arrive_in_time_are_answered(cluster):
 
 
 @contextlib.contextmanager
-def second_port(cluster, timeouts: HTTPTimeouts, metrics: HTTPServerMetrics | None = None,
+def second_port(cluster, timeouts: HTTPLimits, metrics: HTTPServerMetrics | None = None,
                 send_buffer_bytes: int | None = None):
     """The cluster's router app served on another port too, with ``timeouts`` counted in
     ``metrics`` (its own by default; the app's lifespan is the first server's). With
@@ -189,7 +189,7 @@ def second_port(cluster, timeouts: HTTPTimeouts, metrics: HTTPServerMetrics | No
 
 
 def test_a_stream_runs_past_both_deadlines_once_its_request_is_in(cluster):
-    timeouts = HTTPTimeouts(header_timeout_s=0.05, body_timeout_s=0.05)
+    timeouts = HTTPLimits(header_timeout_s=0.05, body_timeout_s=0.05)
     with second_port(cluster, timeouts) as port:
         start = time.monotonic()
         with httpx.Client(timeout=LIMIT_S) as client, client.stream(
@@ -225,7 +225,7 @@ def test_a_client_that_stops_reading_is_dropped_and_its_request_cancelled(cluste
     more to send: the connection is aborted, the request ends on the workers, and the
     router goes on serving."""
     metrics = HTTPServerMetrics()
-    timeouts = HTTPTimeouts(header_timeout_s=5, body_timeout_s=5, send_timeout_s=0.3)
+    timeouts = HTTPLimits(header_timeout_s=5, body_timeout_s=5, send_timeout_s=0.3)
     body = json.dumps({"prompt": PROMPT, "max_tokens": 200, "n": 4, "logprobs": 5,
                        "temperature": 1.0, "ignore_eos": True, "stream": True}).encode()
     with second_port(cluster, timeouts, metrics, send_buffer_bytes=4096) as port, \

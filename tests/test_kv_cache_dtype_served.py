@@ -23,7 +23,7 @@ from inproc_cluster import in_process_cluster
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.block_hash import hash_block_chain, root_block_hash
 from pdserve.engine.demo_model import make_demo_model
-from pdserve.router.service import GenerateRequest
+from pdserve.router.generate_request import GenerateRequest
 
 PROMPTS = ["the KV cache of a quantized worker holds one byte a value " * 4,
            "a short one " * 5, "blocks move as their bytes, with their scales " * 6]
@@ -115,9 +115,10 @@ def test_workers_of_different_kv_dtypes_are_refused_at_pairing(demo, tmp_path, c
 
 
 def test_pdserve_serve_gives_its_router_and_both_pools_one_kv_cache_dtype(demo):
-    from pdserve.engine.llm_engine import EngineConfig
+    from pdserve.engine.engine_config import EngineConfig
     from pdserve.entrypoints.cli import build_parser
-    from pdserve.entrypoints.serve import Interrupts, _ServeRun, pool_engine_config
+    from pdserve.entrypoints.serve import Interrupts, _ServeRun
+    from pdserve.entrypoints.serve_models import pool_engine_config
 
     args = build_parser().parse_args(["serve", str(demo), "--kv-cache-dtype", "int8"])
     run = _ServeRun(args, Interrupts())
@@ -136,7 +137,7 @@ def test_pdserve_serve_gives_its_router_and_both_pools_one_kv_cache_dtype(demo):
 
 def test_the_routers_own_flag():
     from pdserve.router.__main__ import parse_args
-    from pdserve.router.service import RouterConfig
+    from pdserve.router.config import RouterConfig
 
     args = parse_args(["--model", "m", "--redis-url", "redis://x", "--kv-cache-dtype", "fp8"])
     assert args.kv_cache_dtype == "fp8"

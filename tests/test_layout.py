@@ -73,7 +73,7 @@ def test_imports_only_go_down():
 
 
 @pytest.mark.parametrize(("source", "expected"), [
-    ("from pdserve.router.service import Router\n", [(1, "router")]),
+    ("from pdserve.router.model_service import ModelService\n", [(1, "router")]),
     ("def f():\n    import pdserve.entrypoints.cli\n", [(2, "entrypoints")]),
     ("from pdserve import engine, cluster\n", [(1, "engine"), (1, "cluster")]),
     ("from . import sibling\nimport os\n", []),

@@ -15,9 +15,10 @@ from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.registry import WorkerRecord, WorkerRegistry
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
 from pdserve.entrypoints.redis_server import free_port
+from pdserve.router.config import RouterConfig
 from pdserve.router.http import build_app
-from pdserve.router.routing import WorkerLoad
-from pdserve.router.service import Router, RouterConfig
+from pdserve.router.model_service import ModelService
+from pdserve.router.routing_policy import WorkerLoad
 
 MAX_MODEL_LEN = 256
 LOCAL_THRESHOLD = 8  # prompts under 8 tokens are prefilled on the decode worker
@@ -279,7 +280,7 @@ def test_no_workers_is_503_with_retry_after(cluster):
     from fastapi.testclient import TestClient
 
     empty_db = cluster.redis_url.rsplit("/", 1)[0] + "/5"
-    router = Router(RouterConfig(str(cluster.model), empty_db, max_model_len=MAX_MODEL_LEN))
+    router = ModelService(RouterConfig(str(cluster.model), empty_db, max_model_len=MAX_MODEL_LEN))
     with TestClient(build_app(router)) as http:
         reply = http.post("/v1/completions", json={"prompt": PROMPT})
         assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
@@ -313,7 +314,7 @@ def test_unavailable_worker_is_retried_and_an_index_outage_routes_by_load(cluste
     ghost = WorkerRegistry(cluster.redis_url)
     ghost.register(WorkerRecord.new("prefill-ghost", "prefill", f"127.0.0.1:{free_port()}",
                                     "127.0.0.1:1", str(cluster.model)))
-    router = Router(RouterConfig(str(cluster.model), cluster.redis_url,
+    router = ModelService(RouterConfig(str(cluster.model), cluster.redis_url,
                                  max_model_len=MAX_MODEL_LEN, registry_interval_s=60,
                                  health_interval_s=60, disaggregation="always"))
     try:

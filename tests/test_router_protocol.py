@@ -16,7 +16,7 @@ from pdserve.cluster.wire import sampling_params_from_proto, sampling_params_to_
 from pdserve.engine.demo_model import train_demo_tokenizer
 from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.http import ChatFormatter, CompletionFormatter
+from pdserve.router.http_format import ChatFormatter, CompletionFormatter
 from pdserve.router.http_guard import MAX_JSON_DEPTH, parse_json
 from pdserve.router.limits import INT32_MAX, MAX_NUM_SEQUENCES, SEED_LIMIT, choice_seed
 from pdserve.router.logprobs import chat_logprobs, completion_logprobs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.routing import (
+from pdserve.router.routing_policy import (
     LoadWeights,
     NoWorkersError,
     PrefillChoice,
@@ -137,7 +137,7 @@ def test_prefill_path_rules_in_order():
 
 
 def test_router_config_refuses_unknown_policies_by_name():
-    from pdserve.router.service import RouterConfig
+    from pdserve.router.config import RouterConfig
 
     with pytest.raises(ValueError, match="prefill_routing='random'"):
         RouterConfig("m", "redis://x", prefill_routing="random")

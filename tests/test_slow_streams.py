@@ -56,10 +56,11 @@ from pdserve.engine.demo_model import make_demo_model
 from pdserve.engine.tokenizer import encode_prompt
 from pdserve.entrypoints.redis_server import RedisServer
 from pdserve.proto import common_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.router.config import HTTPLimits, RouterConfig
+from pdserve.router.generate_request import GenerateRequest
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http import build_app
-from pdserve.router.http_server import HTTPTimeouts
-from pdserve.router.service import GenerateRequest, Router, RouterConfig
+from pdserve.router.model_service import ModelService
 
 # the demo model, its context stretched from 2048 (random weights: any RoPE position
 # works) so that a 20-minute stream has the tokens it needs
@@ -73,7 +74,7 @@ BUDGET = max(64, min(MAX_MODEL_LEN - 64, int(LONG_STREAM_S * 5)))
 STALL_S = 0.5
 HEALTH_TIMEOUT_S = 3.0
 THRESHOLD = 3
-HTTP_TIMEOUTS = HTTPTimeouts(10.0, 20.0, 20.0)  # every deadline here is under 45 s
+HTTP_TIMEOUTS = HTTPLimits(10.0, 20.0, 20.0)  # every deadline here is under 45 s
 PAUSE_AHEAD_S = 2.5  # pauses: over STALL_S (a probe each), under HEALTH_TIMEOUT_S
 PAUSE_BEHIND_S = 0.6
 PROMPT = "A long story about the sea, told one word at a time"
@@ -81,7 +82,7 @@ PROMPT = "A long story about the sea, told one word at a time"
 
 @dataclass
 class Cluster:
-    router: Router
+    router: ModelService
     url: str
     grpc_address: str
     workers: list  # (process, ready info) per decode worker
@@ -93,7 +94,7 @@ class Cluster:
     def call(self, coro, timeout_s: float = 120.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    def counters(self, router: Router | None = None, role: str = "decode"
+    def counters(self, router: ModelService | None = None, role: str = "decode"
                  ) -> dict[str, float]:
         """``router``'s (default: the module's) retry, migration and stall-probe counters
         (of ``role`` workers) now."""
@@ -138,7 +139,7 @@ def cluster(tmp_path_factory):
             workers += [start.result() for start in starts if start.exception() is None]
         if any(errors):
             raise next(e for e in errors if e is not None)
-        router = Router(RouterConfig(
+        router = ModelService(RouterConfig(
             model, redis.url, max_model_len=MAX_MODEL_LEN,
             local_prefill_threshold=MAX_MODEL_LEN, stall_interval_s=STALL_S,
             health_timeout_s=HEALTH_TIMEOUT_S, health_failure_threshold=THRESHOLD,
@@ -332,7 +333,7 @@ def test_a_prefill_worker_stopped_for_good_is_dead_and_its_prompt_moves(cluster)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
     async def main():
-        router = Router(RouterConfig(
+        router = ModelService(RouterConfig(
             cluster.model, cluster.redis_url, max_model_len=MAX_MODEL_LEN,
             local_prefill_threshold=1, disaggregation="always", stall_interval_s=STALL_S,
             health_timeout_s=HEALTH_TIMEOUT_S, health_failure_threshold=THRESHOLD,

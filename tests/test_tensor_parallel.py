@@ -24,7 +24,8 @@ from conftest import random_prompts
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.config import UnsupportedModelError
-from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tp_executor import RankFailedError
 
 VOCAB = 509  # NOTE: odd, so rank 1's vocabulary shard ends in a padding row
@@ -208,7 +209,8 @@ def test_a_worker_refuses_tensor_parallelism_with_a_quantized_kv_cache(mqa_check
 def test_serve_takes_a_tensor_parallel_size_per_pool():
     import argparse
 
-    from pdserve.entrypoints.serve import add_serve_args, pool_engine_config, pool_flags
+    from pdserve.entrypoints.serve import add_serve_args
+    from pdserve.entrypoints.serve_models import pool_engine_config, pool_flags
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -31,8 +31,9 @@ from pdserve.entrypoints.redis_server import RedisServer, free_port
 from pdserve.kernels.kv_shards import KVShard, KVShards
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender, KVTransferError
 from pdserve.prefill_worker.server import PrefillWorker
+from pdserve.router.config import RouterConfig
 from pdserve.router.http import build_app
-from pdserve.router.service import Router, RouterConfig
+from pdserve.router.model_service import ModelService
 
 KV_KEY = hashlib.sha256(b"pdserve test cluster: kv").digest()  # both processes
 
@@ -186,7 +187,7 @@ def test_a_decode_rank_killed_mid_stream_migrates_its_streams(workers, colocated
     started, _, loop = workers
     victim = started["decode", 2]
     model = str(checkpoint)
-    router = Router(RouterConfig(model, victim.config.redis_url, max_model_len=256,
+    router = ModelService(RouterConfig(model, victim.config.redis_url, max_model_len=256,
                                  auth=TEST_AUTH, disaggregation="always"))
     port = free_port()
     server = uvicorn_server(build_app(router), port)

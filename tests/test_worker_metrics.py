@@ -20,7 +20,8 @@ from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.demo_model import make_demo_model
 from pdserve.entrypoints.redis_server import RedisServer
 from pdserve.prefill_worker.server import PrefillWorker
-from pdserve.router.service import Router, RouterConfig
+from pdserve.router.config import RouterConfig
+from pdserve.router.model_service import ModelService
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 MAX_MODEL_LEN = 256
@@ -71,7 +72,7 @@ def scraped(tmp_path_factory):
             samples = {role: await asyncio.to_thread(scrape, address)
                        for role, address in addresses.items()}
             records = {r.role: r for r in WorkerRegistry(redis_url, auth=TEST_AUTH).list_live()}
-            router = Router(RouterConfig(model, redis_url, max_model_len=MAX_MODEL_LEN,
+            router = ModelService(RouterConfig(model, redis_url, max_model_len=MAX_MODEL_LEN,
                                          auth=TEST_AUTH))
             await router.start()
             try:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from pdserve.router.model_service import ModelService
 from pdserve.router.protocol import RequestError
-from pdserve.router.service import Router
 
 
-class Routers:
+class ServedModels:
     """The routers of one app, one per model: ``pick`` one by a request's ``model``;
     their health and metrics together.
 
@@ -17,7 +17,7 @@ class Routers:
         ValueError: no router, or two that share a served model name.
     """
 
-    def __init__(self, routers: list[Router]) -> None:
+    def __init__(self, routers: list[ModelService]) -> None:
         if not routers:
             raise ValueError("build_app needs at least one router")
         self._routers = list(routers)
@@ -33,7 +33,7 @@ class Routers:
     def __len__(self) -> int:
         return len(self._routers)
 
-    def pick(self, model: str | None) -> Router:
+    def pick(self, model: str | None) -> ModelService:
         """The router of ``model`` (the first when None).
 
         Raises:

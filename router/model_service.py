@@ -52,7 +52,7 @@ from pdserve.router.generate_request import GenerateRequest
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.output import GenerationChunk, SequenceOutput
 from pdserve.router.protocol import RequestError
-from pdserve.router.routing import (
+from pdserve.router.routing_policy import (
     PrefillPath,
     choose_decode_worker,
     choose_prefill_path,
@@ -64,7 +64,7 @@ from pdserve.router.workers import WorkerHandle, WorkerPool
 
 logger = logging.getLogger(__name__)
 
-class Router:
+class ModelService:
     """Routes and runs requests on the cluster in ``config.redis_url``.
 
     ``await start()`` before use, ``await stop()`` after. ``check_available`` admits a

@@ -46,8 +46,7 @@ import grpc
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.cluster.auth import unauthenticated_handler
-from pdserve.router.config import (  # noqa: F401 - is_admin_path, check_public_paths: here too
-    ADMIN_PATHS,
+from pdserve.router.config import (
     DEFAULT_PUBLIC_ENDPOINTS,
     check_public_paths,
     is_admin_path,
