@@ -265,3 +265,41 @@ def test_the_graph_resolves_relative_and_function_imports(tmp_path):
     modules = {"pdserve.engine", "pdserve.engine.a", "pdserve.engine.b"}
     assert imported_modules(package / "a.py", modules, tmp_path) == [(2, "pdserve.engine.b")]
     assert imported_modules(package / "b.py", modules, tmp_path) == [(3, "pdserve.engine.a")]
+
+
+# --- sizes a reader can hold -------------------------------------------------------------
+
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 80  # from ``def`` to the last line; a kernel (``@triton.jit``) may be longer
+SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".cu", ".proto", ".sh"}
+
+
+def _own_sources() -> list[Path]:
+    """Every source file of the repository but generated code (``*_pb2*.py``)."""
+    folders = [*LAYER, "tests", "benchmarks", "deploy", "pdserve_pkg", ".ci"]
+    return sorted(path for folder in folders for path in (ROOT / folder).rglob("*")
+                  if path.suffix in SOURCE_SUFFIXES and "_pb2" not in path.name
+                  and "__pycache__" not in path.parts)
+
+
+def _is_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return any("jit" in ast.unparse(decorator) for decorator in node.decorator_list)
+
+
+def test_no_source_file_is_longer_than_600_lines():
+    long = [f"{path.relative_to(ROOT)}: {n}" for path in _own_sources()
+            if (n := len(path.read_text().splitlines())) > MAX_FILE_LINES]
+    assert long == []
+
+
+def test_no_function_but_a_kernel_is_longer_than_80_lines():
+    long = []
+    for path in _own_sources():
+        if path.suffix != ".py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or _is_kernel(node):
+                continue
+            if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n}")
+    assert long == []
