@@ -1,6 +1,6 @@
-"""The router's request lifecycle (docs/architecture.md, A request's path; Lifecycle and failure):
-admission, routing, Prefill then streaming Decode, detokenization, stop strings, aborts,
-retries and migration.
+"""``ModelService``: the router's request lifecycle for one served model (docs/architecture.md,
+A request's path; Lifecycle and failure): admission, routing, Prefill then streaming Decode,
+detokenization, stop strings, aborts, retries and migration.
 
 A request's life here::
 
@@ -65,7 +65,7 @@ from pdserve.router.workers import WorkerHandle, WorkerPool
 logger = logging.getLogger(__name__)
 
 class ModelService:
-    """Routes and runs requests on the cluster in ``config.redis_url``.
+    """One served model's requests, routed and run on the cluster in ``config.redis_url``.
 
     ``await start()`` before use, ``await stop()`` after. ``check_available`` admits a
     request; ``generate`` yields ``GenerationChunk``s of one sequence.

@@ -1,5 +1,6 @@
-"""The routers of one server, one per served model: a request's ``model`` picks one; their
-health and metrics are served together (``router/http.py``, ``router/grpc_server.py``)."""
+"""The served models of one router process: a ``ModelService`` per served model, which a
+request's ``model`` picks; their health and metrics are served together (``router/http.py``,
+``router/grpc_server.py``)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from pdserve.router.protocol import RequestError
 
 
 class ServedModels:
-    """The routers of one app, one per model: ``pick`` one by a request's ``model``;
-    their health and metrics together.
+    """The model services of one app, one per model: ``pick`` one by a request's
+    ``model``; their health and metrics together.
 
     Raises:
-        ValueError: no router, or two that share a served model name.
+        ValueError: no service, or two that share a served model name.
     """
 
     def __init__(self, routers: list[ModelService]) -> None:
