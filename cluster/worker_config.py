@@ -113,6 +113,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     d = worker_default
     parser.add_argument("--host", default=d("host"), help="gRPC listen address")
     parser.add_argument("--port", type=int, default=d("port"), help="gRPC port (0: a free one)")
+    # NOTE: not kv_host's default: None is --advertise-host, else --host
+    # (worker_config_from_args)
     parser.add_argument("--kv-host", default=None,
                         help="address of the KV transfer channel (default: --host)")
     parser.add_argument("--kv-port", type=int, default=d("kv_port"),

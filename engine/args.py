@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.engine.engine_config import engine_default
 from pdserve.engine.models.quantization import QUANTIZATION_CHOICES
 from pdserve.kernels.kv_quant import KV_CACHE_DTYPE_NAMES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that builds an engine (vLLM's names)."""
+    """Flags shared by every command that builds an engine (vLLM's names). Each flag is
+    ``EngineConfig``'s field of its name, with that field's default (``engine_default``);
+    one without ``default=`` has None, the field's too (not given)."""
+    d = engine_default
     parser.add_argument("--model", help="a Hugging Face checkpoint folder, a .gguf file (or "
                         "a folder holding one), or a Hugging Face hub id (org/name), "
                         "downloaded once into the cache (default: the demo model, written "
@@ -25,39 +29,45 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", help="the hub id's branch, tag or commit (default: main)")
     parser.add_argument("--download-dir", help="Hugging Face cache for hub ids (default: "
                         "$HF_HOME/hub)")
-    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+    parser.add_argument("--generation-config", default=d("generation_config"), metavar="auto|vllm|FOLDER",
                         help="sampling defaults and EOS ids: auto reads the model's "
                         "generation_config.json, vllm none, FOLDER that folder's")
     parser.add_argument("--chat-template", help="a Jinja chat template, or a file holding "
                         "one, instead of the tokenizer's")
-    parser.add_argument("--dtype", default="auto",
+    parser.add_argument("--dtype", default=d("dtype"),
                         choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                         help="weights and KV cache dtype; auto: the checkpoint's, except "
                         "float32 on an x86 CPU without AVX-512 (no bf16/fp16 arithmetic)")
-    parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
+    parser.add_argument("--quantization", "-q", default=d("quantization"),
+                        choices=QUANTIZATION_CHOICES,
                         help="weight quantization (vLLM's flag): int8 (as GGUF Q8_0) or int4 "
                         "(as Q4_1), in groups of 32, quantize a float checkpoint's linears "
                         "at load, round to nearest; a GGUF file keeps its quantized tensors "
                         "whatever is given; awq, gptq and compressed-tensors must name a "
                         "quantized checkpoint's quant_method (default: the checkpoint's)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_NAMES,
+    parser.add_argument("--kv-cache-dtype", default=d("kv_cache_dtype"),
+                        choices=KV_CACHE_DTYPE_NAMES,
                         help="KV cache storage: auto is --dtype; int8, fp8 (= fp8_e4m3) and "
                         "fp8_e5m2 store one byte per value and an fp32 scale per (block, "
                         "layer, K/V, kv head): about twice the blocks in the same memory")
     parser.add_argument("--max-model-len", type=int, help="tokens per sequence (prompt + output)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+    parser.add_argument("--block-size", type=int, default=d("block_size"),
+                        help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"))
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=d("max_num_batched_tokens"),
                         help="per-step token budget (chunked prefill; default 1024 on CPU, "
                         "8192 on GPU)")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                         action="store_false")
     parser.add_argument("--num-gpu-blocks-override", type=int)
     parser.add_argument("--kv-cache-memory-bytes", type=int)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=d("gpu_memory_utilization"))
+    parser.add_argument("--seed", type=int, default=d("seed"))
+    parser.add_argument("--device", default=d("device"), help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int,
+                        default=d("tensor_parallel_size"),
                         help="ranks the model is split over, each a process of its own on "
                         "this machine (one GPU each, or a share of the CPUs over gloo)")
     parser.add_argument("--speculative-config", metavar="JSON",
@@ -66,7 +76,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "\"prompt_lookup_max\": 4}'")
     parser.add_argument("--num-threads", type=int, help="torch CPU threads for this engine "
                         "(each rank's, under tensor parallelism)")
-    parser.add_argument("--cpu-omp-threads-bind", default="auto",
+    parser.add_argument("--cpu-omp-threads-bind", default=d("cpu_omp_threads_bind"),
                         help="CPU only (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto binds "
                         "intra-op thread i to the i-th CPU this process may use when the "
                         "engine has one thread per such CPU; nobind; or a CPU list (0-3)")

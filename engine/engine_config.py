@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 
 import torch
 
@@ -102,3 +102,18 @@ class EngineConfig:
             parse_cpu_list(self.cpu_omp_threads_bind)
         canonical_kv_cache_dtype(self.kv_cache_dtype)  # NOTE: raises for an unknown name
         SpeculativeConfig.parse(self.speculative_config)  # NOTE: raises, naming the key
+
+
+def engine_default(name: str):
+    """The default of ``EngineConfig``'s field ``name``: the one default of its engine flag
+    (``engine/args.py``) and of the router's settings read from that flag
+    (``router/config.py``: ``block_size``, ``kv_cache_dtype``, ...).
+
+    Raises:
+        KeyError: ``name`` is no field of ``EngineConfig``, or one without a default
+            (``model``).
+    """
+    default = next((f.default for f in fields(EngineConfig) if f.name == name), MISSING)
+    if default is MISSING:
+        raise KeyError(f"EngineConfig has no field {name!r} with a default")
+    return default

@@ -11,8 +11,12 @@ them back into these classes. A field without a flag says where its value comes 
 (``derived``) or that it has none (``internal``); ``tests/test_router_config.py`` checks
 that no field lacks its flag and no flag its field.
 
-Imported by every router module; imports none but ``router/limits.py`` (constants), so
-``pdserve --help`` reads the flags without loading the router.
+The engine flags' defaults are ``EngineConfig``'s (``engine_default``): a field read from
+one (``engine_derived``: ``block_size``, ``kv_cache_dtype``, ``generation_config``) takes
+it when a config is made.
+
+Imported by every router module; imports none but ``router/limits.py`` (constants) until a
+config is made, so ``pdserve --help`` reads the flags without loading the router.
 """
 
 from __future__ import annotations
@@ -79,6 +83,20 @@ def derived(default: Any, source: str, **kwargs) -> Any:
     """A field whose value comes from another command-line flag, ``source`` (an engine
     flag, ``--redis-url``, the cluster authentication flags), not one of its own."""
     return field(default=default, metadata={"source": source}, **kwargs)
+
+
+def engine_derived(flag: str) -> Any:
+    """A field whose value comes from the engine flag ``flag`` (``derived``), with that
+    flag's default: ``EngineConfig``'s field of the flag's name (``engine_default``), read
+    when a config is made, so that importing this module loads no engine (nor torch)."""
+    name = flag.lstrip("-").replace("-", "_")
+
+    def default() -> Any:
+        from pdserve.engine.engine_config import engine_default
+
+        return engine_default(name)
+
+    return derived(dataclasses.MISSING, flag, default_factory=default)
 
 
 def internal(default: Any) -> Any:
@@ -333,9 +351,9 @@ class RouterConfig:
     served_model_aliases: tuple[str, ...] = derived((), "--served-model-name")
     tokenizer: str | None = derived(None, "--tokenizer")
     chat_template: str | None = derived(None, "--chat-template")
-    generation_config: str = derived("auto", "--generation-config")
-    block_size: int = derived(16, "--block-size")
-    kv_cache_dtype: str = derived("auto", "--kv-cache-dtype")
+    generation_config: str = engine_derived("--generation-config")
+    block_size: int = engine_derived("--block-size")
+    kv_cache_dtype: str = engine_derived("--kv-cache-dtype")
     max_model_len: int | None = derived(None, "--max-model-len")
     # NOTE: a prompt shorter than one block has no full block to reuse from any prefix
     # cache and costs the decode worker about one step to prefill, less than a KV transfer

@@ -1,6 +1,8 @@
 """The router's settings (``router/config.py``) and their flags: every field that is a flag
 is one of ``pdserve serve`` and of ``python -m pdserve.router``, with the field's default;
-no router flag lacks its field; each flag's default is declared in one place;
+no router flag lacks its field; the engine's and the workers' flags are ``EngineConfig``'s
+and ``WorkerConfig``'s fields; each flag's default is declared in one place (a flag or the
+dataclass field behind it);
 ``pdserve serve --config FILE.yaml``; and ``python -m pdserve.router`` serves gRPC."""
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 from disagg_client import TEST_AUTH, TEST_SECRET
 
 from pdserve.cluster.auth import SECRET_ENV, add_cluster_auth_args
+from pdserve.cluster.worker_config import add_worker_args
 from pdserve.engine.args import add_engine_args
 from pdserve.entrypoints.cli import build_parser, subcommand
 from pdserve.entrypoints.config_file import parse_with_config
@@ -36,6 +39,8 @@ SETTINGS = (*ROUTER_SETTINGS, config.RouterListen)
 FLAG_MODULES = ("router/config.py", "router/flags.py", "router/__main__.py",
                 "entrypoints/serve.py", "entrypoints/cli.py", "engine/args.py",
                 "cluster/auth.py")
+# those of the workers' parser (cluster/worker_process.py)
+WORKER_MODULES = ("engine/args.py", "cluster/worker_config.py", "cluster/auth.py")
 
 
 def serve_parser():
@@ -107,12 +112,43 @@ def test_a_generated_flag_has_its_fields_type_and_choices():
     assert kwargs["type"] is int and kwargs["default"] == 256
 
 
-def declared_defaults() -> dict[str, list[str]]:
+# a default written as one of these reads another declaration (a dataclass field's): it
+# is no declaration of its own
+LOOKUPS = {"engine_default", "worker_default", "d", "_HTTP"}
+# the dataclasses behind the engine and worker flags: their field defaults are
+# declarations of those flags' defaults too
+ENGINE_CONFIG = ("engine/engine_config.py", "EngineConfig")
+WORKER_CONFIG = ("cluster/worker_config.py", "WorkerConfig")
+# flags of pdserve serve whose WorkerConfig field has another name
+WORKER_FIELDS = {"--kv-lease-s": "lease_s", "--worker-host": "host"}
+PLANNER_GROUP = "SLO planner (--autoscale)"  # another module's defaults (entrypoints/planner.py)
+
+
+def _is_lookup(node: ast.expr) -> bool:
+    """Whether a default's expression reads another declaration (``LOOKUPS``)."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    elif isinstance(node, ast.Subscript):
+        node = node.value
+    else:
+        return False
+    return getattr(node, "id", getattr(node, "attr", None)) in LOOKUPS
+
+
+def _declares(node: ast.expr | None) -> bool:
+    """Whether ``node``, a default's expression, declares one: not absent, None or a
+    lookup."""
+    return node is not None and not (isinstance(node, ast.Constant) and node.value is None) \
+        and not _is_lookup(node)
+
+
+def declared_defaults(modules: tuple[str, ...] = FLAG_MODULES) -> dict[str, list[str]]:
     """Flag -> where a default other than None is written for it (file:line): in an
-    ``add_argument("--flag", default=...)`` call or a ``setting(default, "--flag", ...)``
-    field of the modules that build the two parsers."""
+    ``add_argument("--flag", default=...)`` call or a ``setting``, ``derived`` or
+    ``shared(default, "--flag", ...)`` field of ``modules``, those that build a parser; a
+    default that looks another one up (``LOOKUPS``) is none."""
     found: dict[str, list[str]] = {}
-    for module in FLAG_MODULES:
+    for module in modules:
         path = ROOT / module
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call) or not node.args:
@@ -121,30 +157,123 @@ def declared_defaults() -> dict[str, list[str]]:
             if name == "add_argument" and isinstance(node.args[0], ast.Constant):
                 flag = node.args[0].value
                 default = next((k.value for k in node.keywords if k.arg == "default"), None)
-                if default is None or (isinstance(default, ast.Constant) and
-                                       default.value is None):
-                    continue
-            elif name == "setting" and len(node.args) > 1 and \
+            elif name in ("setting", "derived", "shared") and len(node.args) > 1 and \
                     isinstance(node.args[1], ast.Constant):
-                flag = node.args[1].value
+                flag, default = node.args[1].value, node.args[0]
             else:
                 continue
-            found.setdefault(flag, []).append(f"{module}:{node.lineno}")
+            if _declares(default):
+                found.setdefault(flag, []).append(f"{module}:{node.lineno}")
     return found
 
 
-def test_each_flags_default_is_declared_in_one_place():
-    declared = declared_defaults()
+def field_defaults(module: str, cls: str) -> dict[str, str]:
+    """Field -> where its default is written (file:line), for the fields of dataclass
+    ``cls`` in ``module`` whose default is declared there (see ``_declares``)."""
+    tree = ast.parse((ROOT / module).read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    return {n.target.id: f"{module}:{n.lineno}" for n in body
+            if isinstance(n, ast.AnnAssign) and _declares(n.value)}
+
+
+def engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    return parser
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    """The engine's and the worker's flags of ``python -m pdserve.{prefill,decode}_worker``
+    (``cluster/worker_process.py``)."""
+    parser = engine_parser()
+    add_worker_args(parser)
+    return parser
+
+
+def planner_flags(parser) -> set[str]:
+    return {opt for group in parser._action_groups if group.title == PLANNER_GROUP
+            for a in group._group_actions for opt in a.option_strings}
+
+
+def declarations(parser, router: bool) -> dict[str, list[str]]:
+    """Flag -> every place its default is declared, for the flags of ``parser`` but the
+    planner's: the flag modules (``declared_defaults``) and the dataclass field behind it,
+    EngineConfig's for an engine flag, WorkerConfig's for a worker flag (a flag of
+    ``router/config.py``'s dataclasses is in ``declared_defaults`` already, when
+    ``router``; else the parser is the workers')."""
+    sites = declared_defaults(FLAG_MODULES if router else WORKER_MODULES)
+    engine, worker = field_defaults(*ENGINE_CONFIG), field_defaults(*WORKER_CONFIG)
+    engine_flags = set(flags_of(engine_parser()))
+    router_flags = set(field_flags()) if router else set()
+    found = {}
+    for flag, action in flags_of(parser).items():
+        if flag in planner_flags(parser):
+            continue
+        where = list(sites.get(flag, ()))
+        if flag in engine_flags:
+            where += [engine[action.dest]] if action.dest in engine else []
+        elif flag not in router_flags:
+            name = WORKER_FIELDS.get(flag, action.dest)
+            where += [worker[name]] if name in worker else []
+        found[flag] = where
+    return found
+
+
+@pytest.mark.parametrize("make, router", [(serve_parser, True), (router_parser, True),
+                                          (worker_parser, False)],
+                         ids=["serve", "router", "worker"])
+def test_each_flags_default_is_declared_in_one_place(make, router):
+    """A flag's default is written once: in its flag's declaration or in the dataclass
+    field behind it, which the other reads (``engine_default``, ``worker_default``)."""
+    parser = make()
+    declared = declarations(parser, router)
     twice = {flag: where for flag, where in declared.items() if len(where) > 1}
     assert twice == {}, "a flag's default declared in several places"
-    for parser in (serve_parser(), router_parser()):
-        for flag, action in flags_of(parser).items():
-            implied = isinstance(action, (argparse._StoreTrueAction,
-                                          argparse._StoreFalseAction, argparse._HelpAction))
-            if action.default is not None and not implied:
-                assert flag in declared, f"{flag}'s default {action.default!r} is not " \
-                    "declared where the scan looks"
+    for modules in (FLAG_MODULES, WORKER_MODULES):
+        twice = {flag: where for flag, where in declared_defaults(modules).items()
+                 if len(where) > 1}
+        assert twice == {}, "a flag's default declared in several places"
+    for flag, where in declared.items():
+        action = flags_of(parser)[flag]
+        implied = isinstance(action, (argparse._StoreTrueAction,
+                                      argparse._StoreFalseAction, argparse._HelpAction))
+        if action.default is not None and not implied:
+            assert where, f"{flag}'s default {action.default!r} is not declared where " \
+                "the scan looks"
     assert "LIFECYCLE_FIELDS" not in (ROOT / "router/flags.py").read_text()
+
+
+# fields with no flag: set by code (WorkerConfig.heartbeat_ttl_s: tests), or from other flags
+ENGINE_INTERNAL = {"load_progress"}
+WORKER_INTERNAL = {"role", "engine", "auth", "heartbeat_ttl_s"}
+# worker flags whose default is not their field's, on purpose
+WORKER_OTHER_DEFAULTS = {"kv_host"}  # None: --advertise-host, else --host
+
+
+def test_every_engine_and_worker_field_is_a_flag_with_its_default():
+    """The engine's flags are ``EngineConfig``'s fields and the workers' ``WorkerConfig``'s,
+    each with the field's default; and the router's settings read from engine flags take
+    the engine's defaults."""
+    from pdserve.cluster.worker_config import WorkerConfig
+    from pdserve.engine.engine_config import EngineConfig, engine_default
+
+    engine = {a.dest: a for a in engine_parser()._actions}
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    assert set(engine) == set(fields) - ENGINE_INTERNAL
+    for name, action in engine.items():
+        if fields[name].default is not dataclasses.MISSING:
+            assert action.default == fields[name].default == engine_default(name), name
+    parser = argparse.ArgumentParser(add_help=False)
+    add_worker_args(parser)
+    fields = {f.name: f for f in dataclasses.fields(WorkerConfig)}
+    dest = {name: {"lease_s": "kv_lease_s"}.get(name, name) for name in fields}
+    assert {dest[name] for name in set(fields) - WORKER_INTERNAL} <= \
+        {a.dest for a in parser._actions}
+    for name in set(fields) - WORKER_INTERNAL - WORKER_OTHER_DEFAULTS:
+        assert parser.get_default(dest[name]) == fields[name].default, name
+    router = config.RouterConfig(model="m", redis_url="redis://")
+    for name in ("block_size", "kv_cache_dtype", "generation_config"):
+        assert getattr(router, name) == engine_default(name)
 
 
 def serve_args(tmp_path, text: str, *argv: str):
