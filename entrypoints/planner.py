@@ -147,7 +147,8 @@ class Condition:
 
     def __str__(self) -> str:
         unit = " s" if self.name.endswith("_p90") or self.name == "idle" else ""
-        return f"{self.name} {_fmt(self.value)}{unit} (target {self.target:g}{unit})"
+        value = "no request" if self.value is None else f"{self.value:.3f}{unit}"
+        return f"{self.name} {value} (target {self.target:g}{unit})"
 
 
 def breaches(s: Signals, c: PlannerConfig) -> dict[str, list[Condition]]:
@@ -216,8 +217,8 @@ class SLOPlanner:
                   for pool in ("prefill", "decode")}
         logger.info(
             "SLO planner on for model %s: p90 targets TTFT %g s, TPOT %g s, ITL %s; prefill "
-            "pool %d-%d, decode pool %d-%d workers; a decision every %g s, %g s apart at "
-            "least", self._model, c.ttft_target_s, c.tpot_target_s, itl,
+            "pool %d-%d, decode pool %d-%d workers; a decision every %g s, none for %g s "
+            "after a resize", self._model, c.ttft_target_s, c.tpot_target_s, itl,
             *bounds["prefill"], *bounds["decode"], c.interval_s, c.cooldown_s,
             extra={"planner": {"event": "start", "model_name": self._model,
                                "ttft_target_s": c.ttft_target_s,
@@ -351,34 +352,6 @@ class SLOPlanner:
                 extra={"planner": {"event": "at_bound", "model_name": self._model,
                                    "pool": pool, "bound": bound, "condition": why.name,
                                    "value": why.value, "target": why.target}})
-
-
-def add_planner_args(parser: argparse.ArgumentParser) -> None:
-    """``--autoscale`` and the SLO planner's flags; each default is ``PlannerConfig``'s
-    field, declared there once."""
-    d = PlannerConfig()
-    planner = parser.add_argument_group("SLO planner (--autoscale)")
-    planner.add_argument("--autoscale", action="store_true",
-                         help="size the pools from TTFT, TPOT, ITL, queues and KV usage "
-                         "(entrypoints/planner.py)")
-    planner.add_argument("--ttft-target-s", type=float, default=d.ttft_target_s,
-                         help="p90 TTFT target, seconds (default: %(default)s)")
-    planner.add_argument("--tpot-target-s", type=float, default=d.tpot_target_s,
-                         help="p90 TPOT target, seconds (default: %(default)s)")
-    planner.add_argument("--itl-target-s", type=float, default=d.itl_target_s,
-                         help="p90 inter-token latency target, seconds, as Dynamo's "
-                         "planner's ITL; a breach adds decode workers (default: none)")
-    for role in ("prefill", "decode"):
-        for bound in ("min", "max"):
-            planner.add_argument(f"--{bound}-{role}-workers", type=int,
-                                 default=getattr(d, f"{bound}_workers")[role],
-                                 help=f"the {role} pool's {bound}imum (default: "
-                                 "%(default)s)")
-    planner.add_argument("--planner-interval-s", type=float, default=d.interval_s,
-                         help="seconds between two decisions (default: %(default)s)")
-    planner.add_argument("--planner-cooldown-s", type=float, default=d.cooldown_s,
-                         help="seconds after a resize before the next (default: "
-                         "%(default)s)")
 
 
 def planner_config_from_args(args: argparse.Namespace):

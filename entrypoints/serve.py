@@ -68,7 +68,6 @@ _BUILD_KERNELS = "from pdserve.kernels import cpu_ext; cpu_ext.main()"
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from pdserve.cluster.auth import add_cluster_auth_args
     from pdserve.cluster.worker_config import worker_default as d
-    from pdserve.entrypoints.planner import add_planner_args
     from pdserve.router.flags import add_listen_args, add_router_args
 
     add_listen_args(parser)
@@ -117,6 +116,38 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     refuse_repeated(parser, ("--model", "--served-model-name"))
     add_router_args(parser)
     add_cluster_auth_args(parser, generated=True)
+
+
+def add_planner_args(parser: argparse.ArgumentParser) -> None:
+    """``--autoscale`` and the SLO planner's flags; each default is ``PlannerConfig``'s
+    field, declared there once."""
+    from pdserve.entrypoints.planner import PlannerConfig
+
+    d = PlannerConfig()
+    planner = parser.add_argument_group("SLO planner (--autoscale)")
+    planner.add_argument("--autoscale", action="store_true",
+                         help="size the pools from TTFT, TPOT, ITL, queues and KV usage "
+                         "(entrypoints/planner.py)")
+    planner.add_argument("--ttft-target-s", type=float, default=d.ttft_target_s,
+                         help="p90 TTFT target, seconds (default: %(default)s)")
+    planner.add_argument("--tpot-target-s", type=float, default=d.tpot_target_s,
+                         help="p90 TPOT target, seconds (default: %(default)s)")
+    planner.add_argument("--itl-target-s", type=float, default=d.itl_target_s,
+                         help="p90 inter-token latency target, seconds, as Dynamo's "
+                         "planner's ITL; a breach adds decode workers (default: none)")
+    planner.add_argument("--min-prefill-workers", type=int, default=d.min_workers["prefill"],
+                         help="the prefill pool's minimum (default: %(default)s)")
+    planner.add_argument("--max-prefill-workers", type=int, default=d.max_workers["prefill"],
+                         help="the prefill pool's maximum (default: %(default)s)")
+    planner.add_argument("--min-decode-workers", type=int, default=d.min_workers["decode"],
+                         help="the decode pool's minimum (default: %(default)s)")
+    planner.add_argument("--max-decode-workers", type=int, default=d.max_workers["decode"],
+                         help="the decode pool's maximum (default: %(default)s)")
+    planner.add_argument("--planner-interval-s", type=float, default=d.interval_s,
+                         help="seconds between two decisions (default: %(default)s)")
+    planner.add_argument("--planner-cooldown-s", type=float, default=d.cooldown_s,
+                         help="seconds after a resize before the next (default: "
+                         "%(default)s)")
 
 
 class Interrupts:

@@ -198,7 +198,8 @@ def test_start_up_line_names_the_model_targets_bounds_and_interval(demo_path, ca
     assert record.levelno == logging.INFO
     assert record.getMessage() == (
         "SLO planner on for model sea: p90 targets TTFT 0.5 s, TPOT 0.1 s, ITL 0.05 s; "
-        "prefill pool 0-2, decode pool 1-3 workers; a decision every 5 s, 20 s apart at least")
+        "prefill pool 0-2, decode pool 1-3 workers; a decision every 5 s, none for 20 s after "
+        "a resize")
     assert record.planner == {
         "event": "start", "model_name": "sea", "ttft_target_s": 0.5, "tpot_target_s": 0.1,
         "itl_target_s": 0.05, "bounds": {"prefill": (0, 2), "decode": (1, 3)},
