@@ -149,7 +149,7 @@ def models_from_config(path: str, base, args: argparse.Namespace) -> list[ModelS
     for i, entry in enumerate(entries):
         where = f"--models-config models[{i}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
-            raise ValueError(f"{where}: needs 'model', a checkpoint folder")  # noqa: TRY004
+            raise ValueError(f"{where}: needs 'model', a checkpoint folder or demo")  # noqa: TRY004
         unknown = sorted(set(entry) - set(MODEL_ENTRY_KEYS))
         if unknown:
             raise ValueError(f"{where}: unknown key '{unknown[0]}' (keys: "
