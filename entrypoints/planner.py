@@ -3,10 +3,11 @@ from the cluster's own metrics, as Dynamo's SLA planner does, through ``PoolScal
 
 Every ``interval_s`` it reads, over the interval just ended:
 
-- from the router's histograms (``vllm:time_to_first_token_seconds`` and
-  ``vllm:request_time_per_output_token_seconds``): the p90 TTFT and p90 TPOT of the
-  requests observed in the interval (estimated from the bucket deltas, as Prometheus's
-  ``histogram_quantile``), and how many there were;
+- from the router's histograms (``vllm:time_to_first_token_seconds``,
+  ``vllm:request_time_per_output_token_seconds`` and ``vllm:inter_token_latency_seconds``):
+  the p90 TTFT, p90 TPOT and p90 ITL of the requests (tokens, for ITL) observed in the
+  interval (estimated from the bucket deltas, as Prometheus's ``histogram_quantile``),
+  and how many requests there were;
 - from the workers' last Health: prefills waiting per prefill worker, running sequences
   and KV cache usage of the decode workers.
 
@@ -15,20 +16,35 @@ Policy, per pool, within ``[min, max]``:
 - **Up by one** when the pool breaks its target for ``up_after`` intervals in a row:
   prefill when p90 TTFT > ``ttft_target_s`` or more than ``max_waiting_per_prefill``
   prefills wait per prefill worker (with a prefill pool of 0, when TTFT breaks); decode
-  when p90 TPOT > ``tpot_target_s`` or mean KV usage > ``max_kv_usage``.
+  when p90 TPOT > ``tpot_target_s``, p90 ITL > ``itl_target_s`` (when set) or mean KV
+  usage > ``max_kv_usage``.
 - **Down by one** when the pool is idle for ``down_after`` intervals in a row: prefill
   when no prefill waits and p90 TTFT (if any request came) is under ``down_ratio`` x its
-  target; decode when p90 TPOT is under ``down_ratio`` x its target and mean KV usage is
-  under ``max_kv_usage / 2`` (or no request came at all).
+  target; decode when p90 TPOT (and p90 ITL, when its target is set) is under
+  ``down_ratio`` x its target and mean KV usage is under ``max_kv_usage / 2`` (or no
+  request came at all).
 - After any change, ``cooldown_s`` seconds without another, and the streaks restart:
   that and the gap between the up and down thresholds are the hysteresis.
 
-Each decision is logged and counted in ``pdserve:planner_decisions_total{role,action}``;
-``pdserve:planner_desired_workers{role}`` is the size the planner wants.
+What it says (logger ``pdserve.entrypoints.planner``, each line naming the model):
+
+- at start-up, one INFO line: the targets, each pool's bounds, the interval and cooldown;
+- each resize, one INFO line: the pool, its sizes, the condition that fired (``ttft_p90``,
+  ``prefill_queue``, ``tpot_p90``, ``itl_p90``, ``kv_usage``; ``idle`` for a scale-down),
+  its measured value and its target;
+- while a target stays broken with its pool at ``max``, one WARNING line, at most once
+  per ``AT_BOUND_REPEAT_S`` seconds (the condition, value, target and bound).
+
+Each record also carries these fields as ``record.planner`` (a dict), for structured
+logging. Each resize is counted in
+``pdserve:planner_decisions_total{model_name,pool,direction,reason}`` (``direction``: up
+or down; ``reason``: the condition); ``pdserve:planner_desired_workers{model_name,pool}``
+is the size the planner wants.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import math
@@ -39,14 +55,28 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter, Gauge
 
 logger = logging.getLogger(__name__)
+AT_BOUND_REPEAT_S = 60.0  # seconds between two "target broken at the pool's max" lines
+# the conditions a resize names, per pool and direction; the reason label is open: these
+# are pre-initialised at 0 so that a dashboard sees them before they first fire
+REASONS = {("prefill", "up"): ("ttft_p90", "prefill_queue"),
+           ("decode", "up"): ("tpot_p90", "itl_p90", "kv_usage"),
+           ("prefill", "down"): ("idle",), ("decode", "down"): ("idle",)}
 
 
 @dataclass(slots=True)
 class PlannerConfig:
-    """Targets in seconds; sizes in workers; ``interval_s`` seconds between decisions."""
+    """Targets in seconds (``itl_target_s`` None: no ITL target); sizes in workers;
+    ``interval_s`` seconds between decisions. ``pdserve serve``'s planner flags take their
+    defaults from these fields.
+
+    Raises:
+        ValueError: bounds, targets or an interval that cannot work (the message names
+            the flag).
+    """
 
     ttft_target_s: float = 2.0
     tpot_target_s: float = 0.2
+    itl_target_s: float | None = None  # p90 inter-token latency, as Dynamo's planner's
     min_workers: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 1})
     max_workers: dict[str, int] = field(default_factory=lambda: {"prefill": 4, "decode": 4})
     interval_s: float = 10.0
@@ -66,6 +96,8 @@ class PlannerConfig:
                                  f"must satisfy {floor} <= min <= max")
         if self.ttft_target_s <= 0 or self.tpot_target_s <= 0:
             raise ValueError("--ttft-target-s and --tpot-target-s must be > 0")
+        if self.itl_target_s is not None and self.itl_target_s <= 0:
+            raise ValueError(f"--itl-target-s={self.itl_target_s} must be > 0")
         if self.interval_s <= 0:
             raise ValueError(f"--planner-interval-s={self.interval_s} must be > 0")
 
@@ -99,6 +131,46 @@ class Signals:
     prefill_waiting_per_worker: float
     decode_kv_usage: float
     decode_running: int
+    itl_p90_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    """One planner condition as measured: ``name`` (``ttft_p90``, ``prefill_queue``,
+    ``tpot_p90``, ``itl_p90``, ``kv_usage``, ``idle``), the measured ``value`` (seconds,
+    prefills waiting per worker or a KV usage fraction; None when no request came) and
+    the ``target`` it is compared with."""
+
+    name: str
+    value: float | None
+    target: float
+
+    def __str__(self) -> str:
+        unit = " s" if self.name.endswith("_p90") or self.name == "idle" else ""
+        value = "no request" if self.value is None else f"{self.value:.3f}{unit}"
+        return f"{self.name} {value} (target {self.target:g}{unit})"
+
+
+def breaches(s: Signals, c: PlannerConfig) -> dict[str, list[Condition]]:
+    """The conditions each pool breaks in ``s`` (empty: none), in the order above."""
+    def over(name: str, value: float | None, target: float | None) -> list[Condition]:
+        broken = value is not None and target is not None and value > target
+        return [Condition(name, value, target)] if broken else []
+
+    return {
+        "prefill": over("ttft_p90", s.ttft_p90_s, c.ttft_target_s)
+        + over("prefill_queue", s.prefill_waiting_per_worker, c.max_waiting_per_prefill),
+        "decode": over("tpot_p90", s.tpot_p90_s, c.tpot_target_s)
+        + over("itl_p90", s.itl_p90_s, c.itl_target_s)
+        + over("kv_usage", s.decode_kv_usage, c.max_kv_usage)}
+
+
+def idle_condition(s: Signals, c: PlannerConfig, pool: str) -> Condition:
+    """What a scale-down of ``pool`` names: its latency signal against ``down_ratio`` x
+    its target."""
+    if pool == "prefill":
+        return Condition("idle", s.ttft_p90_s, c.down_ratio * c.ttft_target_s)
+    return Condition("idle", s.tpot_p90_s, c.down_ratio * c.tpot_target_s)
 
 
 class SLOPlanner:
@@ -116,18 +188,43 @@ class SLOPlanner:
         self._streak = {(role, way): 0 for role in ("prefill", "decode")
                         for way in ("up", "down")}
         self._last_change = -math.inf
-        registry, model = router.metrics.registry, router.metrics.model_name
+        self._model = router.metrics.model_name
+        self._at_bound_said: dict[str, float] = {}  # pool -> when its at-bound line was said
+        self._add_metrics(router.metrics.registry, scaler.sizes())
+        self._announce()
+
+    def _add_metrics(self, registry, sizes: dict[str, int]) -> None:
+        """``pdserve:planner_decisions_total`` (every known reason at 0) and
+        ``pdserve:planner_desired_workers`` (the current ``sizes``) of this model."""
         self._decisions = Counter(
-            "pdserve:planner_decisions", "The SLO planner's resizes, by pool and way.",
-            labelnames=["model_name", "role", "action"], registry=registry)
+            "pdserve:planner_decisions", "The SLO planner's resizes, by pool, direction and "
+            "the condition that fired.", labelnames=["model_name", "pool", "direction", "reason"],
+            registry=registry)
         self._desired = Gauge(
             "pdserve:planner_desired_workers", "The pool sizes the SLO planner wants.",
-            labelnames=["model_name", "role"], registry=registry)
-        for role in ("prefill", "decode"):
-            for action in ("scale_up", "scale_down"):
-                self._decisions.labels(model, role, action)
-            self._desired.labels(model, role).set(scaler.sizes()[role])
-        self._model = model
+            labelnames=["model_name", "pool"], registry=registry)
+        for (pool, direction), reasons in REASONS.items():
+            for reason in reasons:
+                self._decisions.labels(self._model, pool, direction, reason)
+        for pool in ("prefill", "decode"):
+            self._desired.labels(self._model, pool).set(sizes[pool])
+
+    def _announce(self) -> None:
+        """The start-up line: the model, the targets, each pool's bounds, the interval."""
+        c = self.config
+        itl = "off" if c.itl_target_s is None else f"{c.itl_target_s:g} s"
+        bounds = {pool: (c.min_workers[pool], c.max_workers[pool])
+                  for pool in ("prefill", "decode")}
+        logger.info(
+            "SLO planner on for model %s: p90 targets TTFT %g s, TPOT %g s, ITL %s; prefill "
+            "pool %d-%d, decode pool %d-%d workers; a decision every %g s, none for %g s "
+            "after a resize", self._model, c.ttft_target_s, c.tpot_target_s, itl,
+            *bounds["prefill"], *bounds["decode"], c.interval_s, c.cooldown_s,
+            extra={"planner": {"event": "start", "model_name": self._model,
+                               "ttft_target_s": c.ttft_target_s,
+                               "tpot_target_s": c.tpot_target_s,
+                               "itl_target_s": c.itl_target_s, "bounds": bounds,
+                               "interval_s": c.interval_s, "cooldown_s": c.cooldown_s}})
 
     async def run(self) -> None:
         while True:
@@ -141,6 +238,7 @@ class SLOPlanner:
         """Read this interval's figures (and remember the histograms for the next)."""
         ttft, n = self._window("vllm:time_to_first_token_seconds")
         tpot, _ = self._window("vllm:request_time_per_output_token_seconds")
+        itl, _ = self._window("vllm:inter_token_latency_seconds")
         pool = self.router.pool
         prefill = [w.current_load() for w in pool.live("prefill")]
         decode = [w.current_load() for w in pool.live("decode")]
@@ -151,7 +249,8 @@ class SLOPlanner:
                                         if prefill else 0.0),
             decode_kv_usage=(sum(w.kv_cache_usage for w in decode) / len(decode)
                              if decode else 0.0),
-            decode_running=sum(w.num_running for w in decode))
+            decode_running=sum(w.num_running for w in decode),
+            itl_p90_s=histogram_quantile(0.9, itl))
 
     def _window(self, name: str) -> tuple[list[tuple[float, float]], int]:
         """The cumulative buckets of histogram ``name`` observed since the last call, and
@@ -176,20 +275,20 @@ class SLOPlanner:
         c = self.config
         s = self.signals()
         sizes = self.scaler.sizes()
-        breaks = {
-            "prefill": (s.ttft_p90_s is not None and s.ttft_p90_s > c.ttft_target_s)
-            or s.prefill_waiting_per_worker > c.max_waiting_per_prefill,
-            "decode": (s.tpot_p90_s is not None and s.tpot_p90_s > c.tpot_target_s)
-            or s.decode_kv_usage > c.max_kv_usage}
+        broken = breaches(s, c)
+        breaks = {role: bool(broken[role]) for role in ("prefill", "decode")}
         idle = {
             "prefill": s.prefill_waiting_per_worker == 0
             and (s.ttft_p90_s is None or s.ttft_p90_s < c.down_ratio * c.ttft_target_s),
             "decode": (s.tpot_p90_s is None or s.tpot_p90_s < c.down_ratio * c.tpot_target_s)
+            and (c.itl_target_s is None or s.itl_p90_s is None
+                 or s.itl_p90_s < c.down_ratio * c.itl_target_s)
             and s.decode_kv_usage < c.max_kv_usage / 2}
         for role in ("prefill", "decode"):
             self._streak[role, "up"] = self._streak[role, "up"] + 1 if breaks[role] else 0
             self._streak[role, "down"] = self._streak[role, "down"] + 1 \
                 if idle[role] and not breaks[role] else 0
+        self._say_at_bound(now, broken, sizes)
         if now - self._last_change < c.cooldown_s:
             return sizes
         wanted = {}
@@ -202,20 +301,77 @@ class SLOPlanner:
         if not wanted:
             return sizes
         for role, size in wanted.items():
-            action = "scale_up" if size > sizes[role] else "scale_down"
-            logger.info("SLO planner: %s %s pool %d -> %d (p90 TTFT %s s, p90 TPOT %s s, "
-                        "%d requests, %.1f prefills waiting per worker, decode KV usage "
-                        "%.2f)", action, role, sizes[role], size, _fmt(s.ttft_p90_s),
-                        _fmt(s.tpot_p90_s), s.num_requests, s.prefill_waiting_per_worker,
-                        s.decode_kv_usage)
-            self._decisions.labels(self._model, role, action).inc()
-            self._desired.labels(self._model, role).set(size)
+            self._record(role, sizes[role], size,
+                         broken[role][0] if size > sizes[role] else idle_condition(s, c, role),
+                         s)
             self._streak[role, "up"] = self._streak[role, "down"] = 0
         self._last_change = now
         try:
             return await self.scaler.scale(wanted)
         finally:
             self._last_change = max(now, time.monotonic())  # NOTE: cool down from the end
+
+    def _record(self, pool: str, before: int, after: int, why: Condition,
+                s: Signals) -> None:
+        """One resize of ``pool`` from ``before`` to ``after`` workers because of ``why``:
+        its line, its count and the desired size."""
+        direction = "up" if after > before else "down"
+        logger.info(
+            "SLO planner: scale_%s %s pool %d -> %d of model %s: %s; p90 TTFT %s s, p90 "
+            "TPOT %s s, p90 ITL %s s, %d requests, %.1f prefills waiting per worker, decode "
+            "KV usage %.2f", direction, pool, before, after, self._model, why,
+            _fmt(s.ttft_p90_s), _fmt(s.tpot_p90_s), _fmt(s.itl_p90_s), s.num_requests,
+            s.prefill_waiting_per_worker, s.decode_kv_usage,
+            extra={"planner": {"event": "resize", "model_name": self._model, "pool": pool,
+                               "direction": direction, "from": before, "to": after,
+                               "condition": why.name, "value": why.value,
+                               "target": why.target}})
+        self._decisions.labels(self._model, pool, direction, why.name).inc()
+        self._desired.labels(self._model, pool).set(after)
+
+    def _say_at_bound(self, now: float, broken: dict[str, list[Condition]],
+                      sizes: dict[str, int]) -> None:
+        """A WARNING, at most once per ``AT_BOUND_REPEAT_S`` seconds per pool, while a pool
+        breaks a target for ``up_after`` intervals with ``max`` workers already; a pool
+        that meets its targets again is said again at its next such breach."""
+        for pool in ("prefill", "decode"):
+            bound = self.config.max_workers[pool]
+            if not broken[pool] or sizes[pool] < bound or \
+                    self._streak[pool, "up"] < self.config.up_after:
+                if not broken[pool]:
+                    self._at_bound_said.pop(pool, None)
+                continue
+            if now - self._at_bound_said.get(pool, -math.inf) < AT_BOUND_REPEAT_S:
+                continue
+            self._at_bound_said[pool] = now
+            why = broken[pool][0]
+            logger.warning(
+                "SLO planner: model %s: %s pool stays at its maximum of %d workers while %s "
+                "is broken: %s (--max-%s-workers bounds it)", self._model, pool, bound,
+                why.name, why, pool,
+                extra={"planner": {"event": "at_bound", "model_name": self._model,
+                                   "pool": pool, "bound": bound, "condition": why.name,
+                                   "value": why.value, "target": why.target}})
+
+
+def planner_config_from_args(args: argparse.Namespace):
+    """The ``PlannerConfig`` of ``--autoscale``'s flags.
+
+    Raises:
+        ValueError: bounds or targets that cannot work, or start-up sizes outside them.
+    """
+    config = PlannerConfig(
+        ttft_target_s=args.ttft_target_s, tpot_target_s=args.tpot_target_s,
+        itl_target_s=args.itl_target_s,
+        min_workers={"prefill": args.min_prefill_workers, "decode": args.min_decode_workers},
+        max_workers={"prefill": args.max_prefill_workers, "decode": args.max_decode_workers},
+        interval_s=args.planner_interval_s, cooldown_s=args.planner_cooldown_s)
+    for role in ("prefill", "decode"):
+        size = getattr(args, f"{role}_workers")
+        if not config.min_workers[role] <= size <= config.max_workers[role]:
+            raise ValueError(f"--{role}-workers={size} must be within --min-{role}-workers "
+                             f"and --max-{role}-workers with --autoscale")
+    return config
 
 
 def _fmt(value: float | None) -> str:

@@ -50,15 +50,16 @@ from pdserve.cluster.auth import (
     redis_url_with_password,
 )
 from pdserve.entrypoints.serve_models import (
+    DEMO_MODEL_NAME,
     ModelSpec,
     models_from_config,
     pool_engine_config,
     pool_flags,
+    refuse_repeated,
 )
 from pdserve.router.serving import bind_listener, run_router
 
 logger = logging.getLogger(__name__)
-DEMO_MODEL_NAME = "pdserve-demo"  # the API's model name when serving the demo model
 WORKER_STOP_TIMEOUT_S = 30.0  # the workers' graceful stop, all together, after serving
 KERNEL_BUILD_TIMEOUT_S = 1800.0
 _BUILD_KERNELS = "from pdserve.kernels import cpu_ext; cpu_ext.main()"
@@ -111,22 +112,42 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{role}-tensor-parallel-size", type=int, metavar="N",
                             help=f"ranks each {role} worker splits the model over (default: "
                             "--tensor-parallel-size); the pools may differ")
-    planner = parser.add_argument_group("SLO planner (--autoscale)")
-    planner.add_argument("--autoscale", action="store_true",
-                         help="size the pools from TTFT, TPOT, queues and KV usage "
-                         "(entrypoints/planner.py)")
-    planner.add_argument("--ttft-target-s", type=float, default=2.0, help="p90 TTFT target")
-    planner.add_argument("--tpot-target-s", type=float, default=0.2, help="p90 TPOT target")
-    planner.add_argument("--min-prefill-workers", type=int, default=0)
-    planner.add_argument("--max-prefill-workers", type=int, default=4)
-    planner.add_argument("--min-decode-workers", type=int, default=1)
-    planner.add_argument("--max-decode-workers", type=int, default=4)
-    planner.add_argument("--planner-interval-s", type=float, default=10.0,
-                         help="seconds between two decisions")
-    planner.add_argument("--planner-cooldown-s", type=float, default=30.0,
-                         help="seconds after a resize before the next")
+    add_planner_args(parser)
+    refuse_repeated(parser, ("--model", "--served-model-name"))
     add_router_args(parser)
     add_cluster_auth_args(parser, generated=True)
+
+
+def add_planner_args(parser: argparse.ArgumentParser) -> None:
+    """``--autoscale`` and the SLO planner's flags; each default is ``PlannerConfig``'s
+    field, declared there once."""
+    from pdserve.entrypoints.planner import PlannerConfig
+
+    d = PlannerConfig()
+    planner = parser.add_argument_group("SLO planner (--autoscale)")
+    planner.add_argument("--autoscale", action="store_true",
+                         help="size the pools from TTFT, TPOT, ITL, queues and KV usage "
+                         "(entrypoints/planner.py)")
+    planner.add_argument("--ttft-target-s", type=float, default=d.ttft_target_s,
+                         help="p90 TTFT target, seconds (default: %(default)s)")
+    planner.add_argument("--tpot-target-s", type=float, default=d.tpot_target_s,
+                         help="p90 TPOT target, seconds (default: %(default)s)")
+    planner.add_argument("--itl-target-s", type=float, default=d.itl_target_s,
+                         help="p90 inter-token latency target, seconds, as Dynamo's "
+                         "planner's ITL; a breach adds decode workers (default: none)")
+    planner.add_argument("--min-prefill-workers", type=int, default=d.min_workers["prefill"],
+                         help="the prefill pool's minimum (default: %(default)s)")
+    planner.add_argument("--max-prefill-workers", type=int, default=d.max_workers["prefill"],
+                         help="the prefill pool's maximum (default: %(default)s)")
+    planner.add_argument("--min-decode-workers", type=int, default=d.min_workers["decode"],
+                         help="the decode pool's minimum (default: %(default)s)")
+    planner.add_argument("--max-decode-workers", type=int, default=d.max_workers["decode"],
+                         help="the decode pool's maximum (default: %(default)s)")
+    planner.add_argument("--planner-interval-s", type=float, default=d.interval_s,
+                         help="seconds between two decisions (default: %(default)s)")
+    planner.add_argument("--planner-cooldown-s", type=float, default=d.cooldown_s,
+                         help="seconds after a resize before the next (default: "
+                         "%(default)s)")
 
 
 class Interrupts:
@@ -227,6 +248,8 @@ class _ServeRun:
 
         for role in ("prefill", "decode"):  # NOTE: a bad flag stops us before anything starts
             pool_engine_config(EngineConfig("<model>"), pool_flags(args, role), role)
+        from pdserve.entrypoints.planner import planner_config_from_args
+
         self.planner_config = planner_config_from_args(args) if args.autoscale else None
         from pdserve.router.flags import (
             grpc_limits_from_args,
@@ -251,7 +274,7 @@ class _ServeRun:
         engine = self._engine_config()
         if self.args.models_config is None:
             return [ModelSpec(engine, self.args.prefill_workers, self.args.decode_workers,
-                              served_model_aliases(self.args))]
+                              served_model_aliases(self.args), demo=self.args.model is None)]
         for flag in ("model", "served_model_name"):
             if getattr(self.args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} and --models-config exclude "
@@ -336,8 +359,7 @@ class _ServeRun:
             engine = spec.engine
             nodes = launcher.prepare_model(asked, engine.model, revision=engine.revision,
                                            download_dir=engine.download_dir,
-                                           demo=self.args.model is None and
-                                           not self.args.models_config)
+                                           demo=spec.demo)
             if nodes > 1:
                 say(f"model {spec.name}: on all {nodes} Ray nodes")
 
@@ -483,27 +505,6 @@ class _ServeRun:
                 planner = SLOPlanner(self.planner_config, router, scaler)
                 background.append(planner.run)
         return router, background
-
-
-def planner_config_from_args(args: argparse.Namespace):
-    """The ``PlannerConfig`` of ``--autoscale``'s flags.
-
-    Raises:
-        ValueError: bounds or targets that cannot work, or start-up sizes outside them.
-    """
-    from pdserve.entrypoints.planner import PlannerConfig
-
-    config = PlannerConfig(
-        ttft_target_s=args.ttft_target_s, tpot_target_s=args.tpot_target_s,
-        min_workers={"prefill": args.min_prefill_workers, "decode": args.min_decode_workers},
-        max_workers={"prefill": args.max_prefill_workers, "decode": args.max_decode_workers},
-        interval_s=args.planner_interval_s, cooldown_s=args.planner_cooldown_s)
-    for role in ("prefill", "decode"):
-        size = getattr(args, f"{role}_workers")
-        if not config.min_workers[role] <= size <= config.max_workers[role]:
-            raise ValueError(f"--{role}-workers={size} must be within --min-{role}-workers "
-                             f"and --max-{role}-workers with --autoscale")
-    return config
 
 
 def computing_workers(counts: dict[str, int], disaggregation: str, has_gpus: bool) -> int:
