@@ -22,6 +22,7 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,27 @@ class WorkerInfo:
     pid: int
     metrics_address: str = ""
     node_id: str = ""  # the Ray node it runs on
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a worker computes, as its launcher places it: ``host`` (its hostname, as
+    ``compute_placement`` records it; "" where the launcher cannot tell, as on a GPU node
+    or a multi-node cluster, where Ray picks the node), the CPUs it may run on
+    (``cpus``, empty when unknown) and its OpenMP team's ``num_threads``."""
+
+    host: str
+    cpus: frozenset[int]
+    num_threads: int
+
+    @property
+    def compute(self) -> str:
+        """``cpu@<host>:<cpus>``, the ``compute`` of the worker's registry record
+        (``cluster.worker_runtime.compute_placement``); "" when unknown, which the
+        router's ``shares_compute`` treats as sharing nothing."""
+        if not self.host or not self.cpus:
+            return ""
+        return f"cpu@{self.host}:{','.join(str(c) for c in sorted(self.cpus))}"
 
 
 class WorkerActor:
@@ -250,7 +272,7 @@ class RayLauncher:
         tp = engine.tensor_parallel_size
         if engine.num_threads is None and not self.has_gpus:  # NOTE: each rank's share
             engine = dataclasses.replace(
-                engine, num_threads=max(1, default_num_threads(workers_on_node) // tp))
+                engine, num_threads=self._cpu_threads(config, workers_on_node))
         # NOTE: SPREAD puts the workers on as many nodes as there are (on one node, all
         # there); the default packs them onto the first node with room. A tensor-parallel
         # worker takes one GPU per rank, all on one node (one actor's resources always
@@ -270,6 +292,28 @@ class RayLauncher:
             self._names[actor] = name
             actors.append(actor)
         return actors
+
+    def _cpu_threads(self, config: WorkerConfig, workers_on_node: int) -> int:
+        """The intra-op threads an actor of ``config`` gets on CPU (``start``): its
+        ``num_threads``, else its share of the node's cores split ``workers_on_node`` ways
+        and then between its tensor-parallel ranks."""
+        engine = config.engine
+        if engine.num_threads is not None:
+            return engine.num_threads
+        return max(1, default_num_threads(workers_on_node) // engine.tensor_parallel_size)
+
+    def placement(self, config: WorkerConfig, workers_on_node: int) -> Placement:
+        """Where an actor of ``config`` started now (``start``) would compute. Actors are
+        not pinned: each may run on every CPU its node allows Ray's workers (this
+        process's affinity, which Ray's processes inherit), with ``_cpu_threads`` threads.
+        On one CPU node that is this host's CPU set; on GPUs (a GPU of its own) or with
+        several nodes (Ray picks one) the host and CPUs are unknown (empty)."""
+        if self.has_gpus:
+            return Placement("", frozenset(), 0)
+        threads = self._cpu_threads(config, workers_on_node)
+        if sum(1 for node in self.ray.nodes() if node["Alive"]) > 1:
+            return Placement("", frozenset(), threads)
+        return Placement(socket.gethostname(), frozenset(os.sched_getaffinity(0)), threads)
 
     def wait_ready(self, actors: list, on_ready: Callable[[WorkerInfo], None] | None = None,
                    timeout_s: float = START_TIMEOUT_S) -> list[WorkerInfo]:

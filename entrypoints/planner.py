@@ -25,6 +25,21 @@ Policy, per pool, within ``[min, max]``:
   request came at all).
 - After any change, ``cooldown_s`` seconds without another, and the streaks restart:
   that and the gap between the up and down thresholds are the hysteresis.
+- **Only what helps** (``admit_scale_up``): a scale-up is refused, with one INFO line
+  naming the model, the pool and the reason (``REFUSAL_REASONS``, kept in
+  ``last_refusals`` for the decisions metric), when
+  - ``no_prefill_would_help``: the router's own prefill-path rule
+    (``routing_policy.choose_prefill_path``, ``shares_compute``) would send the new
+    prefill worker no prompt, given where the launcher would place it
+    (``PoolScaler.placement``): it would share every decode worker's CPUs (or GPU), so
+    each prompt is prefilled on its decode worker (``shared_compute``), or every prompt
+    is short enough to stay there. The decode pool still grows if it breaks its own
+    target, else nothing does;
+  - ``no_free_cores``: on CPU, the new worker's OpenMP team and those of the computing
+    workers whose CPUs it would share (decode workers, and the prefill workers the router
+    sends prompts to) would have more threads than those CPUs are: two teams on one core.
+    Running workers keep their thread count (no re-split), so a pool grows only onto
+    cores that no computing worker uses.
 
 What it says (logger ``pdserve.entrypoints.planner``, each line naming the model):
 
@@ -38,7 +53,8 @@ What it says (logger ``pdserve.entrypoints.planner``, each line naming the model
 Each record also carries these fields as ``record.planner`` (a dict), for structured
 logging. Each resize is counted in
 ``pdserve:planner_decisions_total{model_name,pool,direction,reason}`` (``direction``: up
-or down; ``reason``: the condition); ``pdserve:planner_desired_workers{model_name,pool}``
+or down, ``reason`` the condition; or ``none`` with a refusal's reason, once per refusal
+line); ``pdserve:planner_desired_workers{model_name,pool}``
 is the size the planner wants.
 """
 
@@ -54,13 +70,24 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge
 
+from pdserve.router.routing_policy import (
+    PrefillChoice,
+    WorkerLoad,
+    choose_prefill_path,
+    shares_compute,
+)
+
 logger = logging.getLogger(__name__)
 AT_BOUND_REPEAT_S = 60.0  # seconds between two "target broken at the pool's max" lines
 # the conditions a resize names, per pool and direction; the reason label is open: these
 # are pre-initialised at 0 so that a dashboard sees them before they first fire
+REFUSAL_REASONS = ("no_prefill_would_help", "no_free_cores")
+"""Why the planner refuses a scale-up its signals ask for (``SLOPlanner.last_refusals``);
+counted with direction ``none``."""
 REASONS = {("prefill", "up"): ("ttft_p90", "prefill_queue"),
            ("decode", "up"): ("tpot_p90", "itl_p90", "kv_usage"),
-           ("prefill", "down"): ("idle",), ("decode", "down"): ("idle",)}
+           ("prefill", "down"): ("idle",), ("decode", "down"): ("idle",),
+           ("prefill", "none"): REFUSAL_REASONS, ("decode", "none"): ("no_free_cores",)}
 
 
 @dataclass(slots=True)
@@ -190,6 +217,9 @@ class SLOPlanner:
         self._last_change = -math.inf
         self._model = router.metrics.model_name
         self._at_bound_said: dict[str, float] = {}  # pool -> when its at-bound line was said
+        self.last_refusals: dict[str, str] = {}
+        """Pool -> the ``REFUSAL_REASONS`` entry of the scale-up the last step refused."""
+        self._said: dict[str, str] = {}  # pool -> the last refusal line's why
         self._add_metrics(router.metrics.registry, scaler.sizes())
         self._announce()
 
@@ -298,6 +328,7 @@ class SLOPlanner:
             elif self._streak[role, "down"] >= c.down_after and \
                     sizes[role] > c.min_workers[role]:
                 wanted[role] = sizes[role] - 1
+        wanted = self.admit_scale_up(wanted, sizes)
         if not wanted:
             return sizes
         for role, size in wanted.items():
@@ -310,6 +341,51 @@ class SLOPlanner:
             return await self.scaler.scale(wanted)
         finally:
             self._last_change = max(now, time.monotonic())  # NOTE: cool down from the end
+
+    def admit_scale_up(self, wanted: dict[str, int], sizes: dict[str, int]) -> dict[str, int]:
+        """``wanted`` (pool -> new size) less the scale-ups that would not help (module
+        docstring, Only what helps); each refusal's reason goes to ``last_refusals`` and,
+        when it is new for that pool, to one INFO line."""
+        refusals: dict[str, str] = {}
+        decode_computes = [w.record.compute for w in self.router.pool.live("decode")]
+        admitted: list = []  # the placements of the new workers admitted so far
+        for role in [r for r in ("decode", "prefill") if wanted.get(r, 0) > sizes[r]]:
+            new = self.scaler.placement(role)
+            if role == "prefill":
+                path = new_prefill_path(self.router.config, decode_computes,
+                                        "" if new is None else new.compute)
+                if path != "remote":
+                    refusals[role] = "no_prefill_would_help"
+                    self._say_refused(role, "no_prefill_would_help",
+                                      f"the router would send it no prompt ({path}: every "
+                                      "prompt would be prefilled on its decode worker)")
+                    continue
+            busy = computing_placements(self.scaler.placements(), self.router.config,
+                                        decode_computes) + admitted
+            if new is not None and oversubscribed(new, busy):
+                refusals[role] = "no_free_cores"
+                self._say_refused(role, "no_free_cores",
+                                  f"its {new.num_threads} thread(s) would share cores "
+                                  f"{_cpus(new)} with other workers' threads")
+                continue
+            if new is not None:
+                admitted.append(new)
+        for role in refusals:
+            wanted.pop(role)
+        self.last_refusals = refusals
+        return wanted
+
+    def _say_refused(self, role: str, reason: str, why: str) -> None:
+        """One INFO line for a refused scale-up, unless the last step refused it the same
+        way (a refusal repeats every interval while the target stays broken)."""
+        if role in self.last_refusals and self._said.get(role) == why:
+            return
+        self._said[role] = why
+        logger.info("SLO planner: model %s: not scaling up the %s pool (%s): %s",
+                    self._model, role, reason, why,
+                    extra={"planner": {"event": "refused", "model_name": self._model,
+                                       "pool": role, "reason": reason}})
+        self._decisions.labels(self._model, role, "none", reason).inc()
 
     def _record(self, pool: str, before: int, after: int, why: Condition,
                 s: Signals) -> None:
@@ -372,6 +448,59 @@ def planner_config_from_args(args: argparse.Namespace):
             raise ValueError(f"--{role}-workers={size} must be within --min-{role}-workers "
                              f"and --max-{role}-workers with --autoscale")
     return config
+
+
+def new_prefill_path(config, decode_computes: Sequence[str], compute: str) -> str:
+    """Where the router (``config``: its ``RouterConfig``) would prefill a long prompt if
+    a prefill worker computing on ``compute`` (a ``compute_placement`` string; "" when
+    unknown) joined: ``"remote"`` when, for some live decode worker
+    (``decode_computes``), its rule (``choose_prefill_path``) sends it to that worker;
+    else the rule's reason (``shared_compute``, ``short_prompt``). The prompt is the
+    longest the router takes (``max_model_len``), with nothing cached and the new worker
+    idle, so any other prompt goes remote no more often (the longest prompt is one token
+    short of ``max_model_len``). With no live decode worker,
+    ``"remote"`` (nothing to compare with)."""
+    longest = (config.max_model_len or 1 << 30) - 1  # NOTE: a prompt leaves room for a token
+    threshold = config.local_prefill_threshold
+    if config.disaggregation == "always" or not decode_computes:
+        return "short_prompt" if longest < threshold else "remote"
+    reasons = []
+    for decode in decode_computes:
+        choice = None if shares_compute(decode, compute) else \
+            PrefillChoice("new", 0, longest // max(config.block_size, 1), 0.0)
+        path = choose_prefill_path(longest, 0, threshold, decode, {"new": compute}, choice,
+                                   WorkerLoad("new"), config.max_prefill_queue_size)
+        if path.reason == "remote":
+            return "remote"
+        reasons.append(path.reason)
+    return reasons[0]
+
+
+def computing_placements(placements: dict[str, list], config,
+                         decode_computes: Sequence[str]) -> list:
+    """The ``Placement`` of every worker whose threads compute (``placements``: the
+    scaler's, by pool): every decode worker, and each prefill worker the router sends
+    prompts to (``new_prefill_path``); unknown ones (None) left out."""
+    busy = [p for p in placements.get("decode", []) if p is not None]
+    busy += [p for p in placements.get("prefill", []) if p is not None and
+             new_prefill_path(config, decode_computes, p.compute) == "remote"]
+    return busy
+
+
+def oversubscribed(new, others: Sequence) -> bool:
+    """True when a worker placed at ``new`` (a ``Placement``) and the workers at
+    ``others`` whose CPUs it shares (same host, overlapping CPU sets) would run more
+    OpenMP threads than those CPUs number: two teams on one core. False when ``new``'s
+    CPUs are unknown."""
+    if not new.host or not new.cpus:
+        return False
+    sharing = [p for p in others if p.host == new.host and p.cpus & new.cpus]
+    cpus = set(new.cpus).union(*(p.cpus for p in sharing))
+    return new.num_threads + sum(p.num_threads for p in sharing) > len(cpus)
+
+
+def _cpus(placement) -> str:
+    return ",".join(str(c) for c in sorted(placement.cpus))
 
 
 def _fmt(value: float | None) -> str:

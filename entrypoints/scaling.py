@@ -5,7 +5,11 @@ router about them the moment they serve, or removes workers by draining them: a 
 to remove leaves the registry and takes no new request (the router routes elsewhere at
 once), its running requests and KV leases get ``drain_grace_s`` seconds to end, and what
 still runs after that migrates to another decode worker. The newest workers leave first.
-One resize runs at a time.
+One resize runs at a time; within it the pools change together (both start their new
+workers at once, then both wait), each all or nothing.
+
+It also says where each worker computes and where a new one would (``placements``,
+``placement``: the launcher's ``Placement``), which the SLO planner's policy asks.
 
 The router's ``POST /admin/scale`` calls it (``router/http.py``), and ``pdserve scale``
 posts there (``entrypoints/cli.py``).
@@ -36,6 +40,7 @@ class ScaleError(ValueError):
 class _Member:
     actor: object
     worker_id: str
+    placement: object = None  # the launcher's Placement; None when it cannot say
 
 
 class PoolScaler:
@@ -62,23 +67,41 @@ class PoolScaler:
         self.members: dict[str, list[_Member]] = {role: [] for role in configs}
         self._lock = asyncio.Lock()
 
-    def adopt(self, role: str, actor, worker_id: str) -> None:
-        """Count an actor started before the scaler (at start-up) in ``role``'s pool."""
-        self.members[role].append(_Member(actor, worker_id))
+    def adopt(self, role: str, actor, worker_id: str, placement=None) -> None:
+        """Count an actor started before the scaler (at start-up) in ``role``'s pool;
+        ``placement`` (a ``Placement``) defaults to where the launcher places ``role``'s
+        workers (``placement``)."""
+        self.members[role].append(_Member(actor, worker_id, placement or self.placement(role)))
 
     def sizes(self) -> dict[str, int]:
         """Workers per pool, ``{"prefill": n, "decode": m}``."""
         return {role: len(members) for role, members in self.members.items()}
+
+    def placement(self, role: str):
+        """Where a new worker of ``role`` would compute (the launcher's ``Placement``:
+        host, CPUs, threads); None when the launcher cannot say."""
+        place = getattr(self.launcher, "placement", None)
+        if place is None or role not in self.configs or self.configs[role] is None:
+            return None
+        return place(self.configs[role], self.workers_on_node)
+
+    def placements(self) -> dict[str, list]:
+        """Role -> the ``Placement`` of each of its workers (None where unknown)."""
+        return {role: [m.placement for m in members] for role, members in self.members.items()}
 
     async def scale(self, sizes: dict[str, int | None]) -> dict[str, int]:
         """Resize the pools named in ``sizes`` (None leaves one as it is); returns the new
         sizes. Adding waits until the new workers serve (model loaded); removing waits
         until the workers drained and stopped.
 
+        The pools change at once: the new workers of both start together and are waited
+        for together, so a resize of both takes about as long as the slower pool's.
+
         Raises:
             ScaleError: a size outside ``[0, 64]`` (``[1, 64]`` for decode), or a role
                 this cluster has no pool for.
-            RuntimeError: a new worker did not start (the others that did are kept).
+            RuntimeError: a new worker did not start: none of its pool's new workers is
+                kept (the other pool's change stands); raised once both pools are done.
         """
         for role, size in sizes.items():
             if role not in self.members:
@@ -88,18 +111,22 @@ class PoolScaler:
                 raise ScaleError(f"{role}_workers={size} must be in [{low}, "
                                  f"{MAX_WORKERS_PER_POOL}]", f"{role}_workers")
         async with self._lock:
+            changes = []
             for role, size in sizes.items():
-                if size is None:
-                    continue
                 current = len(self.members[role])
-                if size > current:
-                    await self._add(role, size - current)
-                elif size < current:
-                    await self._remove(role, current - size)
+                if size is not None and size > current:
+                    changes.append(self._add(role, size - current))
+                elif size is not None and size < current:
+                    changes.append(self._remove(role, current - size))
+            errors = [r for r in await asyncio.gather(*changes, return_exceptions=True)
+                      if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
             return self.sizes()
 
     async def _add(self, role: str, count: int) -> None:
         config = self.configs[role]
+        placement = self.placement(role)
         actors = self.launcher.start(config, count, self.workers_on_node)
         logger.info("scaling: starting %d %s worker(s)", count, role)
         started: list[str] = []
@@ -110,7 +137,7 @@ class PoolScaler:
                 self.launcher.remove(actor)
             raise
         for actor, info in zip(actors, infos):
-            self.members[role].append(_Member(actor, info.worker_id))
+            self.members[role].append(_Member(actor, info.worker_id, placement))
             started.append(info.worker_id)
             logger.info("scaling: %s worker %s ready (gRPC %s)", role, info.worker_id,
                         info.grpc_address)
