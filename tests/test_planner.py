@@ -53,9 +53,11 @@ def test_planner_config_refuses_bounds_that_cannot_work(kwargs):
 
 @pytest.fixture(scope="module")
 def autoscaled(tmp_path_factory):
-    # A TTFT target no request meets: any traffic breaks it. TPOT's is never broken.
+    # A TTFT target no request meets: any traffic breaks it. TPOT's is never broken. With
+    # --disaggregation auto (over start_serve's always) every prompt is prefilled on the
+    # decode worker, whose cores every worker here shares (prefill_path shared_compute).
     yield from start_serve(tmp_path_factory, [
-        "--autoscale", "--ttft-target-s", "0.001", "--tpot-target-s", "100",
+        "--disaggregation", "auto", "--autoscale", "--ttft-target-s", "0.001", "--tpot-target-s", "100",
         "--min-prefill-workers", "1", "--max-prefill-workers", "2",
         "--min-decode-workers", "1", "--max-decode-workers", "1",
         "--planner-interval-s", "1", "--planner-cooldown-s", "2"])
@@ -105,6 +107,8 @@ def test_a_ttft_breach_on_one_cpu_node_adds_no_prefill_worker_and_says_why(autos
     assert "SLO planner: model demo: not scaling up the prefill pool (no_prefill_would_help)" \
         in text
     assert "SLO planner: scale_up prefill" not in text
+    assert re.search(r'pdserve:prefill_path_total\{[^}]*reason="shared_compute"[^}]*\} [1-9]',
+                     httpx.get(f"{url}/metrics", timeout=10).text)
     assert "SLO planner on for model demo: p90 targets TTFT 0.001 s, TPOT 100 s" in text
     assert 'pdserve:planner_desired_workers{model_name="demo",pool="prefill"} 1.0' in \
         httpx.get(f"{url}/metrics", timeout=10).text
@@ -148,13 +152,21 @@ def test_every_metric_the_dashboard_queries_exists_on_a_live_cluster(autoscaled)
 # In process: a real router, its metrics fed by hand, and a scaler that resizes at once.
 
 class InstantScaler:
-    """``PoolScaler``'s two calls the planner makes; a resize takes effect at once."""
+    """``PoolScaler``'s calls the planner makes; a resize takes effect at once, and where
+    a worker runs is unknown (as with workers on other nodes), so no scale-up is refused
+    for its placement (those rules: tests/test_planner_placement.py)."""
 
     def __init__(self, prefill: int, decode: int) -> None:
         self._sizes = {"prefill": prefill, "decode": decode}
 
     def sizes(self) -> dict[str, int]:
         return dict(self._sizes)
+
+    def placement(self, role: str) -> None:
+        return None
+
+    def placements(self) -> dict[str, list]:
+        return {role: [None] * size for role, size in self._sizes.items()}
 
     async def scale(self, wanted: dict[str, int]) -> dict[str, int]:
         self._sizes.update(wanted)
