@@ -19,6 +19,16 @@
 
 namespace pdserve {
 
+// Whether dims [first, dim) of t are packed row-major (size-1 dims may have any stride).
+inline bool packed_from(const at::Tensor& t, int64_t first) {
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= first; --d) {
+    if (t.size(d) > 1 && t.stride(d) != expected) return false;
+    expected *= t.size(d);
+  }
+  return true;
+}
+
 // How each dtype sits in memory, and its conversions to and from fp32. bf16 is handled
 // as raw uint16 with bit operations (round to nearest even, NaN kept quiet, as torch's
 // conversion) so the loops vectorize.

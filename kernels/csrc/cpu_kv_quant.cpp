@@ -32,6 +32,7 @@
 namespace {
 
 using pdserve::Quant;
+using pdserve::packed_from;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PDSERVE_STORE_AVX512 1
@@ -211,16 +212,6 @@ void dispatch_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
       TORCH_CHECK(false, "store_kv_quant: the caches must be int8, float8_e4m3fn or "
                          "float8_e5m2, got ", key_cache.scalar_type());
   }
-}
-
-// Whether dims [first, dim) of t are packed row-major (size-1 dims may have any stride).
-bool packed_from(const at::Tensor& t, int64_t first) {
-  int64_t expected = 1;
-  for (int64_t d = t.dim() - 1; d >= first; --d) {
-    if (t.size(d) > 1 && t.stride(d) != expected) return false;
-    expected *= t.size(d);
-  }
-  return true;
 }
 
 void store_kv_quant(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,

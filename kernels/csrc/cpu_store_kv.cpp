@@ -5,11 +5,15 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 namespace {
+
+using pdserve::packed_from;
 
 // key/value [tokens, num_kv_heads, head_dim] (each token's row packed, any token stride)
 // into the caches' slots (block_id * block_size + offset; -1 skips the token): slot s is
@@ -41,16 +45,6 @@ void store_kv_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
       std::memcpy(v_dst + block * v_block + in_block, v_src + t * v_s, row_bytes);
     }
   });
-}
-
-// Whether dims [first, dim) of t are packed row-major (size-1 dims may have any stride).
-bool packed_from(const at::Tensor& t, int64_t first) {
-  int64_t expected = 1;
-  for (int64_t d = t.dim() - 1; d >= first; --d) {
-    if (t.size(d) > 1 && t.stride(d) != expected) return false;
-    expected *= t.size(d);
-  }
-  return true;
 }
 
 void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
