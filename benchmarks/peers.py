@@ -1,11 +1,12 @@
 """pdserve against vLLM's CPU backend (and, optionally, llama.cpp) on one model and one
 workload, one after another on this machine, with the ratios the serving targets use.
 
-Model: workload W1's ~125M Llama (``offline_throughput.write_checkpoint``: hidden 768,
-12 layers, bf16, random weights) with a byte-level BPE tokenizer of exactly 32000 ids
-(``pdserve.engine.demo_model.train_demo_tokenizer``), written once to ``--model-dir``.
+Model (``--model``): one of ``model_shapes.SHAPES`` (default ``w1``: workload W1's ~125M
+Llama with a 32000-id tokenizer; ``smollm2``: SmolLM2-135M-Instruct's real weights;
+``qwen3-0.6b``: Qwen3-0.6B's shape, random weights), a checkpoint folder, or a ``.gguf``
+file (dequantized to bf16), written once under ``--model-dir`` (``model_shapes.py``).
 
-Offline (``--skip-offline`` leaves it out): W1, 32 prompts of 256 random token ids in
+Offline (``--skip-offline`` leaves it out): W1's workload, 32 prompts of 256 random token ids in
 [0, 2000), 128 output tokens, greedy, ``ignore_eos``; pdserve's ``LLM`` and vLLM's ``LLM``
 each in a fresh process of its own, warmed up on other tokens, prefix cache reset before
 each of ``--offline-repeats`` timed runs; the best run counts.
@@ -84,10 +85,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from model_shapes import SHAPES, prepare_model
+
 HERE = Path(__file__).resolve().parent
 W1_PROMPTS, W1_INPUT_LEN, W1_OUTPUT_LEN, W1_TOKEN_RANGE = 32, 256, 128, 2000
 SERVE_PROMPTS, SERVE_CONCURRENCY = 64, 32
-VOCAB_SIZE = 32000
 START_TIMEOUT_S = 600.0
 RUN_TIMEOUT_S = 1200.0
 
@@ -148,35 +150,6 @@ OFFLINE_VLLM = textwrap.dedent('''\
             times.append(time.perf_counter() - start)
         print("RESULT " + json.dumps(times))
 ''').format(r=W1_TOKEN_RANGE, n_in=W1_INPUT_LEN, n=W1_PROMPTS, n_out=W1_OUTPUT_LEN)
-
-
-# ---------------------------------------------------------------- the model
-
-
-def write_model(path: Path) -> Path:
-    """W1's checkpoint plus a 32000-id tokenizer in ``path`` (kept if already there);
-    ``config.json`` and ``generation_config.json`` name the tokenizer's BOS and EOS."""
-    import torch
-
-    from pdserve.engine import demo_model
-
-    sys.path.insert(0, str(HERE))
-    from offline_throughput import write_checkpoint
-
-    if (path / "tokenizer.json").is_file() and (path / "config.json").is_file():
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    write_checkpoint(path, torch.bfloat16)
-    tokenizer = demo_model.train_demo_tokenizer(VOCAB_SIZE)
-    demo_model._write_tokenizer(path, tokenizer)
-    bos = tokenizer.token_to_id(demo_model.BOS_TOKEN)
-    eos = tokenizer.token_to_id(demo_model.EOS_TOKEN)
-    config = json.loads((path / "config.json").read_text())
-    config.update(bos_token_id=bos, eos_token_id=eos)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    (path / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": bos, "eos_token_id": eos}, indent=2))
-    return path
 
 
 # ---------------------------------------------------------------- processes
@@ -247,7 +220,8 @@ def cpu_list() -> str:
 
 
 def offline(engine: str, args: argparse.Namespace, model: Path, work: Path) -> dict:
-    """Best of ``--offline-repeats`` W1 runs of ``engine`` in a fresh process."""
+    """Best of ``--offline-repeats`` runs of W1's workload on ``model`` by ``engine``, in a
+    fresh process."""
     if engine == "pdserve":
         script, python, env = OFFLINE_PDSERVE, sys.executable, None
         argv = [python, "-c", script, str(model), str(args.offline_repeats), args.dtype]
@@ -386,7 +360,7 @@ def summarize_bench(raw: dict) -> dict:
 
 def serve_round(args, model: Path, work: Path, round_index: int, servers: list[str],
                 ggufs: dict[str, Path]) -> dict:
-    """Every server of ``servers`` once: ``pdserve`` and ``vllm`` on W1's folder; for
+    """Every server of ``servers`` once: ``pdserve`` and ``vllm`` on the model's folder; for
     ``llama.cpp``, per GGUF file, ``pdserve serve`` and ``llama-server`` on that same
     file, each driven by W1's served run and then by ``--batch1-prompts`` requests one at
     a time (figures under ``"batch1"``)."""
@@ -480,7 +454,8 @@ def report(result: dict) -> None:
     print("\n==================== peers ====================")
     for name, f in result.get("offline", {}).items():
         times = ", ".join(f"{t:.2f}" for t in f["seconds"])
-        print(f"offline W1 {name:8s} {f['output_throughput']:8.1f} tok/s (runs: {times} s)")
+        print(f"offline {result['model']} {name:8s} {f['output_throughput']:8.1f} tok/s "
+              f"(runs: {times} s)")
     for i, rnd in enumerate(result.get("served", [])):
         for name, f in rnd.items():
             print(f"served run {i + 1} {name:8s} {_row(f)}")
@@ -513,8 +488,11 @@ def main() -> None:
     parser.add_argument("--servers", default=None,
                         help="comma-separated, of pdserve, vllm, llama.cpp (default: "
                         "pdserve,vllm, plus llama.cpp with --llama-cpp-dir)")
+    parser.add_argument("--model", default="w1", help="one of "
+                        f"{', '.join(SHAPES)}, a checkpoint folder or a .gguf file")
     parser.add_argument("--model-dir", type=Path,
-                        default=Path(tempfile.gettempdir()) / "pdserve-w1-tokenized")
+                        default=Path(tempfile.gettempdir()) / "pdserve-models",
+                        help="where --model's checkpoint is written (and kept)")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="logs and result files (default: a new temporary folder)")
     parser.add_argument("--runs", type=int, default=3)
@@ -538,7 +516,7 @@ def main() -> None:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="pdserve-peers-"))
     work.mkdir(parents=True, exist_ok=True)
     (work / "vllm_cli.py").write_text(VLLM_WRAPPER)
-    model = write_model(args.model_dir)
+    model = prepare_model(args.model, args.model_dir)
     servers = (args.servers.split(",") if args.servers else
                ["pdserve", "vllm"] + (["llama.cpp"] if args.llama_cpp_dir else []))
     if "llama.cpp" in servers and not args.llama_cpp_dir:
@@ -547,15 +525,16 @@ def main() -> None:
         print("llama.cpp: left out (no --llama-cpp-dir)")
     result: dict = {"machine": {"platform": platform.platform(), "processor":
                                 platform.processor(), "cpus": cpu_list()}, "dtype": args.dtype,
-                    "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "work_dir": str(work)}
+                    "model": args.model, "work_dir": str(work),
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
         ggufs = gguf_files(args, model) if "llama.cpp" in servers else {}
         if not args.skip_offline:
             result["offline"] = {e: offline(e, args, model, work) for e in ("pdserve", "vllm")
                                  if e in servers}
             for name, f in result["offline"].items():
-                print(f"offline W1 {name}: {f['output_throughput']:.1f} tok/s", flush=True)
+                print(f"offline {args.model} {name}: {f['output_throughput']:.1f} tok/s",
+                      flush=True)
         if not args.skip_serve:
             result["served"] = []
             for i in range(args.runs):

@@ -26,7 +26,7 @@ import math
 import tempfile
 from pathlib import Path
 
-import torch
+from model_shapes import bf16_checkpoint
 
 QUESTIONS = ["What is the capital of France?", "What is 2+2?",
              "Who wrote Romeo and Juliet?", "What color is the sky on a clear day?",
@@ -36,25 +36,6 @@ CONFIGS = {"bf16": (False, None, None), "w8": (False, "int8", None),
            "w4": (False, "int4", None), "gguf-q4_1": (True, None, None),
            "kv-int8": (False, None, "int8"), "kv-fp8": (False, None, "fp8")}
 LIMITS = {"w8": 0.01, "kv-int8": 0.01, "w4": 0.10}  # the issue's bounds on the ratio - 1
-
-
-def bf16_checkpoint(gguf: Path, work: Path) -> Path:
-    """The GGUF file dequantized by transformers, saved as a bf16 checkpoint (once)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = work / f"{gguf.stem}-bf16"
-    if (out / "config.json").is_file():
-        return out
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                  dtype=torch.bfloat16)
-    # NOTE: transformers will not save a model it read from GGUF: copy it into a plain one
-    config = type(loaded.config).from_dict(
-        {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.load_state_dict(loaded.state_dict())
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
-    return out
 
 
 def text_tokens(tokenizer, count: int) -> list[int]:

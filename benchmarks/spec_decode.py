@@ -194,7 +194,7 @@ def parse_args() -> argparse.Namespace:
     if args.model is None:
         if args.gguf is None:
             parser.error("give --gguf or --model")
-        from perplexity import bf16_checkpoint
+        from model_shapes import bf16_checkpoint
 
         work = Path(os.environ.get("PDSERVE_CACHE_DIR",
                                    Path(tempfile.gettempdir()) / "pdserve-bench"))

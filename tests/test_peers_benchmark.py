@@ -25,15 +25,16 @@ def peers():
 def test_the_model_has_a_32000_id_tokenizer_that_matches_its_config(peers, tmp_path):
     """transformers and pdserve load it; BOS and EOS agree between the tokenizer and the
     configs, and pdserve generates from it."""
+    from model_shapes import W1_VOCAB_SIZE, prepare_model
     from transformers import AutoTokenizer
 
     from pdserve.engine import LLM, SamplingParams
 
-    model = peers.write_model(tmp_path / "w1")
+    model = prepare_model("w1", tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(model)
     config = json.loads((model / "config.json").read_text())
     generation = json.loads((model / "generation_config.json").read_text())
-    assert len(tokenizer) == peers.VOCAB_SIZE == config["vocab_size"]
+    assert len(tokenizer) == W1_VOCAB_SIZE == config["vocab_size"]
     assert config["bos_token_id"] == generation["bos_token_id"] == tokenizer.bos_token_id
     assert config["eos_token_id"] == generation["eos_token_id"] == tokenizer.eos_token_id
     assert tokenizer("hello world").input_ids[0] == tokenizer.bos_token_id
@@ -41,7 +42,10 @@ def test_the_model_has_a_32000_id_tokenizer_that_matches_its_config(peers, tmp_p
     out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=3,
                                                        ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
-    assert peers.write_model(model) == model  # kept, not rewritten
+    assert prepare_model("w1", tmp_path) == model  # kept, not rewritten
+    assert prepare_model(str(model), tmp_path / "elsewhere") == model  # a folder as it is
+    with pytest.raises(FileNotFoundError, match="qwen3-0.6b"):
+        prepare_model("no-such-shape", tmp_path)
 
 
 def bench_result(throughput: float, ttft: float, tpot: float) -> dict:
@@ -68,3 +72,23 @@ def test_ratios_are_the_targets_ratios(peers):
     assert ratios["served_over_offline_pdserve"] == pytest.approx(0.88)
     assert ratios["offline_pdserve_over_vllm"] == pytest.approx(1.25)
     assert peers.ratios({"offline": offline}) == {"offline_pdserve_over_vllm": 1.25}
+
+
+def test_served_path_reports_served_over_offline_per_shape(peers, capsys):
+    """``served_path.py``'s table: each shape's runs against its offline figure, the best
+    ratio, and a mark on a shape under the 0.95 target."""
+    import served_path
+
+    runs = [peers.summarize_bench(bench_result(t, 900, 33)) for t in (900.0, 950.0)]
+    results = {"w1": {"offline": {"output_throughput": 1000.0}, "served": runs,
+                      "served_over_offline": [0.9, 0.95], "best_served_over_offline": 0.95,
+                      "mean_ttft_ms": [900, 900], "mean_tpot_ms": [33, 33],
+                      "p99_itl_ms": [99, 99]},
+               "smollm2": {"offline": {"output_throughput": 600.0}, "served": runs[:1],
+                           "served_over_offline": [0.8], "best_served_over_offline": 0.8,
+                           "mean_ttft_ms": [900], "mean_tpot_ms": [33], "p99_itl_ms": [99]}}
+    served_path.report(results)
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()
+             if line.split() and line.split()[0] in results}
+    assert "0.90, 0.95" in lines["w1"] and "under target" not in lines["w1"]
+    assert "0.80" in lines["smollm2"] and "under target" in lines["smollm2"]
