@@ -4,7 +4,9 @@ Each worker is one actor running its gRPC server on an event loop thread. Actors
 when they die (``max_restarts=-1``); a restarted actor is a new incarnation with a new
 worker id, so the registry and prefix index never mix its empty cache with the old one's.
 On GPU nodes each actor takes one GPU; on CPU the machine's cores are split between the
-workers (``num_threads``), so two workers on one machine do not oversubscribe it.
+workers (``num_threads``), so two workers on one machine do not oversubscribe it; on one
+CPU node ``start`` may pin an actor to a CPU set (``Placement``) and ``resplit`` moves a
+running one to another (``PoolScaler`` re-splits the node's cores at each resize).
 
 A local Ray (no ``ray_address``) binds as narrowly as Ray allows: with node IP 127.0.0.1
 Ray's gRPC servers (GCS, raylet, object manager, every worker's and driver's core worker),
