@@ -356,15 +356,6 @@ class SLOPlanner:
         resplits = getattr(self.scaler, "resplits", lambda: False)()
         trial = dict(sizes)  # the sizes with the scale-ups admitted so far
         for role in [r for r in ("decode", "prefill") if wanted.get(r, 0) > sizes[r]]:
-            if resplits and role in self.scaler.split:
-                try:  # NOTE: every computing worker gets CPUs of its own: enough cores?
-                    self.scaler.plan({**trial, role: trial[role] + 1})
-                except ScaleError as exc:
-                    refusals[role] = "no_free_cores"
-                    self._say_refused(role, "no_free_cores", str(exc))
-                    continue
-                trial[role] += 1
-                continue
             new = self.scaler.placement(role)
             if role == "prefill":
                 path = new_prefill_path(self.router.config, decode_computes,
@@ -375,6 +366,15 @@ class SLOPlanner:
                                       f"the router would send it no prompt ({path}: every "
                                       "prompt would be prefilled on its decode worker)")
                     continue
+            if resplits and role in self.scaler.split:
+                try:  # NOTE: every computing worker gets CPUs of its own: enough cores?
+                    self.scaler.plan({**trial, role: trial[role] + 1})
+                except ScaleError as exc:
+                    refusals[role] = "no_free_cores"
+                    self._say_refused(role, "no_free_cores", str(exc))
+                    continue
+                trial[role] += 1
+                continue
             busy = computing_placements(self.scaler.placements(), self.router.config,
                                         decode_computes) + admitted
             if new is not None and oversubscribed(new, busy):
