@@ -159,6 +159,21 @@ class WorkerRegistry:
                                             name=f"registry-heartbeat-{record.worker_id}")
             self._thread.start()
 
+    def update(self, record: WorkerRecord) -> None:
+        """Keep ``record`` alive instead of the one registered (the same worker id and
+        epoch, a field changed: its ``compute`` after its CPUs were re-split) and write it
+        now.
+
+        Raises:
+            RuntimeError: no record is kept alive, or ``record`` is another worker's.
+            redis.RedisError: Redis did not take it (the old record stays there).
+        """
+        with self._lock:
+            if self._record is None or self._record.worker_id != record.worker_id:
+                raise RuntimeError(f"{record.worker_id} is not the worker registered here")
+            self._record = record
+            self._write(record, int(self.heartbeat_ttl_s * 1000), int(self.record_ttl_s * 1000))
+
     def stop_heartbeat(self) -> None:
         """Stop refreshing the heartbeat (the worker lapses within ``heartbeat_ttl_s``)
         but leave the record; e.g. a worker draining before exit."""

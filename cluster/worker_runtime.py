@@ -113,6 +113,33 @@ class WorkerRuntime:
             metrics_address=self.metrics_server.address if self.metrics_server else "")
         await asyncio.to_thread(self.registry.register, record)
 
+    async def resplit(self, cpus: list[int], num_threads: int) -> str:
+        """Run this worker on ``cpus`` with ``num_threads`` intra-op threads from its next
+        engine step on (``cpu_threads.apply_cpu_split`` on the engine thread, between two
+        steps), and rewrite its registry record's ``compute`` to match, which the router's
+        ``shares_compute`` reads. Returns the new ``compute``.
+
+        Raises:
+            ValueError: the engine does not compute on CPUs.
+            OSError: ``cpus`` holds no CPU this process may have.
+        """
+        import dataclasses
+
+        from pdserve.engine.cpu_threads import apply_cpu_split
+
+        device = self.engine.engine.model_runner.device
+        if device.type != "cpu":
+            raise ValueError(f"worker {self.worker_id} computes on {device}, not on CPUs")
+        bound = await self.engine.call(lambda e: apply_cpu_split(
+            e.config.cpu_omp_threads_bind, cpus, num_threads))
+        compute = compute_placement(device)
+        if self.registry is not None and self.registry.record is not None:
+            await asyncio.to_thread(self.registry.update, dataclasses.replace(
+                self.registry.record, compute=compute))
+        logger.info("worker %s now runs %d intra-op threads on CPUs %s (%d bound)",
+                    self.worker_id, num_threads, ",".join(map(str, cpus)), bound)
+        return compute
+
     def check_admitting(self) -> None:
         """Raises ``WorkerDraining`` (the servicers answer UNAVAILABLE, and the router
         sends the request elsewhere) once this worker drains or stops."""

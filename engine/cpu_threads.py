@@ -1,6 +1,7 @@
 """An engine's CPU threads (``--cpu-omp-threads-bind``, vLLM's ``VLLM_CPU_OMP_THREADS_BIND``):
-the CPU list parser, and binding the thread that steps the engine's intra-op team to CPUs
-(the C++ kernels' ``bind_intra_op_threads``)."""
+the CPU list parser, binding the thread that steps the engine's intra-op team to CPUs
+(the C++ kernels' ``bind_intra_op_threads``), and moving a running engine onto another
+CPU set and thread count (``apply_cpu_split``, when the pools on a CPU node change)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,44 @@ def bind_intra_op_threads(mode: str, num_threads: int | None, explicit_only: boo
     logger.log(logging.INFO if bound == threads else logging.WARNING,
                "%d of %d intra-op threads bound to CPUs %s", bound, threads, cpus[:threads])
     return bound
+
+
+def set_process_affinity(cpus) -> int:
+    """Let every thread of this process run only on ``cpus`` (CPU numbers); threads it
+    starts later inherit the calling thread's set. Returns how many threads were moved
+    (Linux: each of ``/proc/self/task``; elsewhere the calling thread).
+
+    Raises:
+        OSError: ``cpus`` holds no CPU this process may have.
+    """
+    cpus = set(cpus)
+    try:
+        tids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except FileNotFoundError:
+        tids = [0]
+    moved = 0
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+            moved += 1
+        except ProcessLookupError:  # NOTE: ended meanwhile
+            continue
+    return moved
+
+
+def apply_cpu_split(mode: str, cpus, num_threads: int) -> int:
+    """Move this engine onto ``cpus`` with ``num_threads`` intra-op threads (a worker's
+    share of a CPU node, ``PoolScaler``'s re-split); call it on the thread that steps the
+    engine, between two steps. Every thread of the process goes to ``cpus``; the team is
+    resized and, with ``mode`` ``auto`` (``cpu_omp_threads_bind``) and one thread per CPU,
+    each of its threads bound to one of them. With ``nobind`` or a CPU list the team is
+    only resized (a list names CPUs of its own). Returns how many threads were bound.
+
+    Raises:
+        OSError: ``cpus`` holds no CPU this process may have.
+    """
+    set_process_affinity(cpus)
+    if mode != "auto":
+        torch.set_num_threads(num_threads)
+        return 0
+    return bind_intra_op_threads(mode, num_threads)

@@ -4,7 +4,9 @@ Each worker is one actor running its gRPC server on an event loop thread. Actors
 when they die (``max_restarts=-1``); a restarted actor is a new incarnation with a new
 worker id, so the registry and prefix index never mix its empty cache with the old one's.
 On GPU nodes each actor takes one GPU; on CPU the machine's cores are split between the
-workers (``num_threads``), so two workers on one machine do not oversubscribe it.
+workers (``num_threads``), so two workers on one machine do not oversubscribe it; on one
+CPU node ``start`` may pin an actor to a CPU set (``Placement``) and ``resplit`` moves a
+running one to another (``PoolScaler`` re-splits the node's cores at each resize).
 
 A local Ray (no ``ray_address``) binds as narrowly as Ray allows: with node IP 127.0.0.1
 Ray's gRPC servers (GCS, raylet, object manager, every worker's and driver's core worker),
@@ -75,9 +77,13 @@ class Placement:
 class WorkerActor:
     """The body of a worker actor (wrapped by ``ray.remote`` in ``RayLauncher``)."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, cpus: frozenset[int] | None = None) -> None:
         from pdserve.entrypoints.worker_main import make_worker
 
+        if cpus:  # NOTE: before the engine's threads exist: they inherit it
+            from pdserve.engine.cpu_threads import set_process_affinity
+
+            set_process_affinity(cpus)
         # A new incarnation (first start or a Ray restart) gets its own worker id.
         config = dataclasses.replace(config, worker_id=f"{config.worker_id}-{os.getpid()}")
         config = _on_this_node(config)
@@ -102,6 +108,12 @@ class WorkerActor:
 
     def stop(self) -> None:
         self._run(self.worker.stop(), 30.0)
+
+    def resplit(self, cpus: list[int], num_threads: int) -> str:
+        """Run on ``cpus`` with ``num_threads`` intra-op threads from the next engine
+        step on (``WorkerRuntime.resplit``); returns the registry record's new
+        ``compute``."""
+        return self._run(self.worker.runtime.resplit(cpus, num_threads), 60.0)
 
     def drain(self, grace_s: float) -> bool:
         """Drain (``Worker.drain``: out of the registry, no new requests, ``grace_s``
@@ -257,12 +269,15 @@ class RayLauncher:
         (``start``, then ``wait_ready``)."""
         return self.wait_ready(self.start(config, count, workers_on_node))
 
-    def start(self, config: WorkerConfig, count: int, workers_on_node: int) -> list:
+    def start(self, config: WorkerConfig, count: int, workers_on_node: int,
+              placements: list[Placement] | None = None) -> list:
         """Create ``count`` actors of ``config.role`` and return their handles at once; each
         starts its worker in its constructor (``wait_ready`` waits for that).
 
         ``workers_on_node``: the workers on this node that compute at the same time; their
-        number splits the cores into each one's default CPU threads.
+        number splits the cores into each one's default CPU threads. ``placements`` (one
+        per actor, from ``PoolScaler.plan``): each actor runs on its CPUs with its
+        ``num_threads`` instead.
 
         With a ``certificate_authority`` (``pdserve serve --cluster-tls auto``), each actor
         gets a key and certificate of its own, issued here, naming the address it will
@@ -280,14 +295,18 @@ class RayLauncher:
         options = {"max_restarts": -1, "max_task_retries": 3, "num_cpus": 0,
                    "num_gpus": tp if self.has_gpus else 0, "scheduling_strategy": "SPREAD"}
         actors = []
-        for _ in range(count):
+        for i in range(count):
             name = f"{config.role}-{self._num_started}"
             self._num_started += 1
-            member = dataclasses.replace(config, engine=engine, worker_id=name)
+            place = placements[i] if placements else None
+            member = dataclasses.replace(config, worker_id=name, engine=engine if place is None
+                                         else dataclasses.replace(
+                                             engine, num_threads=place.num_threads))
             if self.certificate_authority is not None and config.auth is not None:
                 member.auth = config.auth.with_tls(self.certificate_authority.issue(
                     name, self.advertised_hosts(config)))
-            actor = self._actor_cls.options(**options).remote(member)
+            actor = self._actor_cls.options(**options).remote(
+                member, None if place is None else place.cpus)
             self.actors.append(actor)
             self._names[actor] = name
             actors.append(actor)
@@ -314,6 +333,29 @@ class RayLauncher:
         if sum(1 for node in self.ray.nodes() if node["Alive"]) > 1:
             return Placement("", frozenset(), threads)
         return Placement(socket.gethostname(), frozenset(os.sched_getaffinity(0)), threads)
+
+    def node_cpus(self) -> tuple[str, frozenset[int]] | None:
+        """(this host's name, the CPUs Ray's workers may run on) on one CPU node, where
+        ``resplit`` can give each worker CPUs of its own; None on GPUs or with several
+        nodes (Ray picks each actor's node)."""
+        if self.has_gpus or sum(1 for node in self.ray.nodes() if node["Alive"]) > 1:
+            return None
+        return socket.gethostname(), frozenset(os.sched_getaffinity(0))
+
+    def resplit(self, actor, placement: Placement, timeout_s: float = 60.0) -> str:
+        """Move running ``actor`` onto ``placement``'s CPUs and thread count (it applies
+        them between two engine steps: ``WorkerActor.resplit``); blocks until it has and
+        returns its new ``compute``.
+
+        Raises:
+            RuntimeError: the actor did not within ``timeout_s`` seconds, or failed.
+        """
+        ref = actor.resplit.remote(sorted(placement.cpus), placement.num_threads)
+        try:
+            return self.ray.get(ref, timeout=timeout_s)
+        except Exception as exc:
+            raise RuntimeError(f"worker {self._names.get(actor, '?')} did not re-split onto "
+                               f"CPUs {placement.compute}: {exc}") from exc
 
     def wait_ready(self, actors: list, on_ready: Callable[[WorkerInfo], None] | None = None,
                    timeout_s: float = START_TIMEOUT_S) -> list[WorkerInfo]:

@@ -35,11 +35,14 @@ Policy, per pool, within ``[min, max]``:
     each prompt is prefilled on its decode worker (``shared_compute``), or every prompt
     is short enough to stay there. The decode pool still grows if it breaks its own
     target, else nothing does;
-  - ``no_free_cores``: on CPU, the new worker's OpenMP team and those of the computing
-    workers whose CPUs it would share (decode workers, and the prefill workers the router
-    sends prompts to) would have more threads than those CPUs are: two teams on one core.
-    Running workers keep their thread count (no re-split), so a pool grows only onto
-    cores that no computing worker uses.
+  - ``no_free_cores``: on one CPU node, where the pools re-split (``PoolScaler.plan``:
+    each computing worker, decode and with ``--disaggregation always`` prefill, gets
+    CPUs of its own, and the running ones shrink onto fewer cores when the pool grows),
+    when a worker would get less than one core. Where they do not (workers placed by
+    another launcher, as ``taskset`` would), when the new worker's OpenMP team and those
+    of the computing workers whose CPUs it would share (decode workers, and the prefill
+    workers the router sends prompts to) would have more threads than those CPUs are:
+    two teams on one core.
 
 What it says (logger ``pdserve.entrypoints.planner``, each line naming the model):
 
@@ -70,6 +73,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge
 
+from pdserve.entrypoints.scaling import ScaleError
 from pdserve.router.routing_policy import (
     PrefillChoice,
     WorkerLoad,
@@ -349,6 +353,8 @@ class SLOPlanner:
         refusals: dict[str, str] = {}
         decode_computes = [w.record.compute for w in self.router.pool.live("decode")]
         admitted: list = []  # the placements of the new workers admitted so far
+        resplits = getattr(self.scaler, "resplits", lambda: False)()
+        trial = dict(sizes)  # the sizes with the scale-ups admitted so far
         for role in [r for r in ("decode", "prefill") if wanted.get(r, 0) > sizes[r]]:
             new = self.scaler.placement(role)
             if role == "prefill":
@@ -360,6 +366,15 @@ class SLOPlanner:
                                       f"the router would send it no prompt ({path}: every "
                                       "prompt would be prefilled on its decode worker)")
                     continue
+            if resplits and role in self.scaler.split:
+                try:  # NOTE: every computing worker gets CPUs of its own: enough cores?
+                    self.scaler.plan({**trial, role: trial[role] + 1})
+                except ScaleError as exc:
+                    refusals[role] = "no_free_cores"
+                    self._say_refused(role, "no_free_cores", str(exc))
+                    continue
+                trial[role] += 1
+                continue
             busy = computing_placements(self.scaler.placements(), self.router.config,
                                         decode_computes) + admitted
             if new is not None and oversubscribed(new, busy):

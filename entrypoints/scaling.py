@@ -6,7 +6,14 @@ to remove leaves the registry and takes no new request (the router routes elsewh
 once), its running requests and KV leases get ``drain_grace_s`` seconds to end, and what
 still runs after that migrates to another decode worker. The newest workers leave first.
 One resize runs at a time; within it the pools change together (both start their new
-workers at once, then both wait), each all or nothing.
+workers at once, then both wait), each all or nothing; a resize whose caller is cancelled
+stops the workers it was starting.
+
+On one CPU node the computing workers (``split``: the decode pool, and the prefill pool
+with ``--disaggregation always``) each get CPUs of their own: the node's CPUs are split
+between them again at every resize (``plan``, ``split_cpus``), and the running ones apply
+their new CPU set and thread count between two engine steps (the launcher's
+``resplit``), so no core runs two workers' OpenMP teams.
 
 It also says where each worker computes and where a new one would (``placements``,
 ``placement``: the launcher's ``Placement``), which the SLO planner's policy asks.
@@ -20,11 +27,43 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 logger = logging.getLogger(__name__)
 MAX_WORKERS_PER_POOL = 64
 DRAIN_CALL_MARGIN_S = 30.0  # beyond the grace: the stop after a drain
+
+
+def split_cpus(cpus: Sequence[int], count: int) -> list[frozenset[int]]:
+    """``cpus`` cut into ``count`` disjoint runs of consecutive entries, the first ones one
+    CPU longer where they do not divide evenly: ``split_cpus([0, 1, 2], 2)`` is
+    ``[{0, 1}, {2}]``.
+
+    Raises:
+        ScaleError: ``count`` workers would get less than one CPU each (``param``
+            ``no_free_cores``), or ``count`` < 0.
+    """
+    if count < 0 or count > len(cpus):
+        raise ScaleError(f"{count} workers would get less than one core each of the "
+                         f"{len(cpus)} CPUs {','.join(map(str, cpus))}", "no_free_cores")
+    size, longer = divmod(len(cpus), count) if count else (0, 0)
+    runs, first = [], 0
+    for i in range(count):
+        last = first + size + (1 if i < longer else 0)
+        runs.append(frozenset(cpus[first:last]))
+        first = last
+    return runs
+
+
+def split_roles(disaggregation: str, has_gpus: bool, models_on_node: int) -> tuple[str, ...]:
+    """The roles whose workers ``pdserve serve`` re-splits a CPU node's cores between
+    (``PoolScaler``'s ``split``): with ``--disaggregation auto`` only the decode workers
+    compute (the router prefills on them: the prefill workers share their CPUs), with
+    ``always`` both pools do. None on GPUs (a GPU each) or with several models (their
+    workers share the node; each scaler knows only its own)."""
+    if has_gpus or models_on_node != 1:
+        return ()
+    return ("prefill", "decode") if disaggregation == "always" else ("decode",)
 
 
 class ScaleError(ValueError):
@@ -54,16 +93,21 @@ class PoolScaler:
         drain_grace_s: seconds a removed worker's requests and leases get to end.
         on_change: awaited after each change with the ids of the workers added and of
             those being removed (the router refreshes its pool with it).
+        split: the roles whose workers compute (``split_roles``): on one CPU node (the
+            launcher's ``node_cpus``), each of their workers gets CPUs of its own, re-split
+            whenever their number changes (``plan``); empty: no re-split, new workers get
+            the thread count the first ones got.
     """
 
     def __init__(self, launcher, configs: dict, workers_on_node: int, drain_grace_s: float,
-                 on_change: Callable[[list[str], list[str]], Awaitable[None]] | None = None
-                 ) -> None:
+                 on_change: Callable[[list[str], list[str]], Awaitable[None]] | None = None,
+                 split: Sequence[str] = ()) -> None:
         self.launcher = launcher
         self.configs = configs
         self.workers_on_node = workers_on_node
         self.drain_grace_s = drain_grace_s
         self.on_change = on_change
+        self.split = tuple(role for role in split if role in configs)
         self.members: dict[str, list[_Member]] = {role: [] for role in configs}
         self._lock = asyncio.Lock()
 
@@ -79,7 +123,16 @@ class PoolScaler:
 
     def placement(self, role: str):
         """Where a new worker of ``role`` would compute (the launcher's ``Placement``:
-        host, CPUs, threads); None when the launcher cannot say."""
+        host, CPUs, threads); None when the launcher cannot say. Where the pools re-split
+        (``resplits``), the CPUs it would get with one more worker of ``role`` (``plan``),
+        or None when each would get less than one core."""
+        if role in self.split and self.resplits():
+            sizes = self.sizes()
+            sizes[role] += 1
+            try:
+                return self.plan(sizes)[role][-1]
+            except ScaleError:
+                return None
         place = getattr(self.launcher, "placement", None)
         if place is None or role not in self.configs or self.configs[role] is None:
             return None
@@ -89,6 +142,43 @@ class PoolScaler:
         """Role -> the ``Placement`` of each of its workers (None where unknown)."""
         return {role: [m.placement for m in members] for role, members in self.members.items()}
 
+    def resplits(self) -> bool:
+        """Whether a resize re-splits the CPUs of the ``split`` roles' workers: some role
+        computes, and the launcher says the node's CPUs (one CPU node) and can re-split a
+        running worker (``resplit``)."""
+        node_cpus = getattr(self.launcher, "node_cpus", None)
+        return bool(self.split) and callable(getattr(self.launcher, "resplit", None)) \
+            and node_cpus is not None and node_cpus() is not None
+
+    def plan(self, sizes: dict[str, int], strict: bool = True):
+        """Role -> the ``Placement`` each worker of the ``split`` roles would have with
+        ``sizes`` workers per pool, in the order of ``members`` (the workers kept first,
+        then the new ones): the node's CPUs split into disjoint runs, one per worker
+        (``split_cpus``), each run's length its thread count. Other roles are left out.
+        With more workers than CPUs and not ``strict`` (an operator's explicit resize),
+        each gets one thread on one CPU, the CPUs taken in turn.
+
+        Raises:
+            ScaleError: the pools do not re-split (``resplits``), or, ``strict``, a worker
+                would get less than one core (``param`` ``no_free_cores``).
+        """
+        if not self.resplits():
+            raise ScaleError("this launcher does not re-split the pools' CPUs")
+        from pdserve.entrypoints.launcher import Placement
+
+        host, cpus = self.launcher.node_cpus()
+        cpus = sorted(cpus)
+        counts = [sizes.get(role, len(self.members[role])) for role in self.split]
+        if strict or sum(counts) <= len(cpus):
+            runs = split_cpus(cpus, sum(counts))
+        else:
+            runs = [frozenset({cpus[i % len(cpus)]}) for i in range(sum(counts))]
+        placed, first = {}, 0
+        for role, count in zip(self.split, counts):
+            placed[role] = [Placement(host, run, len(run)) for run in runs[first:first + count]]
+            first += count
+        return placed
+
     async def scale(self, sizes: dict[str, int | None]) -> dict[str, int]:
         """Resize the pools named in ``sizes`` (None leaves one as it is); returns the new
         sizes. Adding waits until the new workers serve (model loaded); removing waits
@@ -96,6 +186,14 @@ class PoolScaler:
 
         The pools change at once: the new workers of both start together and are waited
         for together, so a resize of both takes about as long as the slower pool's.
+
+        Where the pools re-split (``resplits``), every worker of the ``split`` roles gets
+        its CPUs and thread count of ``plan``: when their number grows, the running ones
+        narrow first (each between two engine steps) and the new ones start on the CPUs
+        freed; when it shrinks, the ones left widen once the others are gone. So no core
+        runs two workers' OpenMP teams, but for a leaving worker's drain, or when asked
+        for more of them than there are cores (one thread each, the CPUs taken in turn;
+        the planner never asks: ``no_free_cores``).
 
         Raises:
             ScaleError: a size outside ``[0, 64]`` (``[1, 64]`` for decode), or a role
@@ -111,32 +209,72 @@ class PoolScaler:
                 raise ScaleError(f"{role}_workers={size} must be in [{low}, "
                                  f"{MAX_WORKERS_PER_POOL}]", f"{role}_workers")
         async with self._lock:
+            target = None
+            if self.resplits():
+                after = {**self.sizes(), **{r: n for r, n in sizes.items() if n is not None}}
+                target = self.plan(after, strict=False)
+                grows = sum(map(len, target.values())) > \
+                    sum(len(self.members[role]) for role in self.split)
+                if grows:  # NOTE: each running worker narrows before the new ones start
+                    await self._resplit(target)
             changes = []
             for role, size in sizes.items():
                 current = len(self.members[role])
                 if size is not None and size > current:
-                    changes.append(self._add(role, size - current))
+                    changes.append(self._add(role, size - current, target))
                 elif size is not None and size < current:
                     changes.append(self._remove(role, current - size))
             errors = [r for r in await asyncio.gather(*changes, return_exceptions=True)
                       if isinstance(r, BaseException)]
+            if target is not None and (errors or not grows):
+                # NOTE: widen onto the cores left
+                await self._resplit(self.plan(self.sizes(), strict=False))
             if errors:
                 raise errors[0]
             return self.sizes()
 
-    async def _add(self, role: str, count: int) -> None:
+    async def _resplit(self, target: dict[str, list]) -> None:
+        """Give each running worker of the ``split`` roles its ``Placement`` in ``target``
+        (``plan``; the i-th worker of a role the i-th entry) where it changes, all at
+        once; each applies it between two engine steps (``launcher.resplit``). A worker
+        that fails to (dead, or stuck) keeps its placement, with a warning."""
+        moves = [(member, placement) for role, placements in target.items()
+                 for member, placement in zip(self.members[role], placements)
+                 if member.placement != placement]
+        results = await asyncio.gather(
+            *(asyncio.to_thread(self.launcher.resplit, member.actor, place)
+              for member, place in moves), return_exceptions=True)
+        for (member, placement), result in zip(moves, results):
+            if isinstance(result, Exception):
+                logger.warning("scaling: %s not re-split: %s", member.worker_id, result)
+                continue
+            member.placement = placement
+            logger.info("scaling: %s re-split onto CPUs %s (%d threads)", member.worker_id,
+                        placement.compute.rpartition(":")[2], placement.num_threads)
+
+    async def _add(self, role: str, count: int, target: dict[str, list] | None = None
+                   ) -> None:
+        """Start ``count`` workers of ``role`` and wait until they serve; where the pools
+        re-split, on their CPUs in ``target`` (the last ``count`` of ``role``'s)."""
         config = self.configs[role]
-        placement = self.placement(role)
-        actors = self.launcher.start(config, count, self.workers_on_node)
+        if target is not None and role in target:
+            placements = target[role][-count:]
+            actors = self.launcher.start(config, count, self.workers_on_node,
+                                         placements=placements)
+        else:
+            placements = [self.placement(role)] * count
+            actors = self.launcher.start(config, count, self.workers_on_node)
         logger.info("scaling: starting %d %s worker(s)", count, role)
         started: list[str] = []
         try:
             infos = await asyncio.to_thread(self.launcher.wait_ready, actors)
-        except RuntimeError:
-            for actor in actors:  # NOTE: half a resize is none: stop the lot
+        except BaseException:
+            # NOTE: a failed start, or the caller cancelled: half a resize is none, and a
+            # worker still starting in the waiting thread is no one's once this returns
+            for actor in actors:
                 self.launcher.remove(actor)
             raise
-        for actor, info in zip(actors, infos):
+        for actor, info, placement in zip(actors, infos, placements):
             self.members[role].append(_Member(actor, info.worker_id, placement))
             started.append(info.worker_id)
             logger.info("scaling: %s worker %s ready (gRPC %s)", role, info.worker_id,

@@ -438,7 +438,7 @@ class _ServeRun:
         that compute at once on a node, to split its cores); returns the ``PoolScaler``
         that owns them from now on."""
         from pdserve.cluster.worker_config import WorkerConfig
-        from pdserve.entrypoints.scaling import PoolScaler
+        from pdserve.entrypoints.scaling import PoolScaler, split_roles
 
         args = self.args
         common = {"redis_url": redis_url, "host": args.worker_host,
@@ -473,7 +473,8 @@ class _ServeRun:
                 f"{info.node_id[:12]})")
 
         infos = launcher.wait_ready(actors, on_ready=report)
-        scaler = PoolScaler(launcher, configs, computing, args.drain_grace_s)
+        scaler = PoolScaler(launcher, configs, computing, args.drain_grace_s, split=split_roles(
+            args.disaggregation, launcher.has_gpus, len(self.models)))
         for actor, info in zip(actors, infos):
             scaler.adopt(info.role, actor, info.worker_id)
         return scaler
