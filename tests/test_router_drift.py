@@ -121,6 +121,18 @@ class Drift:
         time.sleep(0.5)  # the worker's KV events reach the index
         return holder
 
+    def cache_on_each(self, topic: str) -> list[tuple[str, str]]:
+        """A prompt cached on each worker: [(holder, prompt)], the holders in decreasing
+        id order, so that routing by load alone (ties in id order, taking turns) would
+        send at least one of them elsewhere."""
+        held: dict[str, str] = {}
+        for i in range(8):
+            text = prompt(f"{topic}, part {i}")
+            held.setdefault(self.cache(text), text)
+            if len(held) == len(self.workers):
+                return sorted(held.items(), reverse=True)
+        raise AssertionError(f"8 fresh prompts all went to {sorted(held)}")
+
 
 @pytest.fixture(scope="module")
 def drift(tmp_path_factory):
@@ -157,23 +169,24 @@ def drift(tmp_path_factory):
 
 
 def test_a_restarted_router_routes_a_cached_prefix_back_to_its_holder(drift):
-    text = prompt("router restarts")
-    holder = drift.cache(text)
-    assert drift.complete(text)[1] == holder  # KV-aware routing, before the restart
+    held = drift.cache_on_each("router restarts")
+    for holder, text in held:  # KV-aware routing, before the restart
+        assert drift.complete(text)[1] == holder
     drift.stop_router()
     drift.start_router()
     time.sleep(HEARTBEAT_S)
-    assert drift.complete(text)[1] == holder
+    for holder, text in held:
+        assert drift.complete(text)[1] == holder
 
 
 def test_redis_restarted_empty_leaves_no_stale_route(drift):
-    text = prompt("an empty Redis")
-    holder = drift.cache(text)
+    held = drift.cache_on_each("an empty Redis")
     drift.redis.restart()
     # the workers register again and republish what they cache; the router reads both
     time.sleep(HEARTBEAT_S)
     drift.wait_workers(len(drift.workers), HEARTBEAT_S)
-    assert drift.complete(text)[1] == holder
+    for holder, text in held:
+        assert drift.complete(text)[1] == holder
     fresh = prompt("what came after the restart")
     assert drift.complete(fresh)[1] in drift.workers
 
