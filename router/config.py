@@ -312,8 +312,10 @@ class RouterConfig:
     Admission control (503 + ``Retry-After`` before any work; migrations bypass it, as
     they are requests already accepted): ``max_waiting_requests`` admitted requests
     without their first token yet; per prefill worker ``prefill_max_inflight`` Prefill
-    calls from this router; per decode worker ``decode_max_inflight`` streams and a KV
-    usage under ``decode_max_kv_usage`` (its last Health). A worker at a cap gets no new
+    calls; per decode worker ``decode_max_inflight`` streams and a KV usage under
+    ``decode_max_kv_usage`` (its last Health). A worker's calls and streams are this
+    router's plus other router replicas' as its last Health reported them
+    (``WorkerHandle.admission_count``). A worker at a cap gets no new
     request; a request that no worker of a needed pool can take is refused.
     ``migration_limit``: attempts after the first that one request may make.
 
@@ -418,10 +420,12 @@ class RouterConfig:
         "admitted sequences without their first token; past it: 503")
     prefill_max_inflight: int = setting(
         MAX_NUM_SEQUENCES, "--prefill-max-inflight",
-        "Prefill calls in flight per prefill worker from this router")
+        "Prefill calls in flight per prefill worker (this router's, plus other router "
+        "replicas' as the worker's Health reports them)")
     decode_max_inflight: int = setting(
         2 * MAX_NUM_SEQUENCES, "--decode-max-inflight",
-        "streams in flight per decode worker from this router")
+        "streams in flight per decode worker (this router's, plus other router replicas' "
+        "as the worker's Health reports them)")
     decode_max_kv_usage: float = setting(
         0.98, "--decode-max-kv-usage",
         "decode workers whose KV cache usage (0-1) is at or past this get no new request")

@@ -187,9 +187,9 @@ class ModelService:
         config = self.config
         if role == "prefill":
             return [w for w in self.pool.live(role, exclude)
-                    if w.num_inflight < config.prefill_max_inflight]
+                    if w.admission_count() < config.prefill_max_inflight]
         return [w for w in self.pool.live(role, exclude)
-                if w.num_inflight < config.decode_max_inflight
+                if w.admission_count() < config.decode_max_inflight
                 and w.load.kv_cache_usage < config.decode_max_kv_usage]
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:

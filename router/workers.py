@@ -35,6 +35,7 @@ class WorkerHandle:
     healthy: bool = False  # until its first Health answers "ok"
     num_routed: int = 0  # requests routed here since that Health answer
     num_inflight: int = 0  # this router's Prefill calls (or Decode streams) on it now
+    num_inflight_at_health: int = 0  # num_inflight when that Health was asked or answered
     session: DecodeSession | None = None  # a decode worker's stream of this router's requests
     probe: asyncio.Task | None = None  # the is_alive probe under way, shared by its callers
 
@@ -46,6 +47,15 @@ class WorkerHandle:
         """The reported load, with requests routed since the report counted as waiting
         (so a burst between two polls is spread, not sent to one worker)."""
         return dataclasses.replace(self.load, num_waiting=self.load.num_waiting + self.num_routed)
+
+    def admission_count(self) -> int:
+        """Sequences that count against this worker's admission cap, in sequences: this
+        router's in flight now (exact) plus the other routers' as its last Health saw them
+        (its running + waiting less this router's in flight then, at least 0). Router
+        replicas never talk to each other: what another admitted since that Health is
+        unseen here for at most one health interval."""
+        others = self.load.num_running + self.load.num_waiting - self.num_inflight_at_health
+        return self.num_inflight + max(0, others)
 
 
 _STUBS = {"prefill": prefill_pb2_grpc.PrefillWorkerStub,
@@ -249,6 +259,7 @@ class WorkerPool:
                 if w.record.metrics_address]
 
     async def _poll(self, worker: WorkerHandle) -> None:
+        inflight = worker.num_inflight
         try:
             request = common_pb2.HealthRequest()
             reply = await worker.stub.Health(request, timeout=self.config.health_timeout_s,
@@ -259,6 +270,7 @@ class WorkerPool:
             return
         worker.healthy = reply.status == "ok"
         worker.num_routed = 0
+        worker.num_inflight_at_health = max(inflight, worker.num_inflight)
         worker.load = WorkerLoad(worker.worker_id, reply.num_running, reply.num_waiting,
                                  reply.kv_cache_usage)
         if self.metrics is not None:
