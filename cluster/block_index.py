@@ -15,7 +15,6 @@ pybind11-only source, it compiles in well under a minute.
 
 from __future__ import annotations
 
-import functools
 import threading
 from pathlib import Path
 
@@ -26,13 +25,33 @@ _lock = threading.Lock()
 HASH_BYTES = 16
 
 
-@functools.cache
+_built = None  # the module, or the exception its build raised (not retried)
+
+
 def _module():
-    """The built extension module (built on the first call, then cached on disk)."""
+    """The built extension module (built on the first call, then cached on disk).
+
+    Raises:
+        RuntimeError, OSError, ImportError: the build failed (the same error each call).
+    """
+    global _built
+    if _built is None:
+        with _lock:
+            if _built is None:
+                try:
+                    _built = _build()
+                except (RuntimeError, OSError, ImportError) as exc:
+                    _built = exc
+    if isinstance(_built, Exception):
+        raise _built
+    return _built
+
+
+def _build():
     from torch.utils import cpp_extension
 
     name = f"pdserve_block_index_{_cpu_tag()}_{_source_tag(_CSRC)}"
-    with _lock, _build_folder_lock(name):
+    with _build_folder_lock(name):
         return cpp_extension.load(
             name=name, sources=[str(_CSRC / "block_index.cpp")],
             extra_cflags=["-O3", "-march=native"], extra_ldflags=["-lcrypto"],
