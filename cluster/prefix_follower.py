@@ -200,19 +200,22 @@ class LocalPrefixIndex:
                 self._closed.wait(self.retry_interval_s)
 
     def _reload(self) -> None:
-        """Replace the copy by Redis's snapshot."""
-        epoch, last_id, sets = self._client.snapshot()
+        """Replace the copy by Redis's snapshot (the sets read a few workers at a time)."""
+        epoch, last_id, workers = self._client.snapshot()
+        listed = set(workers)
         with self._lock:
             for worker_id in list(self._slots):
-                if worker_id not in sets:
+                if worker_id not in listed:
                     self._drop_locked(worker_id)
-        for worker_id, hashes in sets.items():
-            self._replace(worker_id, hashes)
+        for start in range(0, len(workers), 16):
+            for worker_id, hashes in self._client.worker_sets(workers[start:start + 16]).items():
+                self._replace(worker_id, hashes)
+                self._seq.pop(worker_id, None)
         self._epoch, self._last_id = epoch, last_id
         self.num_reloads += 1
         self.available = True
         self._loaded.set()
-        logger.info("prefix index loaded: %d workers, %d block hashes", len(sets),
+        logger.info("prefix index loaded: %d workers, %d block hashes", len(workers),
                     self._index.num_hashes())
 
     def _drop_locked(self, worker_id: str) -> None:

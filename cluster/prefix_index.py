@@ -54,8 +54,8 @@ WORKER_KEY_PREFIX = "pdserve:kv:worker:"
 WORKERS_KEY = "pdserve:kv:workers"
 EVENTS_KEY = "pdserve:kv:events"
 EPOCH_KEY = "pdserve:prefix_index:epoch"
-EVENTS_MAXLEN = 200_000  # stream entries kept (approximately); a router behind re-reads sets
-_CHUNK = 4096  # hashes per stream entry and per SADD when republishing
+EVENTS_MAXLEN = 20_000  # stream entries kept (approximately); a router behind re-reads sets
+_CHUNK = 1024  # hashes per stream entry (16 KiB at most) and per SADD
 
 
 class PrefixIndexUnavailable(RuntimeError):
@@ -189,21 +189,26 @@ class PrefixIndex:
                     self.forget_worker(stale)
         return counts
 
-    def snapshot(self) -> tuple[str | None, bytes, dict[str, set[bytes]]]:
-        """``(epoch, last stream id, worker id -> its hashes)``: the stream id is read
-        before the sets, so following the stream after it from here is exact."""
+    def snapshot(self) -> tuple[str | None, bytes, list[str]]:
+        """``(epoch, last stream id, ids of the workers with a set)``; read the sets after
+        (``worker_sets``): the stream id is read first, so following the stream after it
+        from there is exact."""
         with self._unavailable_on_error():
             pipe = self._redis.pipeline(transaction=True)
             pipe.get(EPOCH_KEY)
             pipe.xrevrange(EVENTS_KEY, count=1)
             pipe.smembers(WORKERS_KEY)
             epoch, last, members = pipe.execute()
-            workers = sorted(m.decode() for m in members)
+        return (epoch.decode() if epoch else None, last[0][0] if last else b"0-0",
+                sorted(m.decode() for m in members))
+
+    def worker_sets(self, worker_ids: Sequence[str]) -> dict[str, set[bytes]]:
+        """Each worker's set of hashes, in one round trip."""
+        with self._unavailable_on_error():
             pipe = self._redis.pipeline(transaction=False)
-            for worker_id in workers:
+            for worker_id in worker_ids:
                 pipe.smembers(worker_key(worker_id))
-            sets = dict(zip(workers, pipe.execute()))
-        return (epoch.decode() if epoch else None, last[0][0] if last else b"0-0", sets)
+            return dict(zip(worker_ids, pipe.execute()))
 
     def worker_hashes(self, worker_id: str) -> set[bytes]:
         """The hashes in ``worker_id``'s set now."""
