@@ -54,7 +54,7 @@ def _build():
     with _build_folder_lock(name):
         return cpp_extension.load(
             name=name, sources=[str(_CSRC / "block_index.cpp")],
-            extra_cflags=["-O3", "-march=native"], extra_ldflags=["-lcrypto"],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], extra_ldflags=["-lcrypto"],
             is_python_module=True, verbose=False)
 
 
@@ -106,3 +106,10 @@ def packed(hashes) -> bytes:
     return b"".join(hashes)
 
 
+
+
+def scoring():
+    """The native module, for its scoring functions ``choose_decode`` and
+    ``choose_prefill`` (``router/route.py`` calls them; the rules of
+    ``router/routing_policy.py``)."""
+    return _module()

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.cluster import block_index
 from pdserve.router.routing_policy import LoadWeights, NoWorkersError, shares_compute
-
-_TIE_TOLERANCE = 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,69 +41,79 @@ class RouteDecision:
 
 
 class RoleArrays:
-    """One role's workers, ordered by id, with their loads as float64 arrays [n].
+    """One role's workers, ordered by id, with their loads in ``table``, float64
+    [4, n]: rows KV usage, running, waiting (the last Health), and routed since then.
 
     Args:
         workers: worker id -> its ``compute`` placement ("" when unknown).
     """
+
+    KV, RUNNING, WAITING, ROUTED = range(4)
 
     def __init__(self, workers: Mapping[str, str]) -> None:
         self.ids = sorted(workers)
         self.position = {worker_id: i for i, worker_id in enumerate(self.ids)}
         self.computes = [workers[i] for i in self.ids]
         n = len(self.ids)
-        self.running = np.zeros(n)
-        self.waiting = np.zeros(n)
-        self.kv_usage = np.zeros(n)
-        self.routed = np.zeros(n)  # requests routed since the last Health
+        self.table = np.zeros((4, n))
         self.slots = np.full(n, -1, dtype=np.int64)  # prefix index slots, -1: none
+        self.everyone = np.ones(n, dtype=np.uint8)
+
+    @property
+    def routed(self) -> np.ndarray:
+        """Requests routed to each worker since its last Health, [n] (a view)."""
+        return self.table[self.ROUTED]
+
+    @property
+    def waiting(self) -> np.ndarray:
+        """Waiting sequences of each worker's last Health, [n] (a view)."""
+        return self.table[self.WAITING]
 
     def set_load(self, worker_id: str, num_running: int, num_waiting: int,
                  kv_cache_usage: float) -> None:
         """A Health answer: the load, and the routed count back to 0."""
-        i = self.position[worker_id]
-        self.running[i], self.waiting[i] = num_running, num_waiting
-        self.kv_usage[i], self.routed[i] = kv_cache_usage, 0
+        self.table[:, self.position[worker_id]] = (kv_cache_usage, num_running, num_waiting, 0)
 
-    def overlaps(self, counts: np.ndarray | None) -> np.ndarray:
-        """Leading blocks per worker [n] from an index lookup per slot (None: zeros)."""
-        if counts is None or not len(self.ids):
-            return np.zeros(len(self.ids), dtype=np.int64)
-        return np.where(self.slots >= 0, counts[np.maximum(self.slots, 0)], 0)
+    def overlap(self, i: int, counts: np.ndarray | None) -> int:
+        """Worker ``i``'s leading blocks in an index lookup per slot."""
+        slot = self.slots[i]
+        return 0 if counts is None or slot < 0 or slot >= len(counts) else int(counts[slot])
 
 
-def choose_decode(arrays: RoleArrays, mask: np.ndarray, cached_tokens: np.ndarray,
-                  min_cached_tokens: int, rotation: int) -> int:
+_NO_COUNTS = np.zeros(0, dtype=np.int32)
+_native = None
+
+
+def _scoring():
+    global _native
+    if _native is None:
+        _native = block_index.scoring()
+    return _native
+
+
+def choose_decode(arrays: RoleArrays, mask: np.ndarray, counts: np.ndarray | None,
+                  block_size: int, num_tokens: int, min_cached_tokens: int,
+                  rotation: int) -> int:
     """``routing_policy.choose_decode_worker`` over ``arrays`` restricted to ``mask``
-    (bool [n], at least one True); returns the chosen position."""
-    waiting = arrays.waiting + arrays.routed
-    busy = arrays.running + waiting
-    pick = mask
-    if min_cached_tokens > 0 and np.any(mask & (cached_tokens > 0)):
-        least = busy[mask].min()
-        holders = mask & (cached_tokens >= min_cached_tokens) & \
-            (busy <= least + max(2, int(least) // 4))
-        if holders.any():
-            pick = holders & (cached_tokens == cached_tokens[holders].max())
-    for values in (arrays.kv_usage, arrays.running, waiting):
-        pick = pick & (values == values[pick].min())
-    tied = np.flatnonzero(pick)
-    return int(tied[rotation % len(tied)])
+    (uint8 [n], at least one set), with cached tokens ``min(overlap * block_size,
+    num_tokens)``; returns the chosen position. Native (``cluster/csrc``): numpy's
+    per-call overhead was most of a decision at 500 workers."""
+    return _scoring().choose_decode(arrays.table, mask, arrays.slots,
+                                    _NO_COUNTS if counts is None else counts, block_size,
+                                    num_tokens, min_cached_tokens, rotation)
 
 
-def choose_prefill(arrays: RoleArrays, mask: np.ndarray, overlaps: np.ndarray,
+def choose_prefill(arrays: RoleArrays, mask: np.ndarray, counts: np.ndarray | None,
                    num_blocks: int, overlap_weight: float, weights: LoadWeights,
                    rotation: int) -> int:
     """``routing_policy.choose_prefill_worker`` over ``arrays`` restricted to ``mask``
-    (at least one True); returns the chosen position. Costs are computed in the spec's
-    order of operations, so equal costs are equal here too."""
-    overlap = np.minimum(np.maximum(overlaps, 0), num_blocks)
-    load = (weights.waiting_blocks * (arrays.waiting + arrays.routed)
-            + weights.running_blocks * arrays.running) + weights.kv_usage_blocks * arrays.kv_usage
-    cost = overlap_weight * (num_blocks - overlap) + load
-    best = cost[mask].min()
-    tied = np.flatnonzero(mask & (cost - best <= _TIE_TOLERANCE))
-    return int(tied[rotation % len(tied)])
+    (at least one set); returns the chosen position. Costs are computed in the spec's
+    order of operations (and without fused multiply-adds), so equal costs are equal
+    here too."""
+    return _scoring().choose_prefill(
+        arrays.table, mask, arrays.slots, _NO_COUNTS if counts is None else counts,
+        num_blocks, overlap_weight, weights.waiting_blocks, weights.running_blocks,
+        weights.kv_usage_blocks, rotation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,10 +155,12 @@ class Router:
         self.weights = LoadWeights()
         self.prefill = RoleArrays(prefill)
         self.decode = RoleArrays(decode)
-        # NOTE: placements parsed once: [decode i, prefill j] True when they share compute
-        self.shares = np.array([[shares_compute(d, p) for p in self.prefill.computes]
-                                for d in self.decode.computes], dtype=bool).reshape(
-                                    len(self.decode.ids), len(self.prefill.ids))
+        # NOTE: placements parsed once, not per decision
+        shares = np.array([[shares_compute(d, p) for p in self.prefill.computes]
+                           for d in self.decode.computes], dtype=bool).reshape(
+                               len(self.decode.ids), len(self.prefill.ids))
+        self.apart = (~shares).astype(np.uint8)  # [decode i, prefill j]: may prefill for i
+        self.any_apart = self.apart.any(axis=1).tolist()
         self._rotation = {"prefill": itertools.count(), "decode": itertools.count()}
         self.refresh_slots()
 
@@ -177,10 +188,8 @@ class Router:
             ValueError: no decode worker is open.
             NoWorkersError: ``disaggregation="always"`` and no prefill worker is open.
         """
-        from pdserve.cluster.block_index import hash_chain_packed
-
         s = self.settings
-        packed = hash_chain_packed(token_ids, s.block_size, self.root_hash, cache_salt)
+        packed = block_index.hash_chain_packed(token_ids, s.block_size, self.root_hash, cache_salt)
         num_blocks = len(packed) // 16
         counts = self.index.lookup_slots(packed) if self.index is not None and packed \
             else None
@@ -191,51 +200,44 @@ class Router:
                prefill_open: np.ndarray | None = None) -> RouteDecision:
         """``route`` after the lookup: ``counts`` is the index's answer per slot."""
         s, d, p = self.settings, self.decode, self.prefill
-        d_mask = np.ones(len(d.ids), dtype=bool) if decode_open is None else decode_open
-        if not d_mask.any():
+        d_mask = d.everyone if decode_open is None else decode_open.astype(np.uint8)
+        if not len(d.ids) or (decode_open is not None and not d_mask.any()):
             raise ValueError("no open decode worker")
-        d_over = d.overlaps(counts)
-        cached = np.minimum(d_over * s.block_size, num_tokens)
-        i = choose_decode(d, d_mask, cached, max(s.local_prefill_threshold, num_tokens // 2, 1),
+        i = choose_decode(d, d_mask, counts, s.block_size, num_tokens,
+                          max(s.local_prefill_threshold, num_tokens // 2, 1),
                           next(self._rotation["decode"]))
         d.routed[i] += 1
-        decision = RouteDecision(d.ids[i], None, int(d_over[i]), num_blocks, "")
+        d_over = d.overlap(i, counts)
         if not len(p.ids):
-            return _with(decision, reason="no_prefill_worker")
+            return RouteDecision(d.ids[i], None, d_over, num_blocks, "no_prefill_worker")
         if num_tokens < s.local_prefill_threshold:
-            return _with(decision, reason="short_prompt")
+            return RouteDecision(d.ids[i], None, d_over, num_blocks, "short_prompt")
         always = s.disaggregation == "always"
-        apart = np.ones(len(p.ids), dtype=bool) if always else ~self.shares[i]
-        open_ = np.ones(len(p.ids), dtype=bool) if prefill_open is None else prefill_open
-        mask = apart & open_
-        p_over = p.overlaps(counts)
+        apart = p.everyone if always else self.apart[i]
+        mask = apart if prefill_open is None else apart & prefill_open.astype(np.uint8)
         j = None
-        if mask.any() and s.prefill_routing == "round-robin":
-            tied = np.flatnonzero(mask)
-            j = int(tied[next(self._rotation["prefill"]) % len(tied)])
-        elif mask.any():
-            j = choose_prefill(p, mask, p_over, num_blocks, s.overlap_weight, self.weights,
-                               next(self._rotation["prefill"]))
+        if (self.any_apart[i] or always) and (prefill_open is None or mask.any()):
+            if s.prefill_routing == "round-robin":
+                tied = np.flatnonzero(mask)
+                j = int(tied[next(self._rotation["prefill"]) % len(tied)])
+            else:
+                j = choose_prefill(p, mask, counts, num_blocks, s.overlap_weight,
+                                   self.weights, next(self._rotation["prefill"]))
         if always and j is None:
             raise NoWorkersError("every prefill worker is at capacity")
         if always:
             reason = "remote"
-        elif apart.any() and j is None:
+        elif self.any_apart[i] and j is None:
             reason = "prefill_busy"
-        elif num_tokens - int(cached[i]) < s.local_prefill_threshold:
+        elif num_tokens - min(d_over * s.block_size, num_tokens) < s.local_prefill_threshold:
             reason = "cached_on_decode"
-        elif j is None or self.shares[i].all():
+        elif j is None:
             reason = "shared_compute"
         elif p.waiting[j] + p.routed[j] >= s.max_prefill_queue_size:
             reason = "prefill_busy"
         else:
             reason = "remote"
         if reason != "remote":
-            return _with(decision, reason=reason)
+            return RouteDecision(d.ids[i], None, d_over, num_blocks, reason)
         p.routed[j] += 1
-        return RouteDecision(d.ids[i], p.ids[j], int(p_over[j]), num_blocks, "remote")
-
-
-def _with(decision: RouteDecision, **changes) -> RouteDecision:
-    return RouteDecision(**{**{f: getattr(decision, f) for f in RouteDecision.__slots__},
-                            **changes})
+        return RouteDecision(d.ids[i], p.ids[j], p.overlap(j, counts), num_blocks, "remote")
