@@ -63,6 +63,7 @@ class LocalPrefixIndex:
         self._free = list(range(capacity - 1, -1, -1))
         self._seq: dict[str, int] = {}
         self._absent_since: dict[str, float] = {}
+        self._to_forget: list[str] = []
         self._epoch: str | None = None
         self._last_id = b"0-0"
         self._lock = threading.Lock()  # the slot maps; the native index holds the GIL
@@ -143,14 +144,22 @@ class LocalPrefixIndex:
         return gone
 
     def forget(self, worker_id: str) -> None:
-        """Drop ``worker_id``'s blocks here and its set in Redis (best effort: a worker
-        still alive republishes at its next probe)."""
+        """Drop ``worker_id``'s blocks here now, and its set in Redis from the follower
+        thread (within ``block_s``; best effort: a worker still alive republishes at its
+        next probe). Never blocks on Redis."""
         self._drop(worker_id)
         self._absent_since.pop(worker_id, None)
-        try:
-            self._client.forget_worker(worker_id)
-        except PrefixIndexUnavailable as exc:
-            logger.debug("prefix index: %s not forgotten in Redis: %s", worker_id, exc)
+        with self._lock:
+            self._to_forget.append(worker_id)
+
+    def _forget_in_redis(self) -> None:
+        with self._lock:
+            workers, self._to_forget = self._to_forget, []
+        for worker_id in workers:
+            try:
+                self._client.forget_worker(worker_id)
+            except PrefixIndexUnavailable as exc:
+                logger.debug("prefix index: %s not forgotten in Redis: %s", worker_id, exc)
 
     def num_blocks(self, worker_id: str) -> int:
         """Blocks indexed for ``worker_id``."""
@@ -182,6 +191,8 @@ class LocalPrefixIndex:
                 if reload:
                     self._reload()
                     reload, last_epoch_check = False, time.monotonic()
+                if self._to_forget:
+                    self._forget_in_redis()
                 for entry_id, fields in self._client.read_events(
                         self._last_id, int(self.block_s * 1000)):
                     self._apply(fields)
