@@ -159,8 +159,7 @@ def run_size(num_workers: int, registrations: int, seconds: float, concurrency: 
         used = client.used_memory()
         client.close()
         start = time.perf_counter()
-        index = LocalPrefixIndex(server.url, capacity=max(64, num_workers),
-                                 socket_timeout_s=30.0)
+        index = LocalPrefixIndex(server.url, socket_timeout_s=30.0)  # the router's capacity
         try:
             if not index.wait_loaded(timeout_s=1800):
                 raise RuntimeError("the router's index did not load")

@@ -126,6 +126,7 @@ class BlockIndex {
       uint64_t k = key_at(packed.data() + i);
       Holders& h = map_[k];
       if (h.has(slot)) continue;
+      used_words_ = std::max(used_words_, (slot >> 6) + 1);
       insert(h, slot);
       slot_keys_[slot].push_back(k);
       ++slot_counts_[slot];
@@ -177,7 +178,9 @@ class BlockIndex {
         continue;
       }
       any = false;
-      for (int32_t w = 0; w < words_; ++w) {
+      // NOTE: only the words of slots ever used: slots are given from 0 up, so a router
+      // with 1,000 workers walks 16 words per block whatever its capacity
+      for (int32_t w = 0; w < used_words_; ++w) {
         uint64_t held = !h ? 0 : h->bits ? h->bits[w] : inline_word(*h, w);
         uint64_t dropped = running[w] & ~held;
         while (dropped) {
@@ -189,7 +192,7 @@ class BlockIndex {
       }
       if (!any) return result;
     }
-    for (int32_t w = 0; w < words_; ++w)
+    for (int32_t w = 0; w < used_words_; ++w)
       for (uint64_t r = running[w]; r; r &= r - 1)
         out[w * 64 + __builtin_ctzll(r)] = static_cast<int32_t>(n);
     return result;
@@ -267,6 +270,7 @@ class BlockIndex {
 
   int32_t capacity_;
   int32_t words_;
+  int32_t used_words_ = 0;  // words holding any slot ever added
   std::unordered_map<uint64_t, Holders> map_;
   std::vector<std::vector<uint64_t>> slot_keys_;
   std::vector<int64_t> slot_counts_;
