@@ -27,8 +27,8 @@ that finds it missing. A Redis that restarted empty has lost it, so each publish
 new epoch on its next write and republishes every hash its worker still caches, and each
 router reloads; a Redis that restarted from its own snapshot kept the epoch and the sets.
 
-Every Redis call has a socket timeout and at most one reconnect; when Redis is unreachable
-the router's lookups raise ``PrefixIndexUnavailable`` (it then routes by load alone) and
+Needs Redis 6.2 or later (streams, SMISMEMBER). Every Redis call has a socket timeout and
+at most one reconnect; when Redis is unreachable the router's lookups raise ``PrefixIndexUnavailable`` (it then routes by load alone) and
 publishers keep their changes to send later.
 """
 
