@@ -219,9 +219,10 @@ class LocalPrefixIndex:
                 if worker_id not in listed:
                     self._drop_locked(worker_id)
         for start in range(0, len(workers), 16):
-            for worker_id, hashes in self._client.worker_sets(workers[start:start + 16]).items():
+            for worker_id, (hashes, seq) in self._client.worker_sets(
+                    workers[start:start + 16]).items():
                 self._replace(worker_id, hashes)
-                self._seq.pop(worker_id, None)
+                self._seq[worker_id] = seq
         self._epoch, self._last_id = epoch, last_id
         self.num_reloads += 1
         self.available = True
@@ -246,7 +247,9 @@ class LocalPrefixIndex:
         """One stream entry: ``w`` worker, ``k`` kind, ``n`` sequence, ``h`` hashes."""
         worker_id, kind = fields[b"w"].decode(), fields[b"k"]
         seq, packed = int(fields[b"n"]), fields[b"h"]
-        last = self._seq.get(worker_id)
+        last = self._seq.get(worker_id, 0)
+        if seq <= last:
+            return  # NOTE: already in the set this copy read with ``last``
         if kind == b"a" and not packed:
             self._drop(worker_id)  # forgotten: its slot is free again
             return
@@ -254,10 +257,13 @@ class LocalPrefixIndex:
             return
         if kind == b"a":
             self._replace(worker_id, [packed])
-        elif last is not None and seq != last + 1:
+        elif seq != last + 1:
             # NOTE: entries of this worker were missed (trimmed, or a writer that failed
-            # midway): its set now, then the stream on from here, is exact
-            self._replace(worker_id, self._client.worker_hashes(worker_id))
+            # midway): its set now, then the stream on from there, is exact
+            hashes, seq = self._client.worker_hashes(worker_id)
+            self._replace(worker_id, hashes)
+            self._seq[worker_id] = seq
+            return
         slot = self._slot(worker_id)
         if slot is None:
             return

@@ -8,8 +8,11 @@ Layout (the durable copy; routers keep an in-memory copy, ``cluster/prefix_follo
 - ``pdserve:kv:workers``: the ids that have such a set;
 - ``pdserve:kv:events``: a stream of KV events, trimmed to about ``EVENTS_MAXLEN``
   entries, fields ``w`` (worker id), ``k`` (``s`` stored, ``r`` removed, ``a`` all: the
-  worker holds exactly these), ``n`` (the writer's sequence number, +1 per entry) and
-  ``h`` (the hashes, packed, 16 bytes each).
+  worker holds exactly these), ``n`` (the worker's sequence number, +1 per entry, from
+  ``pdserve:kv:seq``) and
+  ``h`` (the hashes, packed, 16 bytes each);
+- ``pdserve:kv:seq``: worker id -> the ``n`` of its last entry, so a router reading a set
+  knows which of the worker's entries it already holds.
 
 Each write is one MULTI/EXEC: the set changes and their stream entry land together, so
 a router that notes the stream's last id, then reads the sets, then follows the stream
@@ -54,8 +57,19 @@ WORKER_KEY_PREFIX = "pdserve:kv:worker:"
 WORKERS_KEY = "pdserve:kv:workers"
 EVENTS_KEY = "pdserve:kv:events"
 EPOCH_KEY = "pdserve:prefix_index:epoch"
+SEQ_KEY = "pdserve:kv:seq"  # worker id -> the ``n`` of its last stream entry
 EVENTS_MAXLEN = 20_000  # stream entries kept (approximately); a router behind re-reads sets
 _CHUNK = 1024  # hashes per stream entry (16 KiB at most) and per SADD
+
+
+# NOTE: the sequence number comes from Redis (HINCRBY), so every writer of a worker's
+# entries (its publisher, a restarted one, a router forgetting it) continues one sequence
+_ADD_EVENT = """
+local n = redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', 'w', ARGV[1], 'k', ARGV[2],
+           'n', n, 'h', ARGV[3])
+return n
+"""
 
 
 class PrefixIndexUnavailable(RuntimeError):
@@ -85,7 +99,6 @@ class PrefixIndex:
         self._redis = redis.Redis.from_url(
             redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
             retry=Retry(NoBackoff(), 1), retry_on_timeout=False)
-        self._seq: dict[str, int] = {}  # worker id -> its last stream entry's ``n``
 
     def close(self) -> None:
         self._redis.close()
@@ -202,18 +215,22 @@ class PrefixIndex:
         return (epoch.decode() if epoch else None, last[0][0] if last else b"0-0",
                 sorted(m.decode() for m in members))
 
-    def worker_sets(self, worker_ids: Sequence[str]) -> dict[str, set[bytes]]:
-        """Each worker's set of hashes, in one round trip."""
+    def worker_sets(self, worker_ids: Sequence[str]) -> dict[str, tuple[set[bytes], int]]:
+        """Each worker's set of hashes and the ``n`` of its last stream entry (0: none)
+        as of that set, in one transaction."""
         with self._unavailable_on_error():
-            pipe = self._redis.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=True)
             for worker_id in worker_ids:
                 pipe.smembers(worker_key(worker_id))
-            return dict(zip(worker_ids, pipe.execute()))
+            pipe.hmget(SEQ_KEY, list(worker_ids)) if worker_ids else None
+            replies = pipe.execute()
+        seqs = replies[-1] if worker_ids else []
+        return {w: (found, int(seq or 0))
+                for w, found, seq in zip(worker_ids, replies, seqs)}
 
-    def worker_hashes(self, worker_id: str) -> set[bytes]:
-        """The hashes in ``worker_id``'s set now."""
-        with self._unavailable_on_error():
-            return self._redis.smembers(worker_key(worker_id))
+    def worker_hashes(self, worker_id: str) -> tuple[set[bytes], int]:
+        """The hashes in ``worker_id``'s set now, and the ``n`` of its last entry."""
+        return self.worker_sets([worker_id]).get(worker_id, (set(), 0))
 
     def epoch(self) -> str | None:
         """The index epoch, None when no writer has set it yet."""
@@ -235,9 +252,8 @@ class PrefixIndex:
             return int(self._redis.info("memory")["used_memory"])
 
     def _event(self, pipe, worker_id: str, kind: str, hashes: list[bytes]) -> None:
-        self._seq[worker_id] = seq = self._seq.get(worker_id, 0) + 1
-        pipe.xadd(EVENTS_KEY, {"w": worker_id, "k": kind, "n": seq, "h": b"".join(hashes)},
-                  maxlen=EVENTS_MAXLEN, approximate=True)
+        pipe.eval(_ADD_EVENT, 2, EVENTS_KEY, SEQ_KEY, worker_id, kind, b"".join(hashes),
+                  EVENTS_MAXLEN)
 
     def _unavailable_on_error(self):
         return _unavailable_on_error(self.redis_url)
