@@ -101,6 +101,7 @@ class ModelService:
                                self.metrics)
         self.index = _prefix_index(config.redis_url)
         self.pool.on_worker_removed = self._forget_worker
+        self.pool.on_registry_read = self._retain_workers
         self._root_hash = root_block_hash(self.served_model_name, config.block_size,
                                           config.kv_cache_dtype)
         # NOTE: one rotation per role: a shared counter advanced twice per request makes
@@ -408,6 +409,17 @@ class ModelService:
         its blocks leave the index, here and in Redis (``LocalPrefixIndex.forget``)."""
         if isinstance(self.index, LocalPrefixIndex):
             self.index.forget(worker_id)
+
+    def _retain_workers(self, registered: set[str]) -> None:
+        """The registry's live workers (all models): the index forgets those absent from
+        it for ``_ABSENT_GRACE_S`` (their sets leave Redis; one alive after all
+        republishes at its next probe)."""
+        if isinstance(self.index, LocalPrefixIndex):
+            self.index.retain(registered, max(_ABSENT_GRACE_S,
+                                              3 * self.config.registry_interval_s))
+
+
+_ABSENT_GRACE_S = 30.0
 
 
 def _prefix_index(redis_url: str) -> LocalPrefixIndex | PrefixIndex:

@@ -76,6 +76,9 @@ class WorkerPool:
         # NOTE: called with a worker's id when it leaves the pool (the prefix index
         # forgets its blocks)
         self.on_worker_removed: Callable[[str], None] | None = None
+        # NOTE: called with the ids of every live worker, all models, at each registry
+        # read (the prefix index forgets workers that died before this router saw them)
+        self.on_registry_read: Callable[[set[str]], None] | None = None
         self._refresh_lock = asyncio.Lock()
 
     def credentials(self, worker: WorkerHandle, rpc: str, request):
@@ -193,6 +196,8 @@ class WorkerPool:
         if self.registry_down:
             logger.info("worker registry reachable again")
         self.registry_down = False
+        if self.on_registry_read is not None:
+            self.on_registry_read({r.worker_id for r in records})
         if self.metrics is not None:
             self.metrics.record_registry(available=True,
                                          num_rejected=len(self.registry.rejected_ids))
