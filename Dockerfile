@@ -27,9 +27,10 @@ ARG RAY_VERSION=2.60.0
 
 # g++: the C++ CPU kernels are compiled on first use with -march=native, so they fit the
 # node that runs them (kernels/cpu_ext.py), and Triton compiles its launchers at run time.
+# libssl-dev: the router's block index (cluster/csrc) hashes with OpenSSL's SHA-256.
 # curl: health checks from inside the container.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends g++ curl \
+ && apt-get install -y --no-install-recommends g++ libssl-dev curl \
  && rm -rf /var/lib/apt/lists/*
 
 # torch first, from the index of the chosen variant, so that pdserve's `torch>=...` is

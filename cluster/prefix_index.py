@@ -1,18 +1,37 @@
 """The Redis prefix index: which workers hold which prefix-cache blocks (docs/architecture.md,
-Cluster state).
+Cluster state, Prefix index layout).
 
-Layout: one Redis set per block hash, ``pdserve:block:<32 hex digits>`` -> worker ids.
-Workers publish their block pool's KV events (``stored`` -> SADD, ``removed`` -> SREM)
-through a ``KVEventPublisher``; the router asks ``PrefixIndex.longest_prefix`` which
-workers hold the longest run of a prompt's chained block hashes.
+Layout (the durable copy; routers keep an in-memory copy, ``cluster/prefix_follower.py``):
+
+- ``pdserve:kv:worker:<id>``: a set of the worker's block hashes, 16 binary bytes each
+  (the snapshot);
+- ``pdserve:kv:workers``: the ids that have such a set;
+- ``pdserve:kv:events``: a stream of KV events, trimmed to about ``EVENTS_MAXLEN``
+  entries, fields ``w`` (worker id), ``k`` (``s`` stored, ``r`` removed, ``a`` all: the
+  worker holds exactly these), ``n`` (the worker's sequence number, +1 per entry, from
+  ``pdserve:kv:seq``) and
+  ``h`` (the hashes, packed, 16 bytes each);
+- ``pdserve:kv:seq``: worker id -> the ``n`` of its last entry, so a router reading a set
+  knows which of the worker's entries it already holds.
+
+Each write is one MULTI/EXEC: the set changes and their stream entry land together, so
+a router that notes the stream's last id, then reads the sets, then follows the stream
+after that id is exact (adds and removes of a hash are last-writer-wins; replaying one
+already in the snapshot changes nothing). A gap in a worker's sequence numbers (entries
+trimmed before a router read them) makes the router read that worker's set again.
+
+Workers publish their block pool's KV events through a ``KVEventPublisher``. Every write
+also answers the size of the worker's set: when it differs from what the worker caches
+(Redis restarted empty, or a router forgot the worker while its heartbeat lapsed) the
+publisher republishes its whole set (``a``).
 
 Restarts: ``pdserve:prefix_index:epoch`` holds a random token, created by the first writer
 that finds it missing. A Redis that restarted empty has lost it, so each publisher sees a
-new epoch on its next write and republishes every hash its worker still caches; a Redis
-that restarted from its own snapshot kept both the epoch and the sets.
+new epoch on its next write and republishes every hash its worker still caches, and each
+router reloads; a Redis that restarted from its own snapshot kept the epoch and the sets.
 
-Every Redis call has a socket timeout and at most one reconnect; when Redis is unreachable
-the router's lookups raise ``PrefixIndexUnavailable`` (it then routes by load alone) and
+Needs Redis 6.2 or later (streams, SMISMEMBER). Every Redis call has a socket timeout and
+at most one reconnect; when Redis is unreachable the router's lookups raise ``PrefixIndexUnavailable`` (it then routes by load alone) and
 publishers keep their changes to send later.
 """
 
@@ -34,22 +53,37 @@ from pdserve.engine.block_pool import KVEvent, KVEventKind
 
 logger = logging.getLogger(__name__)
 
-BLOCK_KEY_PREFIX = "pdserve:block:"
+WORKER_KEY_PREFIX = "pdserve:kv:worker:"
+WORKERS_KEY = "pdserve:kv:workers"
+EVENTS_KEY = "pdserve:kv:events"
 EPOCH_KEY = "pdserve:prefix_index:epoch"
-_CHUNK = 1000  # commands per pipeline when republishing or purging
+SEQ_KEY = "pdserve:kv:seq"  # worker id -> the ``n`` of its last stream entry
+EVENTS_MAXLEN = 20_000  # stream entries kept (approximately); a router behind re-reads sets
+_CHUNK = 1024  # hashes per stream entry (16 KiB at most) and per SADD
+
+
+# NOTE: the sequence number comes from Redis (HINCRBY), so every writer of a worker's
+# entries (its publisher, a restarted one, a router forgetting it) continues one sequence
+_ADD_EVENT = """
+local n = redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', 'w', ARGV[1], 'k', ARGV[2],
+           'n', n, 'h', ARGV[3])
+return n
+"""
 
 
 class PrefixIndexUnavailable(RuntimeError):
     """Redis did not answer (refused, reset or timed out); route by load alone."""
 
 
-def block_key(block_hash: bytes) -> str:
-    """The Redis key of one block hash: ``pdserve:block:<hex>``."""
-    return BLOCK_KEY_PREFIX + block_hash.hex()
+def worker_key(worker_id: str) -> str:
+    """The Redis key of one worker's set of block hashes: ``pdserve:kv:worker:<id>``."""
+    return WORKER_KEY_PREFIX + worker_id
 
 
 class PrefixIndex:
-    """Client of the prefix index, for the router and for workers' publishers.
+    """Client of the prefix index in Redis, for workers' publishers, routers' followers
+    (``LocalPrefixIndex``) and tests.
 
     Args:
         redis_url: e.g. ``redis://127.0.0.1:6379/0``.
@@ -70,7 +104,7 @@ class PrefixIndex:
         self._redis.close()
 
     def publish(self, worker_id: str, event: KVEvent) -> None:
-        """Apply one KV event of ``worker_id`` (stored -> SADD, removed -> SREM), pipelined."""
+        """Apply one KV event of ``worker_id`` (stored -> SADD, removed -> SREM)."""
         hashes = event.block_hashes
         if event.kind is KVEventKind.STORED:
             self.update(worker_id, added=hashes, removed=())
@@ -78,72 +112,148 @@ class PrefixIndex:
             self.update(worker_id, added=(), removed=hashes)
 
     def update(self, worker_id: str, added: Iterable[bytes], removed: Iterable[bytes]) -> str:
-        """Add ``worker_id`` to the sets of ``added`` and remove it from those of
-        ``removed``, in one pipelined round trip; return the index epoch (creating it if
-        Redis has none: a new epoch means the index restarted empty)."""
+        """Add ``added`` to and remove ``removed`` from ``worker_id``'s set, with their
+        stream entries, in one transaction; return the index epoch (creating it if Redis
+        has none: a new epoch means the index restarted empty)."""
+        return self.write(worker_id, added, removed)[0]
+
+    def write(self, worker_id: str, added: Iterable[bytes], removed: Iterable[bytes]
+              ) -> tuple[str, int]:
+        """``update``, returning ``(epoch, hashes now in the worker's set)``."""
+        added, removed = list(added), list(removed)
         with self._unavailable_on_error():
-            pipe = self._redis.pipeline(transaction=False)
+            pipe = self._redis.pipeline(transaction=True)
             pipe.set(EPOCH_KEY, secrets.token_hex(8), nx=True)
             pipe.get(EPOCH_KEY)
-            for h in added:
-                pipe.sadd(block_key(h), worker_id)
-            for h in removed:
-                pipe.srem(block_key(h), worker_id)
-            return pipe.execute()[1].decode()
+            key = worker_key(worker_id)
+            if added or removed:
+                pipe.sadd(WORKERS_KEY, worker_id)
+            for kind, hashes, command in (("s", added, pipe.sadd), ("r", removed, pipe.srem)):
+                for start in range(0, len(hashes), _CHUNK):
+                    command(key, *hashes[start:start + _CHUNK])
+                    self._event(pipe, worker_id, kind, hashes[start:start + _CHUNK])
+            pipe.scard(key)
+            replies = pipe.execute()
+            return replies[1].decode(), int(replies[-1])
 
     def republish(self, worker_id: str, hashes: Iterable[bytes]) -> None:
-        """SADD ``worker_id`` for every hash it caches (after a Redis restart)."""
-        self._in_chunks(worker_id, hashes, "sadd")
+        """Replace ``worker_id``'s set by ``hashes`` (after a Redis restart, or when its
+        set was forgotten), with an ``a`` entry so routers replace their copy too."""
+        hashes = list(hashes)
+        with self._unavailable_on_error():
+            pipe = self._redis.pipeline(transaction=True)
+            key = worker_key(worker_id)
+            pipe.delete(key)
+            pipe.sadd(WORKERS_KEY, worker_id)
+            self._event(pipe, worker_id, "a", hashes[:_CHUNK])
+            for start in range(0, len(hashes), _CHUNK):
+                pipe.sadd(key, *hashes[start:start + _CHUNK])
+                if start:
+                    self._event(pipe, worker_id, "s", hashes[start:start + _CHUNK])
+            pipe.execute()
 
-    def purge_worker(self, worker_id: str, hashes: Iterable[bytes]) -> None:
-        """SREM ``worker_id`` from every given hash's set (a worker leaving cleanly)."""
-        self._in_chunks(worker_id, hashes, "srem")
+    def purge_worker(self, worker_id: str, hashes: Iterable[bytes] = ()) -> None:
+        """Remove ``worker_id`` from the index: its whole set (a worker leaving cleanly or
+        gone), whatever ``hashes`` says (kept for callers that pass its cached hashes)."""
+        del hashes
+        self.forget_worker(worker_id)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Delete ``worker_id``'s set and tell the routers (an empty ``a`` entry)."""
+        with self._unavailable_on_error():
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.delete(worker_key(worker_id))
+            pipe.srem(WORKERS_KEY, worker_id)
+            self._event(pipe, worker_id, "a", [])
+            pipe.execute()
 
     def longest_prefix(self, hashes: Sequence[bytes], live_worker_ids: Collection[str], *,
                        clean_stale: bool = True) -> dict[str, int]:
-        """For each live worker, how many leading blocks of the chain ``hashes`` it holds.
+        """For each live worker, how many leading blocks of the chain ``hashes`` it holds,
+        asked of Redis (one SMISMEMBER per live worker; routers ask their in-memory copy,
+        ``LocalPrefixIndex``, instead).
 
-        One pipelined round trip of SMEMBERS over the chain. A worker's count stops at its
-        first miss (block ``i`` is useless without blocks ``0..i-1``). Workers with no
-        leading block are left out. Entries of workers not in ``live_worker_ids`` (lapsed
-        heartbeats) are ignored and, with ``clean_stale``, removed (best effort, one more
-        round trip). So pass every live worker of every role, read fresh from the registry
-        (a worker missing from a stale list loses its entries until it republishes), and
-        filter the result by role yourself. An empty live set cleans nothing.
+        A worker's count stops at its first miss (block ``i`` is useless without blocks
+        ``0..i-1``). Workers with no leading block are left out. With ``clean_stale`` and a
+        non-empty live set, the sets of workers not in ``live_worker_ids`` (lapsed
+        heartbeats) are deleted (best effort, one more round trip). So pass every live
+        worker of every role, and filter the result by role yourself.
 
-        Example: sets ``h0:{A,B} h1:{A} h2:{A,B}`` -> ``{"A": 3, "B": 1}``.
+        Example: ``A: {h0, h1, h2}``, ``B: {h0, h2}`` -> ``{"A": 3, "B": 1}``.
         """
-        if not hashes:
+        live = sorted(set(live_worker_ids))
+        if not hashes or not live:
             return {}
         with self._unavailable_on_error():
             pipe = self._redis.pipeline(transaction=False)
-            for h in hashes:
-                pipe.smembers(block_key(h))
-            members = [{m.decode() for m in found} for found in pipe.execute()]
-        live = set(live_worker_ids)
-        counts = _leading_runs(members, live)
-        stale = [(h, found - live) for h, found in zip(hashes, members) if found - live]
-        if stale and live and clean_stale:
-            self._remove_stale(stale)
+            for worker_id in live:
+                pipe.smismember(worker_key(worker_id), list(hashes))
+            if clean_stale:
+                pipe.smembers(WORKERS_KEY)
+            replies = pipe.execute()
+        counts = {}
+        for worker_id, held in zip(live, replies):
+            run = next((i for i, h in enumerate(held) if not h), len(hashes))
+            if run:
+                counts[worker_id] = run
+        if clean_stale:
+            for stale in {m.decode() for m in replies[-1]} - set(live):
+                with contextlib.suppress(PrefixIndexUnavailable, redis.RedisError):
+                    self.forget_worker(stale)
         return counts
 
-    def _remove_stale(self, stale: list[tuple[bytes, set[str]]]) -> None:
-        try:
-            pipe = self._redis.pipeline(transaction=False)
-            for h, workers in stale:
-                pipe.srem(block_key(h), *workers)
-            pipe.execute()
-        except redis.RedisError as exc:  # the next lookup tries again
-            logger.debug("prefix index: stale entries not removed: %s", exc)
-
-    def _in_chunks(self, worker_id: str, hashes: Iterable[bytes], command: str) -> None:
-        batch = list(hashes)
+    def snapshot(self) -> tuple[str | None, bytes, list[str]]:
+        """``(epoch, last stream id, ids of the workers with a set)``; read the sets after
+        (``worker_sets``): the stream id is read first, so following the stream after it
+        from there is exact."""
         with self._unavailable_on_error():
-            for start in range(0, len(batch), _CHUNK):
-                pipe = self._redis.pipeline(transaction=False)
-                for h in batch[start:start + _CHUNK]:
-                    getattr(pipe, command)(block_key(h), worker_id)
-                pipe.execute()
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.get(EPOCH_KEY)
+            pipe.xrevrange(EVENTS_KEY, count=1)
+            pipe.smembers(WORKERS_KEY)
+            epoch, last, members = pipe.execute()
+        return (epoch.decode() if epoch else None, last[0][0] if last else b"0-0",
+                sorted(m.decode() for m in members))
+
+    def worker_sets(self, worker_ids: Sequence[str]) -> dict[str, tuple[set[bytes], int]]:
+        """Each worker's set of hashes and the ``n`` of its last stream entry (0: none)
+        as of that set, in one transaction."""
+        with self._unavailable_on_error():
+            pipe = self._redis.pipeline(transaction=True)
+            for worker_id in worker_ids:
+                pipe.smembers(worker_key(worker_id))
+            pipe.hmget(SEQ_KEY, list(worker_ids)) if worker_ids else None
+            replies = pipe.execute()
+        seqs = replies[-1] if worker_ids else []
+        return {w: (found, int(seq or 0))
+                for w, found, seq in zip(worker_ids, replies, seqs)}
+
+    def worker_hashes(self, worker_id: str) -> tuple[set[bytes], int]:
+        """The hashes in ``worker_id``'s set now, and the ``n`` of its last entry."""
+        return self.worker_sets([worker_id]).get(worker_id, (set(), 0))
+
+    def epoch(self) -> str | None:
+        """The index epoch, None when no writer has set it yet."""
+        with self._unavailable_on_error():
+            epoch = self._redis.get(EPOCH_KEY)
+        return epoch.decode() if epoch else None
+
+    def read_events(self, after: bytes, block_ms: int, count: int = 1000
+                    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Stream entries after id ``after``, waiting up to ``block_ms`` for the first.
+        The client's socket timeout must exceed ``block_ms``."""
+        with self._unavailable_on_error():
+            reply = self._redis.xread({EVENTS_KEY: after}, count=count, block=block_ms)
+        return reply[0][1] if reply else []
+
+    def used_memory(self) -> int:
+        """Redis's ``used_memory``, bytes."""
+        with self._unavailable_on_error():
+            return int(self._redis.info("memory")["used_memory"])
+
+    def _event(self, pipe, worker_id: str, kind: str, hashes: list[bytes]) -> None:
+        pipe.eval(_ADD_EVENT, 2, EVENTS_KEY, SEQ_KEY, worker_id, kind, b"".join(hashes),
+                  EVENTS_MAXLEN)
 
     def _unavailable_on_error(self):
         return _unavailable_on_error(self.redis_url)
@@ -158,20 +268,6 @@ def _unavailable_on_error(redis_url: str) -> Iterator[None]:
         raise PrefixIndexUnavailable(f"prefix index at {redact_url(redis_url)}: {exc}") from exc
 
 
-def _leading_runs(members: list[set[str]], live: set[str]) -> dict[str, int]:
-    """``members[i]`` holds block ``i``'s workers -> each live worker's leading run length."""
-    counts: dict[str, int] = {}
-    running = members[0] & live
-    for i, found in enumerate(members):
-        for worker in running - found:
-            counts[worker] = i
-        running &= found
-        if not running:
-            return counts
-    counts.update(dict.fromkeys(running, len(members)))
-    return counts
-
-
 class KVEventPublisher:
     """A worker's link to the prefix index: pass it as the block pool's
     ``kv_event_callback``.
@@ -180,10 +276,12 @@ class KVEventPublisher:
     of cached hashes and the pending changes, compacted per hash (a hash stored then
     removed before a flush sends one SREM). A daemon thread flushes the pending changes
     as they come (one write at a time: what arrives during a write goes in the next), and
-    with nothing to send still writes (an empty update that reads the epoch)
-    every ``probe_interval_s``, sleeping in between. While Redis is down, changes stay pending
-    and the thread retries every ``retry_interval_s``; when a write reports a new epoch
-    (Redis restarted empty), it republishes every cached hash.
+    with nothing to send still writes (an empty update that reads the epoch and the size
+    of the worker's set) every ``probe_interval_s``, sleeping in between. While Redis is
+    down, changes stay pending and the thread retries every ``retry_interval_s``; when a
+    write reports a new epoch (Redis restarted empty) or a set whose size is not what the
+    worker caches (a router forgot it while its heartbeat lapsed), it republishes every
+    cached hash.
 
     Args:
         redis_url: the index's Redis.
@@ -273,8 +371,9 @@ class KVEventPublisher:
                     continue
                 added, self._to_add = self._to_add, set()
                 removed, self._to_remove = self._to_remove, set()
+                num_cached = len(self._cached)  # the set's size once this batch is in
                 self._busy = True
-            ok = self._send(added, removed)
+            ok = self._send(added, removed, num_cached)
             with self._cond:
                 self._busy = False
                 if ok:
@@ -285,15 +384,17 @@ class KVEventPublisher:
                 if not ok:
                     self._cond.wait_for(lambda: self._closed, self.retry_interval_s)
 
-    def _send(self, added: set[bytes], removed: set[bytes]) -> bool:
-        """One write (which also reads the epoch); republish all on a new epoch."""
+    def _send(self, added: set[bytes], removed: set[bytes], num_cached: int) -> bool:
+        """One write (which also reads the epoch and the set's size); republish all on a
+        new epoch or a set that lost or kept hashes it should not have."""
         try:
-            epoch = self.index.update(self.worker_id, added, removed)
-            if self.epoch is not None and epoch != self.epoch:
+            epoch, num_held = self.index.write(self.worker_id, added, removed)
+            if (self.epoch is not None and epoch != self.epoch) or num_held != num_cached:
                 self.index.republish(self.worker_id, self.cached_hashes)
                 self.num_republishes += 1
-                logger.info("prefix index: epoch %s -> %s, republished %s's blocks",
-                            self.epoch, epoch, self.worker_id)
+                logger.info("prefix index: epoch %s -> %s, %d of %d hashes held: "
+                            "republished %s's blocks", self.epoch, epoch, num_held,
+                            num_cached, self.worker_id)
             self.epoch = epoch
         except PrefixIndexUnavailable as exc:
             if self.available:

@@ -39,6 +39,8 @@ import itertools
 import logging
 from collections.abc import AsyncIterator
 
+from pdserve.cluster import block_index
+from pdserve.cluster.prefix_follower import LocalPrefixIndex
 from pdserve.cluster.prefix_index import PrefixIndex, PrefixIndexUnavailable
 from pdserve.cluster.registry import WorkerRegistry
 from pdserve.engine import structured_output
@@ -97,7 +99,9 @@ class ModelService:
         self.metrics = RouterMetrics(self.served_model_name)
         self.pool = WorkerPool(WorkerRegistry(config.redis_url, auth=config.auth), config,
                                self.metrics)
-        self.index = PrefixIndex(config.redis_url)
+        self.index = _prefix_index(config.redis_url)
+        self.pool.on_worker_removed = self._forget_worker
+        self.pool.on_registry_read = self._retain_workers
         self._root_hash = root_block_hash(self.served_model_name, config.block_size,
                                           config.kv_cache_dtype)
         # NOTE: one rotation per role: a shared counter advanced twice per request makes
@@ -112,6 +116,9 @@ class ModelService:
         """Read the live workers and their loads, then keep them fresh in the background."""
         # NOTE: checking a structured output imports xgrammar; do it now, off the loop.
         asyncio.get_running_loop().run_in_executor(None, structured_output.preload)
+        if isinstance(self.index, LocalPrefixIndex):
+            self.index.start()
+            await asyncio.to_thread(self.index.wait_loaded, 2.0)
         await self.pool.refresh()
         await self.pool.poll_health()
         self._pool_task = asyncio.create_task(self.pool.run())
@@ -286,8 +293,8 @@ class ModelService:
         (the Redis prefix index; ``{}`` while it is down or for a prompt under a block)."""
         if len(request.prompt_token_ids) < self.config.block_size:
             return [], {}
-        hashes = hash_block_chain(request.prompt_token_ids, self.config.block_size,
-                                  self._root_hash, request.cache_salt)
+        hashes = _hash_chain(request.prompt_token_ids, self.config.block_size,
+                             self._root_hash, request.cache_salt)
         return hashes, await self._lookup(hashes)
 
     def _choose_decode(self, exclude: set[str], admit: bool, overlaps: dict[str, int],
@@ -376,8 +383,15 @@ class ModelService:
         if not hashes:
             return {}
         try:
-            overlaps = await asyncio.to_thread(self.index.longest_prefix, hashes,
-                                               self.pool.all_ids())
+            # NOTE: the in-memory copy answers in microseconds; Redis needs a thread.
+            # Never clean_stale: one index serves every model of the cluster, and a
+            # worker leaving this model's pool is forgotten by _forget_worker
+            if isinstance(self.index, LocalPrefixIndex):
+                overlaps = self.index.longest_prefix(hashes, self.pool.all_ids(),
+                                                     clean_stale=False)
+            else:
+                overlaps = await asyncio.to_thread(self.index.longest_prefix, hashes,
+                                                   self.pool.all_ids(), clean_stale=False)
         except PrefixIndexUnavailable as exc:
             if not self._index_down:
                 logger.warning("prefix index unreachable, routing by load alone: %s", exc)
@@ -389,3 +403,39 @@ class ModelService:
         self._index_down = False
         self.metrics.record_index_lookup("hit" if overlaps else "miss")
         return overlaps
+
+    def _forget_worker(self, worker_id: str) -> None:
+        """A worker left this model's pool (gone from the registry, not answering Health):
+        its blocks leave the index, here and in Redis (``LocalPrefixIndex.forget``)."""
+        if isinstance(self.index, LocalPrefixIndex):
+            self.index.forget(worker_id)
+
+    def _retain_workers(self, registered: set[str]) -> None:
+        """The registry's live workers (all models): the index forgets those absent from
+        it for ``_ABSENT_GRACE_S`` (their sets leave Redis; one alive after all
+        republishes at its next probe)."""
+        if isinstance(self.index, LocalPrefixIndex):
+            self.index.retain(registered, max(_ABSENT_GRACE_S,
+                                              3 * self.config.registry_interval_s))
+
+
+_ABSENT_GRACE_S = 30.0
+
+
+def _prefix_index(redis_url: str) -> LocalPrefixIndex | PrefixIndex:
+    """The router's in-memory copy of the prefix index (not started), or the Redis client
+    (lookups over the network) where the native extension cannot be built."""
+    try:
+        return LocalPrefixIndex(redis_url, start=False)
+    except (RuntimeError, OSError, ImportError) as exc:
+        logger.warning("native prefix index unavailable, asking Redis per lookup: %s", exc)
+        return PrefixIndex(redis_url)
+
+
+def _hash_chain(token_ids, block_size: int, root_hash: bytes,
+                cache_salt: str | None) -> list[bytes]:
+    """``hash_block_chain``, natively where the extension is built."""
+    try:
+        return block_index.hash_chain(token_ids, block_size, root_hash, cache_salt)
+    except (RuntimeError, OSError, ImportError):
+        return hash_block_chain(token_ids, block_size, root_hash, cache_salt)

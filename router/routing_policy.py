@@ -17,6 +17,7 @@ Worked example (``overlap_weight=1``, default weights, 10-block prompt)::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -161,10 +162,11 @@ class PrefillPath:
     reason: str
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def shares_compute(a: str, b: str) -> bool:
     """True when two workers' ``compute`` placements (``compute_placement``) name the
     same hardware: the same GPU, or CPU sets that overlap on one host. Unknown ("")
-    placements share nothing."""
+    placements share nothing. Cached: a router asks it of the same pairs per request."""
     if not a or not b:
         return False
     kind_a, _, rest_a = a.partition("@")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -82,6 +83,12 @@ class WorkerPool:
         self.workers: dict[str, dict[str, WorkerHandle]] = {"prefill": {}, "decode": {}}
         self.registry_down = False
         self._retired: list[grpc.aio.Channel] = []
+        # NOTE: called with a worker's id when it leaves the pool (the prefix index
+        # forgets its blocks)
+        self.on_worker_removed: Callable[[str], None] | None = None
+        # NOTE: called with the ids of every live worker, all models, at each registry
+        # read (the prefix index forgets workers that died before this router saw them)
+        self.on_registry_read: Callable[[set[str]], None] | None = None
         self._refresh_lock = asyncio.Lock()
 
     def credentials(self, worker: WorkerHandle, rpc: str, request):
@@ -199,6 +206,8 @@ class WorkerPool:
         if self.registry_down:
             logger.info("worker registry reachable again")
         self.registry_down = False
+        if self.on_registry_read is not None:
+            self.on_registry_read({r.worker_id for r in records})
         if self.metrics is not None:
             self.metrics.record_registry(available=True,
                                          num_rejected=len(self.registry.rejected_ids))
@@ -218,6 +227,8 @@ class WorkerPool:
                     self._retired.append(known.pop(worker_id).channel)
                     if self.metrics is not None:
                         self.metrics.forget_worker(role, worker_id)
+                    if self.on_worker_removed is not None:
+                        self.on_worker_removed(worker_id)
             for worker_id, record in fresh.items():
                 if worker_id not in known:
                     auth = self.config.auth

@@ -12,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Data files read at run time, relative to the repository root: folder -> package folder.
-RUNTIME_DATA = {"kernels/csrc": "pdserve/kernels/csrc", "engine/data": "pdserve/engine/data"}
+RUNTIME_DATA = {"kernels/csrc": "pdserve/kernels/csrc", "cluster/csrc": "pdserve/cluster/csrc",
+                "engine/data": "pdserve/engine/data"}
 
 
 def test_the_wheel_holds_the_kernel_sources_and_data(tmp_path):

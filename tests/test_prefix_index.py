@@ -14,7 +14,7 @@ from pdserve.cluster.prefix_index import (
     KVEventPublisher,
     PrefixIndex,
     PrefixIndexUnavailable,
-    block_key,
+    worker_key,
 )
 from pdserve.engine.block_hash import hash_block_chain, root_block_hash
 from pdserve.engine.block_pool import KVEvent, KVEventKind
@@ -89,10 +89,10 @@ def test_lapsed_workers_are_ignored_and_cleaned(index, server):
     assert index.longest_prefix(h, set()) == {}  # no live workers: nothing is cleaned
     assert index.longest_prefix(h, {"A"}, clean_stale=False) == {"A": 2}
     client = redis.Redis.from_url(server.url)
-    assert client.smembers(block_key(h[0])) == {b"A", b"dead"}
+    assert client.smembers(worker_key("dead")) == set(h)
     assert index.longest_prefix(h, {"A"}) == {"A": 2}
-    assert client.smembers(block_key(h[0])) == {b"A"}  # "dead" removed lazily
-    assert client.smembers(block_key(h[1])) == {b"A"}
+    assert client.exists(worker_key("dead")) == 0  # "dead" removed lazily
+    assert client.smembers(worker_key("A")) == set(h)
 
 
 def test_republish_restores_a_workers_entries(index, server):

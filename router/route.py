@@ -1,0 +1,243 @@
+"""The routing decision at scale: ``Router.route(token_ids) -> RouteDecision`` over the
+workers' loads kept in arrays (docs/architecture.md, A request's path, step 1).
+
+The rules are ``router/routing_policy.py``'s (the spec, as pure functions over
+``WorkerLoad``s); here they run in O(candidates) numpy passes with no per-decision
+objects: ``RoleArrays`` holds one role's workers ordered by id (so ties taking turns by
+``rotation`` fall as in the spec), their last Health (running, waiting, KV usage), the
+requests routed since (counted as waiting, as ``WorkerHandle.current_load`` does), and
+their placements parsed once into a shares-compute matrix. The overlaps come from the
+in-memory prefix index (``LocalPrefixIndex.lookup_slots``), one int32 per worker slot.
+
+Usable without gRPC or workers: build a ``Router`` from a config, an index and the
+workers' ids and placements, feed it loads, ask ``route``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.cluster import block_index
+from pdserve.router.routing_policy import LoadWeights, NoWorkersError, shares_compute
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where one request goes: ``decode_worker_id``; ``prefill_worker_id``, or None to
+    prefill on the decode worker; ``overlap_blocks``, the leading prompt blocks the
+    prefilling worker (the prefill worker, else the decode worker) caches;
+    ``num_blocks``, the prompt's full blocks; ``reason``, one of
+    ``routing_policy.PREFILL_PATH_REASONS``."""
+
+    decode_worker_id: str
+    prefill_worker_id: str | None
+    overlap_blocks: int
+    num_blocks: int
+    reason: str
+
+
+class RoleArrays:
+    """One role's workers, ordered by id, with their loads in ``table``, float64
+    [4, n]: rows KV usage, running, waiting (the last Health), and routed since then.
+
+    Args:
+        workers: worker id -> its ``compute`` placement ("" when unknown).
+    """
+
+    KV, RUNNING, WAITING, ROUTED = range(4)
+
+    def __init__(self, workers: Mapping[str, str]) -> None:
+        self.ids = sorted(workers)
+        self.position = {worker_id: i for i, worker_id in enumerate(self.ids)}
+        self.computes = [workers[i] for i in self.ids]
+        n = len(self.ids)
+        self.table = np.zeros((4, n))
+        self.slots = np.full(n, -1, dtype=np.int64)  # prefix index slots, -1: none
+        self.everyone = np.ones(n, dtype=np.uint8)
+
+    @property
+    def routed(self) -> np.ndarray:
+        """Requests routed to each worker since its last Health, [n] (a view)."""
+        return self.table[self.ROUTED]
+
+    @property
+    def waiting(self) -> np.ndarray:
+        """Waiting sequences of each worker's last Health, [n] (a view)."""
+        return self.table[self.WAITING]
+
+    def set_load(self, worker_id: str, num_running: int, num_waiting: int,
+                 kv_cache_usage: float) -> None:
+        """A Health answer: the load, and the routed count back to 0."""
+        self.table[:, self.position[worker_id]] = (kv_cache_usage, num_running, num_waiting, 0)
+
+    def overlap(self, i: int, counts: np.ndarray | None) -> int:
+        """Worker ``i``'s leading blocks in an index lookup per slot."""
+        slot = self.slots[i]
+        return 0 if counts is None or slot < 0 or slot >= len(counts) else int(counts[slot])
+
+
+_NO_COUNTS = np.zeros(0, dtype=np.int32)
+_native = None
+
+
+def _scoring():
+    global _native
+    if _native is None:
+        _native = block_index.scoring()
+    return _native
+
+
+def choose_decode(arrays: RoleArrays, mask: np.ndarray, counts: np.ndarray | None,
+                  block_size: int, num_tokens: int, min_cached_tokens: int,
+                  rotation: int) -> int:
+    """``routing_policy.choose_decode_worker`` over ``arrays`` restricted to ``mask``
+    (uint8 [n], at least one set), with cached tokens ``min(overlap * block_size,
+    num_tokens)``; returns the chosen position. Native (``cluster/csrc``): numpy's
+    per-call overhead was most of a decision at 500 workers."""
+    return _scoring().choose_decode(arrays.table, mask, arrays.slots,
+                                    _NO_COUNTS if counts is None else counts, block_size,
+                                    num_tokens, min_cached_tokens, rotation)
+
+
+def choose_prefill(arrays: RoleArrays, mask: np.ndarray, counts: np.ndarray | None,
+                   num_blocks: int, overlap_weight: float, weights: LoadWeights,
+                   rotation: int) -> int:
+    """``routing_policy.choose_prefill_worker`` over ``arrays`` restricted to ``mask``
+    (at least one set); returns the chosen position. Costs are computed in the spec's
+    order of operations (and without fused multiply-adds), so equal costs are equal
+    here too."""
+    return _scoring().choose_prefill(
+        arrays.table, mask, arrays.slots, _NO_COUNTS if counts is None else counts,
+        num_blocks, overlap_weight, weights.waiting_blocks, weights.running_blocks,
+        weights.kv_usage_blocks, rotation)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteSettings:
+    """The ``RouterConfig`` fields a decision reads (same names and units)."""
+
+    block_size: int
+    local_prefill_threshold: int = 0
+    disaggregation: str = "auto"
+    prefill_routing: str = "prefix-aware"
+    overlap_weight: float = 1.0
+    max_prefill_queue_size: int = 2**31
+
+    @classmethod
+    def from_config(cls, config) -> RouteSettings:
+        """The settings of a ``RouterConfig``."""
+        return cls(config.block_size, config.local_prefill_threshold, config.disaggregation,
+                   config.prefill_routing, config.overlap_weight,
+                   config.max_prefill_queue_size)
+
+
+class Router:
+    """Routing decisions without RPCs: the prompt's hashes, one in-memory index lookup,
+    array scoring.
+
+    Args:
+        settings: ``RouteSettings`` (``RouteSettings.from_config(router_config)``).
+        index: a ``LocalPrefixIndex`` (or anything with ``lookup_slots(packed) ->
+            int32 [capacity]`` and ``slot_of(worker_id)``), or None to route by load.
+        root_hash: the chain's ``h_{-1}`` (``engine.block_hash.root_block_hash``).
+        prefill, decode: worker id -> placement, per role.
+    """
+
+    def __init__(self, settings: RouteSettings, index, root_hash: bytes,
+                 prefill: Mapping[str, str], decode: Mapping[str, str]) -> None:
+        self.settings = settings
+        self.index = index
+        self.root_hash = root_hash
+        self.weights = LoadWeights()
+        self.prefill = RoleArrays(prefill)
+        self.decode = RoleArrays(decode)
+        # NOTE: placements parsed once, not per decision
+        shares = np.array([[shares_compute(d, p) for p in self.prefill.computes]
+                           for d in self.decode.computes], dtype=bool).reshape(
+                               len(self.decode.ids), len(self.prefill.ids))
+        self.apart = (~shares).astype(np.uint8)  # [decode i, prefill j]: may prefill for i
+        self.any_apart = self.apart.any(axis=1).tolist()
+        self._rotation = {"prefill": itertools.count(), "decode": itertools.count()}
+        self.refresh_slots()
+
+    def refresh_slots(self) -> None:
+        """Re-read each worker's index slot (after workers published for the first time
+        or were forgotten)."""
+        for arrays in (self.prefill, self.decode):
+            for i, worker_id in enumerate(arrays.ids):
+                slot = None if self.index is None else self.index.slot_of(worker_id)
+                arrays.slots[i] = -1 if slot is None else slot
+
+    def route(self, token_ids: Sequence[int], cache_salt: str | None = None, *,
+              decode_open: np.ndarray | None = None, prefill_open: np.ndarray | None = None
+              ) -> RouteDecision:
+        """The decode worker and the prefill path of a prompt, counted as routed.
+
+        Args:
+            token_ids: the prompt.
+            cache_salt: the request's ``cache_salt``.
+            decode_open, prefill_open: bool masks of the workers below their caps (all
+                when None).
+
+        Raises:
+            PrefixIndexUnavailable: from the index (the caller routes by load alone).
+            ValueError: no decode worker is open.
+            NoWorkersError: ``disaggregation="always"`` and no prefill worker is open.
+        """
+        s = self.settings
+        packed = block_index.hash_chain_packed(token_ids, s.block_size, self.root_hash, cache_salt)
+        num_blocks = len(packed) // 16
+        counts = self.index.lookup_slots(packed) if self.index is not None and packed \
+            else None
+        return self.decide(len(token_ids), num_blocks, counts, decode_open, prefill_open)
+
+    def decide(self, num_tokens: int, num_blocks: int, counts: np.ndarray | None,
+               decode_open: np.ndarray | None = None,
+               prefill_open: np.ndarray | None = None) -> RouteDecision:
+        """``route`` after the lookup: ``counts`` is the index's answer per slot."""
+        s, d, p = self.settings, self.decode, self.prefill
+        d_mask = d.everyone if decode_open is None else decode_open.astype(np.uint8)
+        if not len(d.ids) or (decode_open is not None and not d_mask.any()):
+            raise ValueError("no open decode worker")
+        i = choose_decode(d, d_mask, counts, s.block_size, num_tokens,
+                          max(s.local_prefill_threshold, num_tokens // 2, 1),
+                          next(self._rotation["decode"]))
+        d.routed[i] += 1
+        d_over = d.overlap(i, counts)
+        if not len(p.ids):
+            return RouteDecision(d.ids[i], None, d_over, num_blocks, "no_prefill_worker")
+        if num_tokens < s.local_prefill_threshold:
+            return RouteDecision(d.ids[i], None, d_over, num_blocks, "short_prompt")
+        always = s.disaggregation == "always"
+        apart = p.everyone if always else self.apart[i]
+        mask = apart if prefill_open is None else apart & prefill_open.astype(np.uint8)
+        j = None
+        if (self.any_apart[i] or always) and (prefill_open is None or mask.any()):
+            if s.prefill_routing == "round-robin":
+                tied = np.flatnonzero(mask)
+                j = int(tied[next(self._rotation["prefill"]) % len(tied)])
+            else:
+                j = choose_prefill(p, mask, counts, num_blocks, s.overlap_weight,
+                                   self.weights, next(self._rotation["prefill"]))
+        if always and j is None:
+            raise NoWorkersError("every prefill worker is at capacity")
+        if always:
+            reason = "remote"
+        elif self.any_apart[i] and j is None:
+            reason = "prefill_busy"
+        elif num_tokens - min(d_over * s.block_size, num_tokens) < s.local_prefill_threshold:
+            reason = "cached_on_decode"
+        elif j is None:
+            reason = "shared_compute"
+        elif p.waiting[j] + p.routed[j] >= s.max_prefill_queue_size:
+            reason = "prefill_busy"
+        else:
+            reason = "remote"
+        if reason != "remote":
+            return RouteDecision(d.ids[i], None, d_over, num_blocks, reason)
+        p.routed[j] += 1
+        return RouteDecision(d.ids[i], p.ids[j], p.overlap(j, counts), num_blocks, "remote")

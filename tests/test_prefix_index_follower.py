@@ -1,0 +1,139 @@
+"""The router's in-memory prefix index (``LocalPrefixIndex``) against a real redis-server:
+it agrees with Redis's own answer, catches up from the snapshot and the stream, drops a
+forgotten worker (which republishes), re-reads a worker after a gap, and survives a Redis
+that restarted empty."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import redis
+
+from pdserve.cluster.prefix_follower import LocalPrefixIndex
+from pdserve.cluster.prefix_index import (
+    EVENTS_KEY,
+    KVEventPublisher,
+    PrefixIndex,
+    PrefixIndexUnavailable,
+    worker_key,
+)
+from pdserve.engine.block_hash import hash_block_chain, root_block_hash
+from pdserve.engine.block_pool import KVEvent, KVEventKind
+from pdserve.entrypoints.redis_server import RedisServer
+
+TIMEOUT_S = 0.3
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def index(server):
+    redis.Redis.from_url(server.url).flushall()
+    index = PrefixIndex(server.url, socket_timeout_s=TIMEOUT_S)
+    yield index
+    index.close()
+
+
+@pytest.fixture
+def follower(server, index):
+    follower = LocalPrefixIndex(server.url, capacity=70, block_s=0.1, retry_interval_s=0.05,
+                                socket_timeout_s=TIMEOUT_S)
+    yield follower
+    follower.close()
+
+
+def chain(num_blocks: int, offset: int = 0) -> list[bytes]:
+    return hash_block_chain(list(range(offset, offset + 16 * num_blocks)), 16,
+                            root_block_hash("test-model", 16))
+
+
+def wait_until(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if predicate():
+                return True
+        except PrefixIndexUnavailable:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
+def test_agrees_with_redis_on_random_events(index, server):
+    rng = random.Random(0)
+    chains = [chain(12, offset) for offset in range(4)]
+    workers = [f"w{i}" for i in range(67)]  # more than one bitmap word
+    for _ in range(400):
+        worker, c = rng.choice(workers), rng.choice(chains)
+        n = rng.randrange(1, 13)
+        if rng.random() < 0.7:
+            index.update(worker, c[:n], ())
+        else:
+            index.update(worker, (), rng.sample(c, n))
+    late = LocalPrefixIndex(server.url, block_s=0.1)  # a router started now: the snapshot
+    try:
+        for _ in range(100):  # and more events while it follows
+            worker, c = rng.choice(workers), rng.choice(chains)
+            index.update(worker, c[:rng.randrange(1, 13)], ())
+        for c in chains:
+            expected = index.longest_prefix(c, workers, clean_stale=False)
+            assert wait_until(lambda c=c, e=expected: late.longest_prefix(c, workers) == e)
+    finally:
+        late.close()
+    assert late.num_reloads == 1
+
+
+def test_forgotten_worker_republishes(server, follower):
+    h = chain(4)
+    publisher = KVEventPublisher(server.url, "A", socket_timeout_s=TIMEOUT_S,
+                                 probe_interval_s=0.1)
+    try:
+        publisher(KVEvent(KVEventKind.STORED, tuple(h)))
+        assert publisher.flush()
+        assert wait_until(lambda: follower.longest_prefix(h, {"A", "B"}) == {"A": 4})
+        assert follower.retain({"B"}, grace_s=60) == []  # within the grace period
+        assert follower.retain({"B"}) == ["A"]  # gone from the registry: forgotten
+        assert follower.num_blocks("A") == 0
+        # Alive after all (a heartbeat blip): its next probe finds its set gone.
+        assert wait_until(lambda: publisher.num_republishes == 1)
+        assert wait_until(lambda: follower.longest_prefix(h, {"A"}) == {"A": 4})
+    finally:
+        publisher.close(purge=True)
+    assert wait_until(lambda: follower.slot_of("A") is None)  # left cleanly
+
+
+def test_a_gap_re_reads_the_worker(index, server, follower):
+    h = chain(3)
+    index.update("A", h[:1], ())
+    assert wait_until(lambda: follower.longest_prefix(h, {"A"}) == {"A": 1})
+    client = redis.Redis.from_url(server.url)
+    client.sadd(worker_key("A"), *h[1:])  # written, but its entry was trimmed away
+    client.xadd(EVENTS_KEY, {"w": "A", "k": "s", "n": 5, "h": b""})
+    assert wait_until(lambda: follower.longest_prefix(h, {"A"}) == {"A": 3})
+
+
+def test_redis_restart_reloads(server, follower):
+    h = chain(3)
+    publisher = KVEventPublisher(server.url, "A", socket_timeout_s=TIMEOUT_S,
+                                 retry_interval_s=0.05, probe_interval_s=0.1)
+    try:
+        publisher(KVEvent(KVEventKind.STORED, tuple(h)))
+        assert publisher.flush()
+        assert wait_until(lambda: follower.longest_prefix(h, {"A"}) == {"A": 3})
+        server.stop()
+        assert wait_until(lambda: not follower.available)
+        with pytest.raises(PrefixIndexUnavailable):
+            follower.longest_prefix(h, {"A"})
+        server.restart()  # empty
+        assert wait_until(lambda: publisher.num_republishes == 1)
+        assert wait_until(lambda: follower.longest_prefix(h, {"A"}) == {"A": 3})
+        assert follower.num_reloads >= 2
+    finally:
+        publisher.close()
