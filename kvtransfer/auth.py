@@ -42,6 +42,12 @@ def transfer_key(kv_key: bytes, prefill_worker_id: str, decode_worker_id: str,
     return hmac.new(kv_key, "\n".join(fields).encode(), hashlib.sha256).digest()
 
 
+def pair_key(kv_key: bytes, prefix: str) -> bytes:
+    """The 32-byte key that both ends of the pair channel ``prefix`` (unique per pair and
+    generation) prove to each other before a byte of a payload moves (``socket_pair``)."""
+    return hmac.new(kv_key, f"pdserve kv pair v1\n{prefix}".encode(), hashlib.sha256).digest()
+
+
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """A CPU tensor's bytes, without a copy when it is contiguous."""
     flat = tensor.contiguous().reshape(-1)
@@ -60,7 +66,13 @@ class PayloadDigest:
         self._gcm = Cipher(algorithms.AES(key), modes.GCM(_IV)).encryptor()
 
     def update(self, tensor: torch.Tensor) -> None:
+        """Feed a CPU tensor's bytes (a copy first if it is not contiguous)."""
         self._gcm.authenticate_additional_data(_bytes_of(tensor))
+
+    def update_bytes(self, data: memoryview) -> None:
+        """Feed bytes (a piece of a message; pieces may be cut anywhere: GMAC's tag is
+        that of the bytes in order)."""
+        self._gcm.authenticate_additional_data(data)
 
     def _tag(self) -> bytes:
         self._gcm.finalize()
@@ -78,4 +90,4 @@ class PayloadDigest:
 
 
 __all__ = ["TAG_BYTES", "TRAILER_NUMEL", "UNAUTHENTICATED_KV_KEY", "PayloadDigest",
-           "transfer_key"]
+           "pair_key", "transfer_key"]

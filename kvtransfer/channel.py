@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer.auth import TRAILER_NUMEL, PayloadDigest
+from pdserve.kvtransfer.auth import TRAILER_NUMEL, PayloadDigest, pair_key
 from pdserve.kvtransfer.payload import PayloadSink, PayloadSource
 from pdserve.kvtransfer.protocol import HEADER_NUMEL, KVTransferError
+from pdserve.kvtransfer.socket_pair import SocketPair
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
@@ -74,6 +75,9 @@ def _wait(work, deadline: float, what: str) -> None:
     except Exception as exc:  # gloo/NCCL raise RuntimeError or DistError subclasses
         raise KVTransferError(f"{what}: {exc}") from exc
 
+
+_FORGED = ("the payload's tag is not its sender's: its bytes were altered or injected, or "
+           "the sender holds another cluster secret")
 
 CLOSE_ABORT_WAIT_S = 10.0
 """Seconds a closing sender or receiver waits for each NCCL group's abort."""
@@ -138,11 +142,12 @@ class PairGroup:
     CUDA cache, call ``send`` / ``recv`` under ``torch.cuda.device(cache.device)``.
     """
 
-    def __init__(self, rank: int, gloo, nccl=None) -> None:
+    def __init__(self, rank: int, gloo, nccl=None, sock: SocketPair | None = None) -> None:
         self.rank = rank
         self.peer = 1 - rank
         self._gloo = gloo
         self._nccl = nccl
+        self._sock = sock
         self._send_lock = threading.Lock()
         self._next_send_seq = 0
         self._turn = threading.Condition()
@@ -157,7 +162,7 @@ class PairGroup:
 
     @classmethod
     def make(cls, store: dist.Store, prefix: str, rank: int, host: str,
-             device: torch.device, timeout_s: float) -> PairGroup:
+             device: torch.device, timeout_s: float, *, kv_key: bytes) -> PairGroup:
         """Rendezvous with the peer through ``store`` under ``prefix`` and connect.
 
         Args:
@@ -165,9 +170,11 @@ class PairGroup:
                 (a store client serialises its operations).
             prefix: unique per pair and generation.
             rank: 0 (prefill) or 1 (decode).
-            host: the local address gloo binds to.
+            host: the local address to listen on (decode; gloo binds to it too).
             device: the local KV cache's device.
             timeout_s: seconds to wait for the peer.
+            kv_key: the cluster's KV key (``ClusterAuth.kv_key``): the pair socket's
+                handshake proves its ``auth.pair_key``.
 
         Raises:
             KVTransferError: the peer did not show up in time, or connecting failed.
@@ -175,16 +182,21 @@ class PairGroup:
         pstore = dist.PrefixStore(prefix, store)
         try:
             store.set_timeout(_timedelta(timeout_s))
+            mine = describe_device(device)
+            pstore.set(f"device/{rank}", mine)
+            peer_device = pstore.get(f"device/{1 - rank}").decode()
+            if not (mine.startswith("cuda:") and peer_device.startswith("cuda:")
+                    and mine != peer_device):
+                # NOTE: the decode side's host as the prefill side reached its store
+                peer_host = host if rank == 1 else getattr(store, "host", host)
+                sock = SocketPair.connect(pstore, rank, peer_host,
+                                          pair_key(kv_key, prefix), timeout_s)
+                return cls(rank, None, sock=sock)
             opts = dist.ProcessGroupGloo._Options()
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             opts._timeout = _timedelta(timeout_s)
             gloo = dist.ProcessGroupGloo(pstore, rank, 2, opts)
-            pstore.set(f"device/{rank}", describe_device(device))
-            peer_device = pstore.get(f"device/{1 - rank}").decode()
-            nccl = None
-            mine = describe_device(device)
-            if mine.startswith("cuda:") and peer_device.startswith("cuda:") and mine != peer_device:
-                nccl = _make_nccl(pstore, rank, device, timeout_s)
+            nccl = _make_nccl(pstore, rank, device, timeout_s)
         except Exception as exc:
             raise KVTransferError(f"making the pair group {prefix} (rank {rank}) failed: "
                                   f"{exc}") from exc
@@ -210,6 +222,8 @@ class PairGroup:
         Raises:
             KVTransferError: posting or waiting failed, or the deadline passed.
         """
+        if self._sock is not None:
+            return self._send_socket(make_header, source, tag, deadline, digest)
         works, num_bytes = [], 0
         slot_sends: dict[int, int] = {}  # ring slot -> index in works of its last send
         try:
@@ -272,6 +286,10 @@ class PairGroup:
         if self._nccl is not None:
             return None
         header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
+        if self._sock is not None:  # NOTE: TCP buffers what arrives first; nothing to post
+            if self._sock.closed:
+                raise KVTransferError("posting receives failed: the pair socket is closed")
+            return PostedRecv(header, None)
         posted = PostedRecv(header, self._post(self._gloo, [header], tag)[0])
         self.post_more(sink, tag, posted, max_chunks)
         return posted
@@ -284,6 +302,8 @@ class PairGroup:
         Raises:
             KVTransferError: posting failed (the group is closed).
         """
+        if self._sock is not None:
+            return
         c = len(posted.chunk_works)
         end = sink.num_chunks if max_chunks is None else min(max_chunks, sink.num_chunks)
         buffers = []
@@ -322,6 +342,9 @@ class PairGroup:
             KVTransferError: a bad header, a failed or timed-out receive, or a payload
                 whose tag is not the sender's (then nothing of it may be used).
         """
+        if self._sock is not None:
+            self._recv_socket(sink, tag, deadline, check_header, digest)
+            return
         if posted is None:
             posted = self.post_recv(sink, tag)
         if posted is None:  # NCCL: header over gloo, then the payload in turn
@@ -355,9 +378,54 @@ class PairGroup:
             trailer_work = self._post(self._gloo, [trailer], tag)[0]
         _wait(trailer_work, deadline, "receiving the payload's tag")
         if digest is not None and not digest.verify(trailer):
-            raise KVTransferError("the payload's tag is not its sender's: its bytes were "
-                                  "altered or injected, or the sender holds another "
-                                  "cluster secret")
+            raise KVTransferError(_FORGED)
+
+    def _send_socket(self, make_header: Callable[[int], torch.Tensor], source: PayloadSource,
+                     tag: int, deadline: float, digest: PayloadDigest) -> int:
+        """``send`` over the pair socket: the transfer's frames in a row, each piece fed
+        to ``digest`` right before it goes (cache-hot)."""
+        if not self._send_lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
+            raise KVTransferError("sending: timed out waiting for the pair's earlier sends")
+        try:
+            header = make_header(self._next_send_seq)
+            self._next_send_seq += 1
+            self._sock.send_frame(tag, header, deadline, digest)
+            num_bytes = 0
+            for c in range(source.num_chunks):
+                # NOTE: each frame is sent whole before the next chunk is gathered, so a
+                # ring slot is free again at once
+                num_bytes += self._sock.send_frame(tag, source.chunk(c), deadline, digest)
+            self._sock.send_frame(tag, digest.trailer(), deadline)
+            return num_bytes
+        except KVTransferError:
+            raise
+        except Exception as exc:
+            raise KVTransferError(f"sending failed: {exc}") from exc
+        finally:
+            self._send_lock.release()
+
+    def _recv_socket(self, sink: PayloadSink, tag: int, deadline: float,
+                     check_header: Callable[[torch.Tensor], int],
+                     digest: PayloadDigest | None) -> None:
+        """``recv`` over the pair socket: waits for the transfer's turn on the
+        connection, then reads each frame straight into its buffer, feeding each piece
+        to ``digest`` as it lands; checks the trailer (``PayloadDigest.verify``)."""
+        header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
+        trailer = torch.zeros(TRAILER_NUMEL, dtype=torch.int64)
+        self._sock.acquire(tag, deadline)
+        try:
+            self._sock.recv_frame(tag, header, deadline)
+            check_header(header)
+            if digest is not None:
+                digest.update(header)
+            for c in range(sink.num_chunks):
+                self._sock.recv_frame(tag, sink.buffer(c), deadline, digest)
+                sink.chunk_done(c)
+            self._sock.recv_frame(tag, trailer, deadline)
+        finally:
+            self._sock.release()
+        if digest is not None and not digest.verify(trailer):
+            raise KVTransferError(_FORGED)
 
     def _post_in_turn(self, sink: PayloadSink, tag: int, seq: int, deadline: float) -> list:
         with self._turn:
@@ -387,7 +455,10 @@ class PairGroup:
         self.broken = True
         with self._turn:
             self._turn.notify_all()
-        _abort_quietly(self._gloo)
+        if self._sock is not None:
+            self._sock.close()
+        if self._gloo is not None:
+            _abort_quietly(self._gloo)
         if self._nccl is not None and self._nccl_abort is None:
             # NOTE: ncclCommAbort can block for long (its proxy thread waiting on a dead
             # peer's socket, its frees on a receive kernel still spinning), so it never
