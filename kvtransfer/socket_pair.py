@@ -167,6 +167,10 @@ class _Listener:
         with self._lock:
             self._closed = True
         with contextlib.suppress(OSError):
+            # NOTE: wakes the accept thread (Linux); a close alone leaves it blocked, and
+            # the socket listening, until the next client
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
             self._sock.close()
         self._ready.set()
 
