@@ -150,6 +150,9 @@ class _UntaggedDigest:
     def update(self, tensor: torch.Tensor) -> None:
         pass
 
+    def update_bytes(self, data: memoryview) -> None:
+        pass
+
     def trailer(self) -> torch.Tensor:
         return torch.zeros(TRAILER_NUMEL, dtype=torch.int64)
 
