@@ -1,9 +1,14 @@
-"""A pair channel's process group: 2 ranks, made from a store, no global init.
+"""A pair channel's group: 2 ranks, made from a store, no global init.
 
 Rank 0 is the prefill worker, rank 1 the decode worker, which hosts the store
-(``store.KVStoreServer``). Over gloo a payload ends with its GMAC tag (``auth``).
-Headers always go over gloo, tagged per transfer, so transfers on one pair may overlap.
-Payloads go over NCCL when both ends are on distinct CUDA devices, else over gloo.
+(``store.KVStoreServer``). The ranks first trade their devices through the store. When
+both ends are on distinct CUDA devices, payloads go over NCCL and headers over gloo,
+tagged per transfer. Otherwise everything goes over the pair socket
+(``socket_pair.SocketPair``: one TCP connection whose ends prove ``auth.pair_key``
+before any byte moves), and a payload ends with its GMAC tag (``auth``), fed piece by
+piece as the socket moves it. Either way transfers on one pair may overlap.
+
+NOTE: a socket pair, like a gloo group, that saw any error is aborted and never reused.
 
 NOTE: a gloo wait that times out closes the whole pair (gloo signals the timeout to
 every pending operation), so a group that saw any error is aborted and never reused;

@@ -92,8 +92,21 @@ def _remaining(deadline: float, what: str) -> float:
     return left
 
 
+def _set_timeout(sock: socket.socket, option: int, deadline: float, what: str) -> None:
+    """Bound the next blocking read (``SO_RCVTIMEO``) or write (``SO_SNDTIMEO``) of a
+    blocking socket by the time left before ``deadline``."""
+    left = _remaining(deadline, what)
+    seconds = int(left)
+    micros = max(int((left - seconds) * 1e6), 1 if not seconds else 0)
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", seconds, micros))
+
+
 def _recv_into(sock: socket.socket, view: memoryview, deadline: float, what: str) -> None:
-    """Fill ``view`` from ``sock`` by ``deadline`` (monotonic seconds).
+    """Fill ``view`` from ``sock`` (blocking) by ``deadline`` (monotonic seconds).
+
+    NOTE: ``MSG_WAITALL`` on a blocking socket with ``SO_RCVTIMEO`` fills a whole piece in
+    one system call (without the GIL), where Python's own timeouts make the socket
+    non-blocking and return each piece in many small reads.
 
     Raises:
         KVTransferError: timed out, the peer closed the connection, or it failed.
@@ -101,12 +114,12 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: float, what: str
     got, n = 0, view.nbytes
     try:
         while got < n:
-            sock.settimeout(_remaining(deadline, what))
-            k = sock.recv_into(view[got:], n - got)
+            _set_timeout(sock, socket.SO_RCVTIMEO, deadline, what)
+            k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
             if k == 0:
                 raise KVTransferError(f"{what}: the peer closed the connection")
             got += k
-    except TimeoutError:
+    except (BlockingIOError, TimeoutError):
         raise KVTransferError(f"{what}: timed out") from None
     except OSError as exc:
         raise KVTransferError(f"{what}: {exc}") from exc
@@ -119,10 +132,17 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> byte
 
 
 def _sendall(sock: socket.socket, data, deadline: float, what: str) -> None:
+    """Send all of ``data`` on ``sock`` (blocking) by ``deadline``.
+
+    Raises:
+        KVTransferError: timed out, or the connection failed or was closed.
+    """
+    view, sent = memoryview(data).cast("B"), 0
     try:
-        sock.settimeout(_remaining(deadline, what))
-        sock.sendall(data)
-    except TimeoutError:
+        while sent < view.nbytes:
+            _set_timeout(sock, socket.SO_SNDTIMEO, deadline, what)
+            sent += sock.send(view[sent:])
+    except (BlockingIOError, TimeoutError):
         raise KVTransferError(f"{what}: timed out") from None
     except OSError as exc:
         raise KVTransferError(f"{what}: {exc}") from exc
@@ -190,6 +210,7 @@ class _Listener:
     def _handshake(self, conn: socket.socket, peer) -> None:
         try:
             deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+            conn.settimeout(None)  # NOTE: blocking; every wait is bounded by _set_timeout
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             server_nonce = secrets.token_bytes(_NONCE)
             _sendall(conn, MAGIC + server_nonce, deadline, "handshake")
@@ -255,7 +276,6 @@ class SocketPair:
             except BaseException:
                 listener.close()
                 raise
-            sock.settimeout(None)
             return cls(sock, listener)
         port = int(store.get(PORT_KEY).decode())
         try:
@@ -366,6 +386,7 @@ def _client_handshake(sock: socket.socket, key: bytes, deadline: float, where: s
     Raises:
         KVTransferError: it is not a pair listener, refused the key, or did not prove it.
     """
+    sock.settimeout(None)  # NOTE: blocking; every wait is bounded by _set_timeout
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     hello = _recv_exact(sock, len(MAGIC) + _NONCE, deadline, f"handshake with {where}")
     if not hello.startswith(MAGIC):
@@ -376,7 +397,6 @@ def _client_handshake(sock: socket.socket, key: bytes, deadline: float, where: s
     proof = _recv_exact(sock, _MAC, deadline, f"handshake with {where} (refused the key?)")
     if not hmac.compare_digest(proof, _mac(key, b"server", client_nonce, server_nonce)):
         raise KVTransferError(f"the pair socket {where} did not prove the pair key")
-    sock.settimeout(None)
 
 
 __all__ = ["HANDSHAKE_TIMEOUT_S", "MAGIC", "PIECE_BYTES", "SocketPair", "byte_view",

@@ -3,9 +3,11 @@ own and those of the local Ray it starts, binds a loopback address.
 
 pdserve's own listeners: the router's HTTP (``--port``) and gRPC (``--grpc-port``), the
 private Redis, each worker's gRPC, and the KV transfer's: the decode worker's KV store and
-both ends' gloo pair channel (made by the first remote prefill, so the test sends one).
-The workers' gRPC servers and the KV store must also refuse a client without the cluster
-secret (the store: a ``TCPStore`` client, and a pdserve store client with another key). Ray's: the GCS,
+its pair channel's listener (made by the first remote prefill, so the test sends one).
+The workers' gRPC servers, the KV store and the pair listener must also refuse a client
+without the cluster secret (the store: a ``TCPStore`` client, and a pdserve store client
+with another key; the pair listener: a client that answers its challenge with another
+key). Ray's: the GCS,
 the raylet (node manager, object manager), every core worker (the driver's, the actors',
 idle workers'), the dashboard agent, runtime-env agent, and the metrics exporters of the
 dashboard head and the autoscaler monitor. Ray binds all of these to loopback once its node
@@ -152,7 +154,7 @@ def classify(listener: Listener, router_ports: dict[int, str], worker_ports: dic
     elif (pid, port) in ray or (None, port) in ray:
         owner, purpose = "ray", ray.get((pid, port)) or ray[None, port]
     elif pid in worker_pids:
-        owner, purpose = "pdserve", f"{worker_pids[pid]} KV transfer (gloo pair channel)"
+        owner, purpose = "pdserve", f"{worker_pids[pid]} KV transfer (pair channel)"
     else:
         owner, purpose = "ray", RAY_PROCESSES.get(listener.process, "unknown")
     return Listener(pid, listener.process, listener.transport, listener.ip, port, owner,
@@ -201,6 +203,30 @@ def probe_unauthenticated(ready: list[tuple[str, ...]]) -> dict[str, str]:
     return answers
 
 
+def probe_pair_listeners(listeners: list[Listener], ready: list[tuple[str, ...]]) -> dict:
+    """Answer the challenge of every other TCP listener of the decode worker (its pair
+    channels') with another key: ``{port: "refused"}`` where it closed the connection,
+    else what it did."""
+    from pdserve.kvtransfer.socket_pair import MAGIC
+
+    known = {int(p) for _, grpc_port, kv, metrics, _ in ready
+             for p in (grpc_port, kv.rpartition(":")[2], metrics)}
+    decode_pids = {int(pid) for role, _, _, _, pid in ready if role == "decode"}
+    answers = {}
+    for listener in listeners:
+        if (listener.pid not in decode_pids or listener.transport != "tcp"
+                or listener.port in known):
+            continue
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as sock:
+            hello = sock.recv(len(MAGIC) + 16)
+            sock.sendall(os.urandom(48))
+            sock.settimeout(10)
+            closed = sock.recv(1) == b""
+        answers[listener.port] = ("refused" if hello.startswith(MAGIC) and closed
+                                  else f"hello {hello[:16]!r}, closed {closed}")
+    return answers
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_demo_model(tmp_path_factory.mktemp("demo") / "model")
@@ -227,6 +253,7 @@ def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monke
         listeners = sockets_of(procs, proc.pid)
         ready = READY.findall(log)
         refusals = probe_unauthenticated(ready)
+        pair_refusals = probe_pair_listeners(listeners, ready)
         proc.send_signal(signal.SIGINT)
         status = proc.wait(timeout=60)
         left = wait_none_marked(mark, timeout_s=20)
@@ -257,7 +284,8 @@ def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monke
             ("pdserve", "driver gRPC")} <= purposes, table
     assert len(worker_pids) == 2, log
     assert ("ray::WorkerActor", "decode worker KV store") in purposes, table
-    assert any(f.purpose == "decode KV transfer (gloo pair channel)" for f in found), table
+    assert any(f.purpose == "decode KV transfer (pair channel)" for f in found), table
+    assert pair_refusals and set(pair_refusals.values()) == {"refused"}, pair_refusals
     # each of pdserve's workers' listeners refuses a client without the cluster secret
     assert refusals == {"prefill worker gRPC": "UNAUTHENTICATED",
                         "decode worker gRPC": "UNAUTHENTICATED",
