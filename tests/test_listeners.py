@@ -203,19 +203,22 @@ def probe_unauthenticated(ready: list[tuple[str, ...]]) -> dict[str, str]:
     return answers
 
 
-def probe_pair_listeners(listeners: list[Listener], ready: list[tuple[str, ...]]) -> dict:
-    """Answer the challenge of every other TCP listener of the decode worker (its pair
-    channels') with another key: ``{port: "refused"}`` where it closed the connection,
+def probe_pair_listeners(listeners: list[Listener], ready: list[tuple[str, ...]],
+                         ray: dict[tuple[int | None, int], str]) -> dict:
+    """Answer the challenge of every TCP listener of the decode worker that is neither one
+    of its known ports nor Ray's (``ray``: as ``classify`` takes it), that is its pair
+    channels', with another key: ``{port: "refused"}`` where it closed the connection,
     else what it did."""
     from pdserve.kvtransfer.socket_pair import MAGIC
 
-    known = {int(p) for _, grpc_port, kv, metrics, _ in ready
-             for p in (grpc_port, kv.rpartition(":")[2], metrics)}
+    known = {int(p) for _, grpc_port, _, metrics, _ in ready for p in (grpc_port, metrics)}
+    known |= {int(kv.rpartition(":")[2]) for role, _, kv, _, _ in ready if role == "decode"}
     decode_pids = {int(pid) for role, _, _, _, pid in ready if role == "decode"}
     answers = {}
     for listener in listeners:
         if (listener.pid not in decode_pids or listener.transport != "tcp"
-                or listener.port in known):
+                or listener.port in known or (listener.pid, listener.port) in ray
+                or (None, listener.port) in ray):
             continue
         with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as sock:
             hello = sock.recv(len(MAGIC) + 16)
@@ -253,7 +256,7 @@ def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monke
         listeners = sockets_of(procs, proc.pid)
         ready = READY.findall(log)
         refusals = probe_unauthenticated(ready)
-        pair_refusals = probe_pair_listeners(listeners, ready)
+        pair_refusals = probe_pair_listeners(listeners, ready, ray_known)
         proc.send_signal(signal.SIGINT)
         status = proc.wait(timeout=60)
         left = wait_none_marked(mark, timeout_s=20)
