@@ -113,26 +113,11 @@ def _wait_device(work, deadline: float, what: str) -> None:
         raise KVTransferError(f"{what}: {exc}") from exc
 
 
-def _wait_last(works: list[tuple[str, object]], deadline: float, verb: str) -> None:
-    """Wait for all ``(what, work)`` of one pair's stream by waiting for the last one.
-
-    NOTE: the ops of one pair complete in posting order (one stream, and a failure breaks
-    the whole pair), so once the last one is done so are the others, which are dropped
-    unwaited: one sleep and wake-up in all instead of one per op, and no per-op Python.
-    Each wake-up costs CPU that, on 2 cores, the copying threads of gloo need (a payload
-    of scattered blocks is one message per block). A gloo send/recv must be waited at
-    most once (its wait consumes the completion; a second one blocks until the timeout).
-    Raises KVTransferError as ``_wait``.
-    """
-    what, work = works[-1]
-    _wait(work, deadline, f"{verb} {what}")
-
-
 @dataclass(slots=True)
 class PostedRecv:
-    """Receives posted ahead of a transfer (``PairGroup.post_recv``): the int64 header
-    buffer, the gloo works of the header and of chunks ``0 .. len(chunk_works) - 1``, and
-    the sink's ring slots that posted chunks still occupy."""
+    """What ``PairGroup.post_recv`` returns over the pair socket (which posts nothing:
+    the kernel buffers what arrives first): the int64 header buffer. The other fields
+    are unused (they were gloo's posted receives)."""
 
     header: torch.Tensor
     header_work: object
@@ -143,7 +128,7 @@ class PostedRecv:
 class PairGroup:
     """The 2-rank group of one (prefill, decode) pair at one generation.
 
-    Thread-safe: several transfers may be in flight (each with its own gloo tag). With a
+    Thread-safe: several transfers may be in flight (each with its own tag). With a
     CUDA cache, call ``send`` / ``recv`` under ``torch.cuda.device(cache.device)``.
     """
 
@@ -209,139 +194,87 @@ class PairGroup:
 
     def send(self, make_header: Callable[[int], torch.Tensor], source: PayloadSource,
              tag: int, deadline: float, digest: PayloadDigest) -> int:
-        """Send a header, then the payload's chunks, then (gloo) the tag of both
-        (``auth.PayloadDigest``, fed each chunk while gloo sends it); return the payload
+        """Send a header, then the payload's chunks, then (pair socket) the tag of both
+        (``auth.PayloadDigest``, fed each piece right before it goes); return the payload
         bytes.
 
         Args:
             make_header: seq -> int64[HEADER_NUMEL]; seq numbers this group's payloads
                 (NCCL receivers take them in that order).
-            source: the payload (``payload.PayloadSource``); a staged chunk is gathered
-                once the send that last used its ring slot has completed, so gathering
-                overlaps the sends of the chunks before it.
-            tag: the transfer's gloo tag, from the receiver's ticket.
+            source: the payload (``payload.PayloadSource``); over the socket a staged
+                chunk is gathered once the chunk before it was sent.
+            tag: the transfer's tag, from the receiver's ticket.
             deadline: ``time.monotonic()`` seconds by which everything must be sent.
-            digest: this transfer's, fresh (gloo only; NOTE: payloads over NCCL are not
+            digest: this transfer's, fresh (socket only; NOTE: payloads over NCCL are not
                 tagged yet).
 
         Raises:
-            KVTransferError: posting or waiting failed, or the deadline passed.
+            KVTransferError: sending failed, or the deadline passed.
         """
         if self._sock is not None:
             return self._send_socket(make_header, source, tag, deadline, digest)
-        works, num_bytes = [], 0
-        slot_sends: dict[int, int] = {}  # ring slot -> index in works of its last send
         try:
             # NOTE: over NCCL the payload is gathered before the header goes: the receiver
             # posts its NCCL receive on the header, and a receive whose send never comes
             # holds a kernel on its GPU until the group is aborted
-            gathered = ([source.chunk(c) for c in range(source.num_chunks)]
-                        if self._nccl is not None else None)
+            gathered = [source.chunk(c) for c in range(source.num_chunks)]
             with self._send_lock:  # NOTE: payloads are posted in seq order
                 header = make_header(self._next_send_seq)
                 self._next_send_seq += 1
-                works.append(("header", self._gloo.send([header], self.peer, tag)))
-                payload_group = self._nccl or self._gloo
-                if self._nccl is None:
-                    digest.update(header)
-                for c in range(source.num_chunks):
-                    slot = source.slot_of(c)
-                    if slot is not None and slot in slot_sends:
-                        i = slot_sends.pop(slot)
-                        _wait(works[i][1], deadline, f"sending {works[i][0]}")
-                    wire = gathered[c] if gathered is not None else source.chunk(c)
-                    works.append((f"chunk {c}", payload_group.send([wire], self.peer, tag)))
-                    if slot is not None:
-                        slot_sends[slot] = len(works) - 1
-                    if self._nccl is None:  # NOTE: while gloo sends it
-                        digest.update(wire)
-                    num_bytes += wire.numel()
-                if self._nccl is None:
-                    works.append(("tag", self._gloo.send([digest.trailer()], self.peer, tag)))
+                header_work = self._gloo.send([header], self.peer, tag)
+                works = [self._nccl.send([wire], self.peer, tag) for wire in gathered]
         except KVTransferError:
             raise
         except Exception as exc:
             raise KVTransferError(f"posting a send failed: {exc}") from exc
-        if self._nccl is not None:  # NOTE: two streams: the header's (gloo) and NCCL's
-            _wait(works[0][1], deadline, "sending the header")
-            # NOTE: complete on the GPU before returning: the chunks may be views of
-            # blocks the caller releases once this returns
-            _wait_device(works[-1][1], deadline, "sending the payload")
-            return num_bytes
-        # NOTE: the last chunk's send was never waited for a slot (only chunk c - slots is)
-        _wait_last(works, deadline, "sending")
-        return num_bytes
+        # NOTE: two streams: the header's (gloo) and NCCL's
+        _wait(header_work, deadline, "sending the header")
+        # NOTE: complete on the GPU before returning: the chunks may be views of blocks the
+        # caller releases once this returns
+        _wait_device(works[-1], deadline, "sending the payload")
+        return sum(wire.numel() for wire in gathered)
 
     def post_recv(self, sink: PayloadSink, tag: int,
                   max_chunks: int | None = None) -> PostedRecv | None:
-        """Post the header's receive and the chunks' now, before the sender starts (gloo
-        only; None over NCCL, whose payloads are posted in the sender's seq order):
-        chunks in order, each received in place or into a free ring slot, up to the first
-        whose slot is taken or ``max_chunks`` (``post_more`` and ``recv`` post the rest).
-
-        Gloo pairs a send with its receive by a rendezvous (send-ready, receive-ready
-        notes); a receive posted before the sender posts its send saves that round trip,
-        about 1 ms per transfer on a busy 2-core host. Safe to leave pending for good on
-        a tag the sender never sends on (the claim protocol's give-up): drop the returned
-        object and gloo forgets the buffers (it holds only weak references).
+        """Before the sender starts: a ``PostedRecv`` over the pair socket, which needs
+        nothing posted (the kernel buffers what arrives first, until ``recv`` reads it
+        straight into the sink); None over NCCL, whose payloads are posted in the
+        sender's seq order. Safe to drop for good on a tag the sender never sends on (the
+        claim protocol's give-up). ``sink`` and ``max_chunks`` are unused.
 
         Raises:
-            KVTransferError: posting failed (the group is closed).
+            KVTransferError: the group is closed.
         """
         if self._nccl is not None:
             return None
-        header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
-        if self._sock is not None:  # NOTE: TCP buffers what arrives first; nothing to post
-            if self._sock.closed:
-                raise KVTransferError("posting receives failed: the pair socket is closed")
-            return PostedRecv(header, None)
-        posted = PostedRecv(header, self._post(self._gloo, [header], tag)[0])
-        self.post_more(sink, tag, posted, max_chunks)
-        return posted
+        if self._sock.closed:
+            raise KVTransferError("posting receives failed: the pair socket is closed")
+        return PostedRecv(torch.zeros(HEADER_NUMEL, dtype=torch.int64), None)
 
     def post_more(self, sink: PayloadSink, tag: int, posted: PostedRecv,
                   max_chunks: int | None = None) -> None:
-        """Post the next chunks' receives in order while each one's ring slot is free, up
-        to ``max_chunks`` posted in all.
-
-        Raises:
-            KVTransferError: posting failed (the group is closed).
-        """
-        if self._sock is not None:
-            return
-        c = len(posted.chunk_works)
-        end = sink.num_chunks if max_chunks is None else min(max_chunks, sink.num_chunks)
-        buffers = []
-        while c < end:
-            slot = sink.slot_of(c)
-            if slot is not None:
-                if slot in posted.busy_slots:
-                    break
-                posted.busy_slots.add(slot)
-            buffers.append(sink.buffer(c))
-            c += 1
-        posted.chunk_works += self._post(self._gloo, buffers, tag)
+        """Nothing to post over the pair socket (see ``post_recv``); kept so that the
+        pull's transitions stay the same whatever the transport."""
 
     def recv(self, sink: PayloadSink, tag: int, deadline: float,
              check_header: Callable[[torch.Tensor], int],
              posted: PostedRecv | None = None, digest: PayloadDigest | None = None) -> None:
-        """Receive a header, then the payload's chunks into the sink (feeding each to
-        ``digest`` in order as it lands, scattering each staged one, and posting the
-        receive of the next chunk its ring slot serves), then (gloo) the sender's tag,
-        which must equal ``digest``'s.
+        """Receive a header, then the payload's chunks into the sink (scattering each
+        staged one as it lands), then (pair socket) the sender's tag, which must equal
+        ``digest``'s (fed each piece right after it landed).
 
         Args:
             sink: where the chunks go; its sizes come from the receiver's ticket.
-            tag: the transfer's gloo tag.
+            tag: the transfer's tag.
             deadline: ``time.monotonic()`` seconds by which everything must arrive.
             check_header: validates the int64[HEADER_NUMEL] header (raising
                 KVTransferError) and returns its seq.
-            posted: what ``post_recv(sink, tag)`` returned, if called before.
+            posted: what ``post_recv(sink, tag)`` returned, if called before (unused).
             digest: this transfer's, fresh; None receives the tag without checking it
                 (a drained payload, discarded anyway).
 
-        Over NCCL the payload (one chunk) is posted after the header, in the sender's seq
-        order, and carries no tag yet.
+        Over NCCL the header comes over gloo and the payload (one chunk) is posted after
+        it, in the sender's seq order, and carries no tag yet.
 
         Raises:
             KVTransferError: a bad header, a failed or timed-out receive, or a payload
@@ -350,40 +283,11 @@ class PairGroup:
         if self._sock is not None:
             self._recv_socket(sink, tag, deadline, check_header, digest)
             return
-        if posted is None:
-            posted = self.post_recv(sink, tag)
-        if posted is None:  # NCCL: header over gloo, then the payload in turn
-            header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
-            header_work = self._post(self._gloo, [header], tag)[0]
-            _wait(header_work, deadline, "receiving the header")
-            works = self._post_in_turn(sink, tag, check_header(header), deadline)
-            _wait_device(works[-1], deadline, "receiving the payload")
-            return
-        self.post_more(sink, tag, posted)
-        _wait(posted.header_work, deadline, "receiving the header")
-        check_header(posted.header)
-        if digest is not None:
-            digest.update(posted.header)
-        trailer = torch.zeros(TRAILER_NUMEL, dtype=torch.int64)
-        trailer_work = None
-        for c in range(sink.num_chunks):
-            if trailer_work is None and len(posted.chunk_works) == sink.num_chunks:
-                trailer_work = self._post(self._gloo, [trailer], tag)[0]  # NOTE: after them
-            slot = sink.slot_of(c)
-            if slot is None and digest is None:
-                continue  # NOTE: lands in place; a later wait covers it
-            _wait(posted.chunk_works[c], deadline, f"receiving chunk {c}")
-            if digest is not None:  # NOTE: in wire order, while later chunks arrive
-                digest.update(sink.buffer(c))
-            if slot is not None:
-                sink.chunk_done(c)
-                posted.busy_slots.discard(slot)
-                self.post_more(sink, tag, posted)
-        if trailer_work is None:
-            trailer_work = self._post(self._gloo, [trailer], tag)[0]
-        _wait(trailer_work, deadline, "receiving the payload's tag")
-        if digest is not None and not digest.verify(trailer):
-            raise KVTransferError(_FORGED)
+        header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
+        header_work = self._post(self._gloo, [header], tag)[0]
+        _wait(header_work, deadline, "receiving the header")
+        works = self._post_in_turn(sink, tag, check_header(header), deadline)
+        _wait_device(works[-1], deadline, "receiving the payload")
 
     def _send_socket(self, make_header: Callable[[int], torch.Tensor], source: PayloadSource,
                      tag: int, deadline: float, digest: PayloadDigest) -> int:

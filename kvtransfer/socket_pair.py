@@ -92,60 +92,92 @@ def _remaining(deadline: float, what: str) -> float:
     return left
 
 
-def _set_timeout(sock: socket.socket, option: int, deadline: float, what: str) -> None:
-    """Bound the next blocking read (``SO_RCVTIMEO``) or write (``SO_SNDTIMEO``) of a
-    blocking socket by the time left before ``deadline``."""
-    left = _remaining(deadline, what)
-    seconds = int(left)
-    micros = max(int((left - seconds) * 1e6), 1 if not seconds else 0)
-    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", seconds, micros))
+_QUANTUM_S = 0.5
+"""The longest one system call may block; a call that waited this long with no progress
+is retried until the deadline."""
 
 
-def _recv_into(sock: socket.socket, view: memoryview, deadline: float, what: str) -> None:
-    """Fill ``view`` from ``sock`` (blocking) by ``deadline`` (monotonic seconds).
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` less their first ``n`` bytes (and any emptied view)."""
+    out = []
+    for view in views:
+        if n >= view.nbytes:
+            n -= view.nbytes
+            continue
+        out.append(view[n:])
+        n = 0
+    return out
 
-    NOTE: ``MSG_WAITALL`` on a blocking socket with ``SO_RCVTIMEO`` fills a whole piece in
-    one system call (without the GIL), where Python's own timeouts make the socket
-    non-blocking and return each piece in many small reads.
 
-    Raises:
-        KVTransferError: timed out, the peer closed the connection, or it failed.
+class _Conn:
+    """A blocking TCP socket whose reads and writes each take one system call per list
+    of buffers (``recvmsg_into`` with ``MSG_WAITALL``, ``sendmsg``), bounded by a
+    deadline through ``SO_RCVTIMEO`` / ``SO_SNDTIMEO``.
+
+    NOTE: Python's own socket timeouts make the socket non-blocking, and a 1 MiB read
+    then returns in many small pieces, each a trip through Python; here the kernel fills
+    the whole piece (without the GIL). The kernel timeout is set only when the value set
+    last would outlast the deadline (``_QUANTUM_S`` at most), so not once per call.
     """
-    got, n = 0, view.nbytes
-    try:
-        while got < n:
-            _set_timeout(sock, socket.SO_RCVTIMEO, deadline, what)
-            k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-            if k == 0:
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self._bounds = {socket.SO_RCVTIMEO: 0.0, socket.SO_SNDTIMEO: 0.0}
+
+    def _bound(self, option: int, deadline: float, what: str) -> None:
+        left = _remaining(deadline, what)
+        if 0 < self._bounds[option] <= left:
+            return
+        bound = min(left, _QUANTUM_S)
+        seconds = int(bound)
+        micros = max(int((bound - seconds) * 1e6), 0 if seconds else 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", seconds, micros))
+        self._bounds[option] = bound
+
+    def recv_into(self, views: list[memoryview], deadline: float, what: str) -> None:
+        """Fill ``views`` in order by ``deadline`` (monotonic seconds).
+
+        Raises:
+            KVTransferError: timed out, the peer closed the connection, or it failed.
+        """
+        views = [view for view in views if view.nbytes]
+        while views:
+            self._bound(socket.SO_RCVTIMEO, deadline, what)
+            try:
+                n = self.sock.recvmsg_into(views, 0, socket.MSG_WAITALL)[0]
+            except BlockingIOError:
+                continue  # NOTE: a quantum passed; _bound checks the deadline
+            except OSError as exc:
+                raise KVTransferError(f"{what}: {exc}") from exc
+            if n == 0:
                 raise KVTransferError(f"{what}: the peer closed the connection")
-            got += k
-    except (BlockingIOError, TimeoutError):
-        raise KVTransferError(f"{what}: timed out") from None
-    except OSError as exc:
-        raise KVTransferError(f"{what}: {exc}") from exc
+            views = _advance(views, n)
 
+    def recv_exact(self, n: int, deadline: float, what: str) -> bytes:
+        """``n`` bytes, as ``recv_into``."""
+        buf = bytearray(n)
+        self.recv_into([memoryview(buf)], deadline, what)
+        return bytes(buf)
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf), deadline, what)
-    return bytes(buf)
+    def send(self, views: list, deadline: float, what: str) -> None:
+        """Send all of ``views`` (bytes-like) in order by ``deadline``.
 
-
-def _sendall(sock: socket.socket, data, deadline: float, what: str) -> None:
-    """Send all of ``data`` on ``sock`` (blocking) by ``deadline``.
-
-    Raises:
-        KVTransferError: timed out, or the connection failed or was closed.
-    """
-    view, sent = memoryview(data).cast("B"), 0
-    try:
-        while sent < view.nbytes:
-            _set_timeout(sock, socket.SO_SNDTIMEO, deadline, what)
-            sent += sock.send(view[sent:])
-    except (BlockingIOError, TimeoutError):
-        raise KVTransferError(f"{what}: timed out") from None
-    except OSError as exc:
-        raise KVTransferError(f"{what}: {exc}") from exc
+        Raises:
+            KVTransferError: timed out, or the connection failed or was closed.
+        """
+        views = [memoryview(view).cast("B") for view in views]
+        views = [view for view in views if view.nbytes]
+        while views:
+            self._bound(socket.SO_SNDTIMEO, deadline, what)
+            try:
+                n = self.sock.sendmsg(views)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise KVTransferError(f"{what}: {exc}") from exc
+            views = _advance(views, n)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -210,18 +242,17 @@ class _Listener:
     def _handshake(self, conn: socket.socket, peer) -> None:
         try:
             deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
-            conn.settimeout(None)  # NOTE: blocking; every wait is bounded by _set_timeout
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire = _Conn(conn)
             server_nonce = secrets.token_bytes(_NONCE)
-            _sendall(conn, MAGIC + server_nonce, deadline, "handshake")
-            answer = _recv_exact(conn, _NONCE + _MAC, deadline, "handshake")
+            wire.send([MAGIC + server_nonce], deadline, "handshake")
+            answer = wire.recv_exact(_NONCE + _MAC, deadline, "handshake")
             client_nonce, proof = answer[:_NONCE], answer[_NONCE:]
             if not hmac.compare_digest(proof, _mac(self._key, b"client", server_nonce,
                                                    client_nonce)):
                 raise KVTransferError("it did not prove the pair key")
-            _sendall(conn, _mac(self._key, b"server", client_nonce, server_nonce), deadline,
-                     "handshake")
-        except KVTransferError as exc:
+            wire.send([_mac(self._key, b"server", client_nonce, server_nonce)], deadline,
+                      "handshake")
+        except (KVTransferError, OSError) as exc:
             _refused(peer, str(exc))
             conn.close()
             return
@@ -246,6 +277,8 @@ class SocketPair:
 
     def __init__(self, sock: socket.socket, listener: _Listener | None = None) -> None:
         self._sock = sock
+        self._wire = _Conn(sock)
+        self._frame = bytearray(_FRAME.size)  # NOTE: receivers' frame headers, in turn
         self._listener = listener
         self._cond = threading.Condition()
         self._owner: int | None = None  # the tag whose receiver reads the connection
@@ -300,12 +333,13 @@ class SocketPair:
         """
         view = byte_view(tensor)
         n = view.nbytes
-        _sendall(self._sock, _FRAME.pack(tag, n), deadline, "sending a frame")
+        head = [_FRAME.pack(tag, n)]  # NOTE: goes with the first piece, in one call
         for start in range(0, n, PIECE_BYTES):
             piece = view[start:start + PIECE_BYTES]
             if digest is not None:
                 digest.update_bytes(piece)
-            _sendall(self._sock, piece, deadline, "sending a frame")
+            self._wire.send([*head, piece], deadline, "sending a frame")
+            head = []
         return n
 
     def acquire(self, tag: int, deadline: float) -> None:
@@ -327,8 +361,8 @@ class SocketPair:
                     self._owner = tag
                     self._cond.release()
                     try:
-                        frame = _FRAME.unpack(_recv_exact(self._sock, _FRAME.size, deadline,
-                                                          "receiving a frame"))
+                        frame = _FRAME.unpack(self._wire.recv_exact(
+                            _FRAME.size, deadline, "receiving a frame"))
                     finally:
                         self._cond.acquire()
                         self._owner = None
@@ -354,16 +388,25 @@ class SocketPair:
                 failed or was closed.
         """
         view = byte_view(tensor)
+        first = view[:PIECE_BYTES]
         frame, self._next_frame = self._next_frame, None
         if frame is None:
-            frame = _FRAME.unpack(_recv_exact(self._sock, _FRAME.size, deadline,
-                                              "receiving a frame"))
+            # NOTE: the frame's header and first piece in one call; a frame of another
+            # size or tag fails the transfer (and the pair) below, so reading ahead
+            # past a short one does no harm
+            self._wire.recv_into([memoryview(self._frame), first], deadline,
+                                 "receiving a frame")
+            frame = _FRAME.unpack(self._frame)
+        else:
+            self._wire.recv_into([first], deadline, "receiving a frame")
         if frame != (tag, view.nbytes):
             raise KVTransferError(f"expected a frame of tag {tag}, {view.nbytes} bytes; got "
                                   f"tag {frame[0]}, {frame[1]} bytes")
-        for start in range(0, view.nbytes, PIECE_BYTES):
+        if digest is not None:
+            digest.update_bytes(first)
+        for start in range(PIECE_BYTES, view.nbytes, PIECE_BYTES):
             piece = view[start:start + PIECE_BYTES]
-            _recv_into(self._sock, piece, deadline, "receiving a frame")
+            self._wire.recv_into([piece], deadline, "receiving a frame")
             if digest is not None:
                 digest.update_bytes(piece)
 
@@ -386,15 +429,14 @@ def _client_handshake(sock: socket.socket, key: bytes, deadline: float, where: s
     Raises:
         KVTransferError: it is not a pair listener, refused the key, or did not prove it.
     """
-    sock.settimeout(None)  # NOTE: blocking; every wait is bounded by _set_timeout
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    hello = _recv_exact(sock, len(MAGIC) + _NONCE, deadline, f"handshake with {where}")
+    wire = _Conn(sock)
+    hello = wire.recv_exact(len(MAGIC) + _NONCE, deadline, f"handshake with {where}")
     if not hello.startswith(MAGIC):
         raise KVTransferError(f"{where} is not a pdserve pair socket")
     server_nonce, client_nonce = hello[len(MAGIC):], secrets.token_bytes(_NONCE)
-    _sendall(sock, client_nonce + _mac(key, b"client", server_nonce, client_nonce), deadline,
-             f"handshake with {where}")
-    proof = _recv_exact(sock, _MAC, deadline, f"handshake with {where} (refused the key?)")
+    wire.send([client_nonce + _mac(key, b"client", server_nonce, client_nonce)], deadline,
+              f"handshake with {where}")
+    proof = wire.recv_exact(_MAC, deadline, f"handshake with {where} (refused the key?)")
     if not hmac.compare_digest(proof, _mac(key, b"server", client_nonce, server_nonce)):
         raise KVTransferError(f"the pair socket {where} did not prove the pair key")
 
