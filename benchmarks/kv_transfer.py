@@ -11,11 +11,11 @@ scales, about half the bytes a token: the workers' ``--kv-cache-dtype``):
   per token, 2 MiB per block.
 
 Both caches are laid out as the workers' (block-major storage on huge pages). Each size is
-timed four ways, in turn, on the same loopback link and backend (gloo):
+timed four ways, in turn, on the same loopback link (the pair channel over its own
+authenticated TCP connection, ``kvtransfer/socket_pair.py``; the baseline over gloo):
 
 - plain: the same bytes as one contiguous region of the same caches (their first blocks),
-  ``send`` / ``recv`` on a 2-rank gloo group made the same way (no gather, no scatter, no
-  protocol);
+  ``send`` / ``recv`` on a 2-rank gloo group (no gather, no scatter, no protocol);
 - pair, consecutive: ``KVReceiver.init`` + ``KVSender.send`` with consecutive block ids
   on both sides (fresh block pools): messages of up to 8 MiB straight from and into the
   caches;
@@ -148,6 +148,9 @@ class _UntaggedDigest:
         pass
 
     def update(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def update_bytes(self, data: memoryview) -> None:
         pass
 
     def trailer(self) -> torch.Tensor:

@@ -189,7 +189,9 @@ class RayLauncher:
     dashboard only with ``dashboard`` (on 127.0.0.1:8265, Ray's default). Neither applies
     when joining ``ray_address``. Ray's token authentication is on for a local
     Ray (Ray's default unless ``RAY_AUTH_MODE=disabled``; the token is
-    ``~/.ray/auth_token``).
+    ``~/.ray/auth_token``). A local Ray on a routable node IP runs without Ray's metrics
+    collection (``enable_metrics_collection``), so its dashboard agent opens no Prometheus
+    exporter: that one would bind every interface and answer anyone.
 
     Raises:
         RuntimeError: from the constructor when a loopback Ray was asked for but Ray was
@@ -211,6 +213,10 @@ class RayLauncher:
             if loopback:
                 _check_single_node_mode()
             init_kwargs = {"_node_ip_address": node_ip} if local and node_ip else {}
+            if local and not loopback:
+                # NOTE: a routable local Ray's agent would export its Prometheus metrics on
+                # every interface to anyone; pdserve's own metrics do not go through Ray
+                init_kwargs["_system_config"] = {"enable_metrics_collection": False}
             # NOTE: "local", not None: None would join a cluster named by RAY_ADDRESS or
             # by the last `ray start` on this machine, with whatever listeners it has
             ray.init(address=ray_address or "local", num_cpus=num_cpus,

@@ -1,9 +1,14 @@
-"""A pair channel's process group: 2 ranks, made from a store, no global init.
+"""A pair channel's group: 2 ranks, made from a store, no global init.
 
 Rank 0 is the prefill worker, rank 1 the decode worker, which hosts the store
-(``store.KVStoreServer``). Over gloo a payload ends with its GMAC tag (``auth``).
-Headers always go over gloo, tagged per transfer, so transfers on one pair may overlap.
-Payloads go over NCCL when both ends are on distinct CUDA devices, else over gloo.
+(``store.KVStoreServer``). The ranks first trade their devices through the store. When
+both ends are on distinct CUDA devices, payloads go over NCCL and headers over gloo,
+tagged per transfer. Otherwise everything goes over the pair socket
+(``socket_pair.SocketPair``: one TCP connection whose ends prove ``auth.pair_key``
+before any byte moves), and a payload ends with its GMAC tag (``auth``), fed piece by
+piece as the socket moves it. Either way transfers on one pair may overlap.
+
+NOTE: a socket pair, like a gloo group, that saw any error is aborted and never reused.
 
 NOTE: a gloo wait that times out closes the whole pair (gloo signals the timeout to
 every pending operation), so a group that saw any error is aborted and never reused;
@@ -38,9 +43,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer.auth import TRAILER_NUMEL, PayloadDigest
+from pdserve.kvtransfer.auth import TRAILER_NUMEL, PayloadDigest, pair_key
 from pdserve.kvtransfer.payload import PayloadSink, PayloadSource
 from pdserve.kvtransfer.protocol import HEADER_NUMEL, KVTransferError
+from pdserve.kvtransfer.socket_pair import SocketPair
 
 
 def _timedelta(seconds: float) -> datetime.timedelta:
@@ -75,6 +81,9 @@ def _wait(work, deadline: float, what: str) -> None:
         raise KVTransferError(f"{what}: {exc}") from exc
 
 
+_FORGED = ("the payload's tag is not its sender's: its bytes were altered or injected, or "
+           "the sender holds another cluster secret")
+
 CLOSE_ABORT_WAIT_S = 10.0
 """Seconds a closing sender or receiver waits for each NCCL group's abort."""
 
@@ -104,26 +113,11 @@ def _wait_device(work, deadline: float, what: str) -> None:
         raise KVTransferError(f"{what}: {exc}") from exc
 
 
-def _wait_last(works: list[tuple[str, object]], deadline: float, verb: str) -> None:
-    """Wait for all ``(what, work)`` of one pair's stream by waiting for the last one.
-
-    NOTE: the ops of one pair complete in posting order (one stream, and a failure breaks
-    the whole pair), so once the last one is done so are the others, which are dropped
-    unwaited: one sleep and wake-up in all instead of one per op, and no per-op Python.
-    Each wake-up costs CPU that, on 2 cores, the copying threads of gloo need (a payload
-    of scattered blocks is one message per block). A gloo send/recv must be waited at
-    most once (its wait consumes the completion; a second one blocks until the timeout).
-    Raises KVTransferError as ``_wait``.
-    """
-    what, work = works[-1]
-    _wait(work, deadline, f"{verb} {what}")
-
-
 @dataclass(slots=True)
 class PostedRecv:
-    """Receives posted ahead of a transfer (``PairGroup.post_recv``): the int64 header
-    buffer, the gloo works of the header and of chunks ``0 .. len(chunk_works) - 1``, and
-    the sink's ring slots that posted chunks still occupy."""
+    """What ``PairGroup.post_recv`` returns over the pair socket (which posts nothing:
+    the kernel buffers what arrives first): the int64 header buffer. The other fields
+    are unused (they were gloo's posted receives)."""
 
     header: torch.Tensor
     header_work: object
@@ -134,15 +128,16 @@ class PostedRecv:
 class PairGroup:
     """The 2-rank group of one (prefill, decode) pair at one generation.
 
-    Thread-safe: several transfers may be in flight (each with its own gloo tag). With a
+    Thread-safe: several transfers may be in flight (each with its own tag). With a
     CUDA cache, call ``send`` / ``recv`` under ``torch.cuda.device(cache.device)``.
     """
 
-    def __init__(self, rank: int, gloo, nccl=None) -> None:
+    def __init__(self, rank: int, gloo, nccl=None, sock: SocketPair | None = None) -> None:
         self.rank = rank
         self.peer = 1 - rank
         self._gloo = gloo
         self._nccl = nccl
+        self._sock = sock
         self._send_lock = threading.Lock()
         self._next_send_seq = 0
         self._turn = threading.Condition()
@@ -157,7 +152,7 @@ class PairGroup:
 
     @classmethod
     def make(cls, store: dist.Store, prefix: str, rank: int, host: str,
-             device: torch.device, timeout_s: float) -> PairGroup:
+             device: torch.device, timeout_s: float, *, kv_key: bytes) -> PairGroup:
         """Rendezvous with the peer through ``store`` under ``prefix`` and connect.
 
         Args:
@@ -165,9 +160,11 @@ class PairGroup:
                 (a store client serialises its operations).
             prefix: unique per pair and generation.
             rank: 0 (prefill) or 1 (decode).
-            host: the local address gloo binds to.
+            host: the local address to listen on (decode; gloo binds to it too).
             device: the local KV cache's device.
             timeout_s: seconds to wait for the peer.
+            kv_key: the cluster's KV key (``ClusterAuth.kv_key``): the pair socket's
+                handshake proves its ``auth.pair_key``.
 
         Raises:
             KVTransferError: the peer did not show up in time, or connecting failed.
@@ -175,16 +172,21 @@ class PairGroup:
         pstore = dist.PrefixStore(prefix, store)
         try:
             store.set_timeout(_timedelta(timeout_s))
+            mine = describe_device(device)
+            pstore.set(f"device/{rank}", mine)
+            peer_device = pstore.get(f"device/{1 - rank}").decode()
+            if not (mine.startswith("cuda:") and peer_device.startswith("cuda:")
+                    and mine != peer_device):
+                # NOTE: the decode side's host as the prefill side reached its store
+                peer_host = host if rank == 1 else getattr(store, "host", host)
+                sock = SocketPair.connect(pstore, rank, peer_host,
+                                          pair_key(kv_key, prefix), timeout_s)
+                return cls(rank, None, sock=sock)
             opts = dist.ProcessGroupGloo._Options()
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             opts._timeout = _timedelta(timeout_s)
             gloo = dist.ProcessGroupGloo(pstore, rank, 2, opts)
-            pstore.set(f"device/{rank}", describe_device(device))
-            peer_device = pstore.get(f"device/{1 - rank}").decode()
-            nccl = None
-            mine = describe_device(device)
-            if mine.startswith("cuda:") and peer_device.startswith("cuda:") and mine != peer_device:
-                nccl = _make_nccl(pstore, rank, device, timeout_s)
+            nccl = _make_nccl(pstore, rank, device, timeout_s)
         except Exception as exc:
             raise KVTransferError(f"making the pair group {prefix} (rank {rank}) failed: "
                                   f"{exc}") from exc
@@ -192,172 +194,147 @@ class PairGroup:
 
     def send(self, make_header: Callable[[int], torch.Tensor], source: PayloadSource,
              tag: int, deadline: float, digest: PayloadDigest) -> int:
-        """Send a header, then the payload's chunks, then (gloo) the tag of both
-        (``auth.PayloadDigest``, fed each chunk while gloo sends it); return the payload
+        """Send a header, then the payload's chunks, then (pair socket) the tag of both
+        (``auth.PayloadDigest``, fed each piece right before it goes); return the payload
         bytes.
 
         Args:
             make_header: seq -> int64[HEADER_NUMEL]; seq numbers this group's payloads
                 (NCCL receivers take them in that order).
-            source: the payload (``payload.PayloadSource``); a staged chunk is gathered
-                once the send that last used its ring slot has completed, so gathering
-                overlaps the sends of the chunks before it.
-            tag: the transfer's gloo tag, from the receiver's ticket.
+            source: the payload (``payload.PayloadSource``); over the socket a staged
+                chunk is gathered once the chunk before it was sent.
+            tag: the transfer's tag, from the receiver's ticket.
             deadline: ``time.monotonic()`` seconds by which everything must be sent.
-            digest: this transfer's, fresh (gloo only; NOTE: payloads over NCCL are not
+            digest: this transfer's, fresh (socket only; NOTE: payloads over NCCL are not
                 tagged yet).
 
         Raises:
-            KVTransferError: posting or waiting failed, or the deadline passed.
+            KVTransferError: sending failed, or the deadline passed.
         """
-        works, num_bytes = [], 0
-        slot_sends: dict[int, int] = {}  # ring slot -> index in works of its last send
+        if self._sock is not None:
+            return self._send_socket(make_header, source, tag, deadline, digest)
         try:
             # NOTE: over NCCL the payload is gathered before the header goes: the receiver
             # posts its NCCL receive on the header, and a receive whose send never comes
             # holds a kernel on its GPU until the group is aborted
-            gathered = ([source.chunk(c) for c in range(source.num_chunks)]
-                        if self._nccl is not None else None)
+            gathered = [source.chunk(c) for c in range(source.num_chunks)]
             with self._send_lock:  # NOTE: payloads are posted in seq order
                 header = make_header(self._next_send_seq)
                 self._next_send_seq += 1
-                works.append(("header", self._gloo.send([header], self.peer, tag)))
-                payload_group = self._nccl or self._gloo
-                if self._nccl is None:
-                    digest.update(header)
-                for c in range(source.num_chunks):
-                    slot = source.slot_of(c)
-                    if slot is not None and slot in slot_sends:
-                        i = slot_sends.pop(slot)
-                        _wait(works[i][1], deadline, f"sending {works[i][0]}")
-                    wire = gathered[c] if gathered is not None else source.chunk(c)
-                    works.append((f"chunk {c}", payload_group.send([wire], self.peer, tag)))
-                    if slot is not None:
-                        slot_sends[slot] = len(works) - 1
-                    if self._nccl is None:  # NOTE: while gloo sends it
-                        digest.update(wire)
-                    num_bytes += wire.numel()
-                if self._nccl is None:
-                    works.append(("tag", self._gloo.send([digest.trailer()], self.peer, tag)))
+                header_work = self._gloo.send([header], self.peer, tag)
+                works = [self._nccl.send([wire], self.peer, tag) for wire in gathered]
         except KVTransferError:
             raise
         except Exception as exc:
             raise KVTransferError(f"posting a send failed: {exc}") from exc
-        if self._nccl is not None:  # NOTE: two streams: the header's (gloo) and NCCL's
-            _wait(works[0][1], deadline, "sending the header")
-            # NOTE: complete on the GPU before returning: the chunks may be views of
-            # blocks the caller releases once this returns
-            _wait_device(works[-1][1], deadline, "sending the payload")
-            return num_bytes
-        # NOTE: the last chunk's send was never waited for a slot (only chunk c - slots is)
-        _wait_last(works, deadline, "sending")
-        return num_bytes
+        # NOTE: two streams: the header's (gloo) and NCCL's
+        _wait(header_work, deadline, "sending the header")
+        # NOTE: complete on the GPU before returning: the chunks may be views of blocks the
+        # caller releases once this returns
+        _wait_device(works[-1], deadline, "sending the payload")
+        return sum(wire.numel() for wire in gathered)
 
     def post_recv(self, sink: PayloadSink, tag: int,
                   max_chunks: int | None = None) -> PostedRecv | None:
-        """Post the header's receive and the chunks' now, before the sender starts (gloo
-        only; None over NCCL, whose payloads are posted in the sender's seq order):
-        chunks in order, each received in place or into a free ring slot, up to the first
-        whose slot is taken or ``max_chunks`` (``post_more`` and ``recv`` post the rest).
-
-        Gloo pairs a send with its receive by a rendezvous (send-ready, receive-ready
-        notes); a receive posted before the sender posts its send saves that round trip,
-        about 1 ms per transfer on a busy 2-core host. Safe to leave pending for good on
-        a tag the sender never sends on (the claim protocol's give-up): drop the returned
-        object and gloo forgets the buffers (it holds only weak references).
+        """Before the sender starts: a ``PostedRecv`` over the pair socket, which needs
+        nothing posted (the kernel buffers what arrives first, until ``recv`` reads it
+        straight into the sink); None over NCCL, whose payloads are posted in the
+        sender's seq order. Safe to drop for good on a tag the sender never sends on (the
+        claim protocol's give-up). ``sink`` and ``max_chunks`` are unused.
 
         Raises:
-            KVTransferError: posting failed (the group is closed).
+            KVTransferError: the group is closed.
         """
         if self._nccl is not None:
             return None
-        header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
-        posted = PostedRecv(header, self._post(self._gloo, [header], tag)[0])
-        self.post_more(sink, tag, posted, max_chunks)
-        return posted
+        if self._sock.closed:
+            raise KVTransferError("posting receives failed: the pair socket is closed")
+        return PostedRecv(torch.zeros(HEADER_NUMEL, dtype=torch.int64), None)
 
     def post_more(self, sink: PayloadSink, tag: int, posted: PostedRecv,
                   max_chunks: int | None = None) -> None:
-        """Post the next chunks' receives in order while each one's ring slot is free, up
-        to ``max_chunks`` posted in all.
-
-        Raises:
-            KVTransferError: posting failed (the group is closed).
-        """
-        c = len(posted.chunk_works)
-        end = sink.num_chunks if max_chunks is None else min(max_chunks, sink.num_chunks)
-        buffers = []
-        while c < end:
-            slot = sink.slot_of(c)
-            if slot is not None:
-                if slot in posted.busy_slots:
-                    break
-                posted.busy_slots.add(slot)
-            buffers.append(sink.buffer(c))
-            c += 1
-        posted.chunk_works += self._post(self._gloo, buffers, tag)
+        """Nothing to post over the pair socket (see ``post_recv``); kept so that the
+        pull's transitions stay the same whatever the transport."""
 
     def recv(self, sink: PayloadSink, tag: int, deadline: float,
              check_header: Callable[[torch.Tensor], int],
              posted: PostedRecv | None = None, digest: PayloadDigest | None = None) -> None:
-        """Receive a header, then the payload's chunks into the sink (feeding each to
-        ``digest`` in order as it lands, scattering each staged one, and posting the
-        receive of the next chunk its ring slot serves), then (gloo) the sender's tag,
-        which must equal ``digest``'s.
+        """Receive a header, then the payload's chunks into the sink (scattering each
+        staged one as it lands), then (pair socket) the sender's tag, which must equal
+        ``digest``'s (fed each piece right after it landed).
 
         Args:
             sink: where the chunks go; its sizes come from the receiver's ticket.
-            tag: the transfer's gloo tag.
+            tag: the transfer's tag.
             deadline: ``time.monotonic()`` seconds by which everything must arrive.
             check_header: validates the int64[HEADER_NUMEL] header (raising
                 KVTransferError) and returns its seq.
-            posted: what ``post_recv(sink, tag)`` returned, if called before.
+            posted: what ``post_recv(sink, tag)`` returned, if called before (unused).
             digest: this transfer's, fresh; None receives the tag without checking it
                 (a drained payload, discarded anyway).
 
-        Over NCCL the payload (one chunk) is posted after the header, in the sender's seq
-        order, and carries no tag yet.
+        Over NCCL the header comes over gloo and the payload (one chunk) is posted after
+        it, in the sender's seq order, and carries no tag yet.
 
         Raises:
             KVTransferError: a bad header, a failed or timed-out receive, or a payload
                 whose tag is not the sender's (then nothing of it may be used).
         """
-        if posted is None:
-            posted = self.post_recv(sink, tag)
-        if posted is None:  # NCCL: header over gloo, then the payload in turn
-            header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
-            header_work = self._post(self._gloo, [header], tag)[0]
-            _wait(header_work, deadline, "receiving the header")
-            works = self._post_in_turn(sink, tag, check_header(header), deadline)
-            _wait_device(works[-1], deadline, "receiving the payload")
+        if self._sock is not None:
+            self._recv_socket(sink, tag, deadline, check_header, digest)
             return
-        self.post_more(sink, tag, posted)
-        _wait(posted.header_work, deadline, "receiving the header")
-        check_header(posted.header)
-        if digest is not None:
-            digest.update(posted.header)
+        header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
+        header_work = self._post(self._gloo, [header], tag)[0]
+        _wait(header_work, deadline, "receiving the header")
+        works = self._post_in_turn(sink, tag, check_header(header), deadline)
+        _wait_device(works[-1], deadline, "receiving the payload")
+
+    def _send_socket(self, make_header: Callable[[int], torch.Tensor], source: PayloadSource,
+                     tag: int, deadline: float, digest: PayloadDigest) -> int:
+        """``send`` over the pair socket: the transfer's frames in a row, each piece fed
+        to ``digest`` right before it goes (cache-hot)."""
+        if not self._send_lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
+            raise KVTransferError("sending: timed out waiting for the pair's earlier sends")
+        try:
+            header = make_header(self._next_send_seq)
+            self._next_send_seq += 1
+            self._sock.send_frame(tag, header, deadline, digest)
+            num_bytes = 0
+            for c in range(source.num_chunks):
+                # NOTE: each frame is sent whole before the next chunk is gathered, so a
+                # ring slot is free again at once
+                num_bytes += self._sock.send_frame(tag, source.chunk(c), deadline, digest)
+            self._sock.send_frame(tag, digest.trailer(), deadline)
+            return num_bytes
+        except KVTransferError:
+            raise
+        except Exception as exc:
+            raise KVTransferError(f"sending failed: {exc}") from exc
+        finally:
+            self._send_lock.release()
+
+    def _recv_socket(self, sink: PayloadSink, tag: int, deadline: float,
+                     check_header: Callable[[torch.Tensor], int],
+                     digest: PayloadDigest | None) -> None:
+        """``recv`` over the pair socket: waits for the transfer's turn on the
+        connection, then reads each frame straight into its buffer, feeding each piece
+        to ``digest`` as it lands; checks the trailer (``PayloadDigest.verify``)."""
+        header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
         trailer = torch.zeros(TRAILER_NUMEL, dtype=torch.int64)
-        trailer_work = None
-        for c in range(sink.num_chunks):
-            if trailer_work is None and len(posted.chunk_works) == sink.num_chunks:
-                trailer_work = self._post(self._gloo, [trailer], tag)[0]  # NOTE: after them
-            slot = sink.slot_of(c)
-            if slot is None and digest is None:
-                continue  # NOTE: lands in place; a later wait covers it
-            _wait(posted.chunk_works[c], deadline, f"receiving chunk {c}")
-            if digest is not None:  # NOTE: in wire order, while later chunks arrive
-                digest.update(sink.buffer(c))
-            if slot is not None:
+        self._sock.acquire(tag, deadline)
+        try:
+            self._sock.recv_frame(tag, header, deadline)
+            check_header(header)
+            if digest is not None:
+                digest.update(header)
+            for c in range(sink.num_chunks):
+                self._sock.recv_frame(tag, sink.buffer(c), deadline, digest)
                 sink.chunk_done(c)
-                posted.busy_slots.discard(slot)
-                self.post_more(sink, tag, posted)
-        if trailer_work is None:
-            trailer_work = self._post(self._gloo, [trailer], tag)[0]
-        _wait(trailer_work, deadline, "receiving the payload's tag")
+            self._sock.recv_frame(tag, trailer, deadline)
+        finally:
+            self._sock.release()
         if digest is not None and not digest.verify(trailer):
-            raise KVTransferError("the payload's tag is not its sender's: its bytes were "
-                                  "altered or injected, or the sender holds another "
-                                  "cluster secret")
+            raise KVTransferError(_FORGED)
 
     def _post_in_turn(self, sink: PayloadSink, tag: int, seq: int, deadline: float) -> list:
         with self._turn:
@@ -387,7 +364,10 @@ class PairGroup:
         self.broken = True
         with self._turn:
             self._turn.notify_all()
-        _abort_quietly(self._gloo)
+        if self._sock is not None:
+            self._sock.close()
+        if self._gloo is not None:
+            _abort_quietly(self._gloo)
         if self._nccl is not None and self._nccl_abort is None:
             # NOTE: ncclCommAbort can block for long (its proxy thread waiting on a dead
             # peer's socket, its frees on a receive kernel still spinning), so it never

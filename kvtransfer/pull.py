@@ -57,9 +57,9 @@ class RecvChannel:
         return self.error is not None or (self.group is not None and self.group.broken)
 
     def make(self, store: dist.Store, name: str, host: str, device: torch.device,
-             timeout_s: float) -> None:
+             timeout_s: float, kv_key: bytes) -> None:
         try:
-            self.group = PairGroup.make(store, name, 1, host, device, timeout_s)
+            self.group = PairGroup.make(store, name, 1, host, device, timeout_s, kv_key=kv_key)
             store.set(established_key(name), "1")
         except KVTransferError as exc:
             self.error = exc

@@ -234,7 +234,8 @@ class KVReceiver:
         name = f"{prefix}/{self._incarnation}/{channel.generation}"
         thread = threading.Thread(target=channel.make, daemon=True, name=f"kv-connect-{name}",
                                   args=(self._store.clone(), name, self._host,
-                                        self.kv_cache.device, self.connect_timeout_s))
+                                        self.kv_cache.device, self.connect_timeout_s,
+                                        self._kv_key))
         thread.start()
         self._connecting = [t for t in self._connecting if t.is_alive()] + [thread]
         return channel

@@ -274,7 +274,8 @@ class KVSender:
             try:
                 self._check_not_established(peer, name, ticket)
                 peer.group = PairGroup.make(peer.connect(timeout_s).clone(), name, 0, self.host,
-                                            self.kv_cache.device, timeout_s)
+                                            self.kv_cache.device, timeout_s,
+                                            kv_key=self._kv_key)
             except KVTransferError as exc:
                 peer.group = None
                 self._claim(peer, transfer.request_id, ticket, f"{CLAIM_FAILED_PREFIX}{exc}")

@@ -1,7 +1,7 @@
 """Chaos: the request lifecycle under failure (issue 12, docs/architecture.md "Lifecycle and failure").
 
 One cluster for the module, all real: a Redis server, 2 prefill and 2 decode workers as
-Ray actors (separate processes, KV over gloo), and the router's HTTP and gRPC APIs on
+Ray actors (separate processes, KV over the pair socket), and the router's HTTP and gRPC APIs on
 loopback. Clients are httpx (SSE) and the router's gRPC stub. Every loop is bounded.
 
 - cancel 1,000 streams at random points (before the first token, during the KV pull,

@@ -1,5 +1,5 @@
 """Disaggregated serving end to end: real Redis, prefill and decode workers as Ray actors,
-KV pulled over torch.distributed (gloo) pair channels, driven by a gRPC client."""
+KV pulled over the pair channels (pdserve's authenticated socket on CPU), driven by a gRPC client."""
 
 from __future__ import annotations
 

@@ -9,9 +9,10 @@ loopback:
   (what worked before the store was authenticated) to read tickets, steal claims
   (``compare_set`` "S" on every pull's claim key) and write fake ones (``"F ..."``), and
   as a pdserve store client holding another cluster's key;
-- races every pair rendezvous: connects to every listening port of the workers (the gloo
-  pair listeners among them) and sends forged bytes: gloo-style sequence numbers followed
-  by KV-sized garbage, over and over.
+- races every pair rendezvous: connects to every listening port of the workers (the pair
+  channel's listener among them) and sends forged bytes: gloo-style sequence numbers
+  followed by KV-sized garbage, over and over; the pair listener must drop each one
+  (``socket_pair.refused_total``) and keep serving.
 
 Every request must still return the oracle's tokens, the store must have refused the
 attacker each time, and nothing forged may be cached: the same prompts asked again, their
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from inproc_cluster import in_process_cluster
 
 from pdserve.cluster.auth import ClusterAuth
+from pdserve.kvtransfer import socket_pair
 from pdserve.kvtransfer.protocol import CLAIM_QUEUE_KEY, pair_prefix, split_address
 from pdserve.kvtransfer.store import RemoteStore, StoreAuthError
 
@@ -121,7 +123,7 @@ def test_the_kv_path_refuses_an_attacker_and_caches_nothing_forged(cluster):
     before = listening_ports()
     client = cluster.client()
     expected = {p: cluster.expected(p, max_tokens=8, temperature=0.0) for p in PROMPTS}
-    # NOTE: one request first, so the pair channel (and its gloo listeners) exists
+    # NOTE: one request first, so the pair channel (and its listener) exists
     first = client.completions.create(model=str(cluster.model), prompt=PROMPTS[0],
                                       max_tokens=8, temperature=0.0)
     assert first.choices[0].text == expected[PROMPTS[0]]
@@ -129,7 +131,7 @@ def test_the_kv_path_refuses_an_attacker_and_caches_nothing_forged(cluster):
     store = cluster.decode.receiver._server
     attacker = Attacker(cluster.decode.kv_address, cluster.prefill.worker_id,
                         cluster.decode.worker_id, gloo_ports)
-    rejected = store.rejected
+    rejected, pair_refused = store.rejected, socket_pair.refused_total()
     attacker.thread.start()
     deadline = time.monotonic() + 180
     rounds = 0
@@ -148,6 +150,8 @@ def test_the_kv_path_refuses_an_attacker_and_caches_nothing_forged(cluster):
     assert attacker.rounds >= 3 and attacker.store_attempts >= 6
     assert store.rejected - rejected >= attacker.store_attempts  # each one refused
     assert gloo_ports and attacker.forged_connections > 0
+    # the pair listener dropped every forged client that reached its handshake
+    assert socket_pair.refused_total() - pair_refused >= attacker.rounds
     # nothing forged was cached: every prompt again, from the caches, is the oracle's
     for prompt in PROMPTS:
         reply = client.completions.create(model=str(cluster.model), prompt=prompt,

@@ -1,4 +1,5 @@
-"""KV transfer between two real processes over loopback gloo (docs/architecture.md, KV transfer).
+"""KV transfer between two real processes over loopback, on the pair socket
+(docs/architecture.md, KV transfer).
 
 This process is the decode side (``KVReceiver``); prefill sides (``KVSender``) run in
 spawned child processes driven over a pipe.

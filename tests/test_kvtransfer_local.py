@@ -64,7 +64,8 @@ def _pair_groups(name: str):
     stores = {0: RemoteStore("127.0.0.1", server.port, KV_KEY, 10), 1: server.local()}
     groups: dict = {}
     makers = [threading.Thread(target=lambda r=r: groups.__setitem__(r, PairGroup.make(
-        stores[r], name, r, "127.0.0.1", torch.device("cpu"), 10))) for r in (0, 1)]
+        stores[r], name, r, "127.0.0.1", torch.device("cpu"), 10, kv_key=KV_KEY)))
+        for r in (0, 1)]
     for thread in makers:
         thread.start()
     for thread in makers:

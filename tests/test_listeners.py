@@ -1,15 +1,29 @@
-"""What a default ``pdserve serve`` listens on: every socket of its process tree, its
-own and those of the local Ray it starts, binds a loopback address.
+"""What a ``pdserve serve`` listens on. A default one: every socket of its process tree,
+its own and those of the local Ray it starts, binds a loopback address.
 
 pdserve's own listeners: the router's HTTP (``--port``) and gRPC (``--grpc-port``), the
 private Redis, each worker's gRPC, and the KV transfer's: the decode worker's KV store and
-both ends' gloo pair channel (made by the first remote prefill, so the test sends one).
-The workers' gRPC servers and the KV store must also refuse a client without the cluster
-secret (the store: a ``TCPStore`` client, and a pdserve store client with another key). Ray's: the GCS,
+its pair channel's listener (made by the first remote prefill, so the test sends one).
+The workers' gRPC servers, the KV store and the pair listener must also refuse a client
+without the cluster secret (the store: a ``TCPStore`` client, and a pdserve store client
+with another key; the pair listener: a client that answers its challenge with another
+key). Ray's: the GCS,
 the raylet (node manager, object manager), every core worker (the driver's, the actors',
 idle workers'), the dashboard agent, runtime-env agent, and the metrics exporters of the
 dashboard head and the autoscaler monitor. Ray binds all of these to loopback once its node
 IP is 127.0.0.1 (entrypoints/launcher.py), so no Ray listener needs an exception here.
+
+A ``--worker-host 0.0.0.0`` serve (the router's ports on their loopback defaults) binds
+its workers' gRPC, metrics, KV store and pair listeners on this node's routable IP, and its
+Ray takes that IP as node IP, so Ray's gRPC servers bind every interface and its agents
+the node IP. Each listener beyond loopback is probed from this machine's routable address
+(``hostname -I``'s first) without credentials and must refuse: pdserve's as above, Ray's
+gRPC servers (a real method of each one's service) with UNAUTHENTICATED and its agents'
+HTTP servers with 401 (Ray's token authentication). The launcher turns Ray's metrics
+collection off for a routable local Ray, so its agent opens no Prometheus exporter. The
+exceptions, named in ``WIDE_EXCEPTIONS``, serve read-only Prometheus text to anyone: the
+workers' ``/metrics`` and Ray's autoscaler and dashboard head metrics ports (44217, 44227),
+which Ray binds to every interface for a routable node IP with no switch.
 
 Each socket is classified by owner: pdserve's by port (the router's flags, the workers'
 ``ready`` lines) or process (Redis), Ray's gRPC servers by the port each one logs at
@@ -152,17 +166,18 @@ def classify(listener: Listener, router_ports: dict[int, str], worker_ports: dic
     elif (pid, port) in ray or (None, port) in ray:
         owner, purpose = "ray", ray.get((pid, port)) or ray[None, port]
     elif pid in worker_pids:
-        owner, purpose = "pdserve", f"{worker_pids[pid]} KV transfer (gloo pair channel)"
+        owner, purpose = "pdserve", f"{worker_pids[pid]} KV transfer (pair channel)"
     else:
         owner, purpose = "ray", RAY_PROCESSES.get(listener.process, "unknown")
     return Listener(pid, listener.process, listener.transport, listener.ip, port, owner,
                     purpose)
 
 
-def probe_unauthenticated(ready: list[tuple[str, ...]]) -> dict[str, str]:
-    """Call each worker's gRPC server (``Health``) with no cluster credentials, and the
-    decode worker's KV store as a ``TCPStore`` client and as a pdserve store client with
-    another cluster's key: what each answered."""
+def probe_unauthenticated(ready: list[tuple[str, ...]], host: str = "127.0.0.1"
+                          ) -> dict[str, str]:
+    """Call each worker's gRPC server (``Health``, at ``host``) with no cluster
+    credentials, and the decode worker's KV store as a ``TCPStore`` client and as a pdserve
+    store client with another cluster's key: what each answered."""
     import datetime
 
     import grpc
@@ -173,7 +188,7 @@ def probe_unauthenticated(ready: list[tuple[str, ...]]) -> dict[str, str]:
 
     answers = {}
     for role, grpc_port, kv, _, _ in ready:
-        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        channel = grpc.insecure_channel(f"{host}:{grpc_port}")
         service = "PrefillWorker" if role == "prefill" else "DecodeWorker"
         health = channel.unary_unary(f"/pdserve.v1.{service}/Health",
                                      request_serializer=common_pb2.HealthRequest.SerializeToString,
@@ -201,20 +216,141 @@ def probe_unauthenticated(ready: list[tuple[str, ...]]) -> dict[str, str]:
     return answers
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_demo_model(tmp_path_factory.mktemp("demo") / "model")
+def probe_pair_listeners(listeners: list[Listener], ready: list[tuple[str, ...]],
+                         ray: dict[tuple[int | None, int], str],
+                         host: str = "127.0.0.1") -> dict:
+    """Answer the challenge of every TCP listener of the decode worker (at ``host``) that
+    is neither one of its known ports nor Ray's (``ray``: as ``classify`` takes it), that
+    is its pair channels', with another key: ``{port: "refused"}`` where it closed the
+    connection, else what it did."""
+    from pdserve.kvtransfer.socket_pair import MAGIC
+
+    known = {int(p) for _, grpc_port, _, metrics, _ in ready for p in (grpc_port, metrics)}
+    known |= {int(kv.rpartition(":")[2]) for role, _, kv, _, _ in ready if role == "decode"}
+    decode_pids = {int(pid) for role, _, _, _, pid in ready if role == "decode"}
+    answers = {}
+    for listener in listeners:
+        if (listener.pid not in decode_pids or listener.transport != "tcp"
+                or listener.port in known or (listener.pid, listener.port) in ray
+                or (None, listener.port) in ray):
+            continue
+        with socket.create_connection((host, listener.port), timeout=10) as sock:
+            hello = sock.recv(len(MAGIC) + 16)
+            sock.sendall(os.urandom(48))
+            sock.settimeout(10)
+            closed = sock.recv(1) == b""
+        answers[listener.port] = ("refused" if hello.startswith(MAGIC) and closed
+                                  else f"hello {hello[:16]!r}, closed {closed}")
+    return answers
 
 
-def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")  # NOTE: no kernel build: it listens on nothing
+# A real method of each of Ray's gRPC services, called with an empty request (every field
+# its default) and no token: Ray's token authentication must answer UNAUTHENTICATED
+RAY_GRPC_METHODS = {"GcsServer gRPC": "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo",
+                    "NodeManager gRPC": "/ray.rpc.NodeManagerService/GetNodeStats",
+                    "ObjectManager gRPC": "/ray.rpc.ObjectManagerService/Pull",
+                    "dashboard agent gRPC (metrics)": "/ray.rpc.ReporterService/ReportOCMetrics"}
+CORE_WORKER_METHOD = "/ray.rpc.CoreWorkerService/NumPendingTasks"  # the driver's, each worker's
+RAY_HTTP = ("dashboard agent HTTP", "runtime-env agent HTTP")
+# Listeners that answer a client without credentials on a routable cluster, and why: each
+# one serves read-only Prometheus text (README, Security)
+WIDE_EXCEPTIONS = {
+    "prefill worker metrics": "pdserve's worker /metrics: read-only Prometheus text with no "
+                              "key, as vLLM's; Prometheus scrapes it from another node",
+    "decode worker metrics": "pdserve's worker /metrics, as the prefill worker's",
+    "autoscaler monitor metrics": "Ray's autoscaler binds it to every interface for a routable "
+                                  "node IP, unconditionally (no switch, no token)",
+    "dashboard head (metrics)": "Ray's dashboard head binds it to every interface for a "
+                                "routable node IP, unconditionally (no switch, no token)"}
+
+
+def grpc_answer(address: str, method: str) -> str:
+    """The status code (name) with which ``address`` answered ``method`` called with an
+    empty request and no credentials; "OK" when it answered."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(method, request_serializer=None,
+                                   response_deserializer=None)
+        try:
+            call(b"", timeout=10)
+            return "OK"
+        except grpc.RpcError as exc:
+            return exc.code().name
+
+
+def wide_answer(listener: Listener, address: str, known: dict[str, str]) -> str:
+    """What ``listener`` (reached at ``address``, ``host:port``) answers a client without
+    credentials; ``known``: the answers probe_unauthenticated and probe_pair_listeners
+    already got, by purpose."""
+    purpose = listener.purpose
+    if purpose in known:
+        return known[purpose]
+    if listener.transport != "tcp":
+        return f"a bound UDP socket ({purpose})"
+    if purpose in RAY_GRPC_METHODS or (listener.owner == "ray" and purpose.endswith(" gRPC")):
+        return grpc_answer(address, RAY_GRPC_METHODS.get(purpose, CORE_WORKER_METHOD))
+    if purpose in RAY_HTTP or "metrics" in purpose:
+        path = "/metrics" if "metrics" in purpose else "/api/jobs/"
+        return f"HTTP {httpx.get(f'http://{address}{path}', timeout=10).status_code}"
+    if purpose == "private Redis":
+        with socket.create_connection((address.rsplit(":", 1)[0].strip("[]"), listener.port),
+                                      timeout=10) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).decode(errors="replace").split()[0]  # "-NOAUTH"
+    return f"not probed ({purpose})"
+
+
+def probe_wide(found: list[Listener], refusals: dict[str, str], pair_refusals: dict,
+               host: str) -> dict[Listener, str]:
+    """Probe each of ``found`` that binds beyond loopback as a client without credentials,
+    at ``host`` (this machine's routable address) where it binds a wildcard: its answer.
+    pdserve's workers' gRPC, KV store and pair listeners keep what ``refusals``
+    (probe_unauthenticated's, by purpose) and ``pair_refusals`` (by port) say."""
+    answers = {}
+    for listener in found:
+        if is_loopback(listener.ip):
+            continue
+        ip = host if listener.ip in ("0.0.0.0", "::") else listener.ip
+        address = f"[{ip}]:{listener.port}" if ":" in ip else f"{ip}:{listener.port}"
+        if listener.purpose == "decode KV transfer (pair channel)":
+            answers[listener] = pair_refusals.get(listener.port, "not probed")
+        else:
+            answers[listener] = wide_answer(listener, address, refusals)
+    return answers
+
+
+@dataclass
+class Survey:
+    """What one ``pdserve serve`` listened on and answered, and how it stopped."""
+
+    log: str
+    ready: list[tuple[str, ...]]
+    found: list[Listener]  # classified
+    refusals: dict[str, str]  # probe_unauthenticated's
+    pair_refusals: dict  # probe_pair_listeners'
+    wide: dict[Listener, str]  # probe_wide's: each listener beyond loopback, its answer
+    status: int
+    left: list
+
+    @property
+    def table(self) -> str:
+        return "\n".join(map(str, sorted(self.found, key=lambda f: (f.owner, f.purpose,
+                                                                     f.port))))
+
+
+def survey_serve(model, tmp_path, *flags: str, host: str = "127.0.0.1") -> Survey:
+    """Start ``pdserve serve`` with ``flags`` (every prompt prefilled remotely), send one
+    request so the KV pair channel exists, classify every listener of its process tree,
+    probe them as a client without credentials (``host``: the address pdserve's workers
+    bind), and stop it with SIGINT."""
     mark = uuid.uuid4().hex
     log_path = tmp_path / "serve.log"
     port, grpc_port = free_port(), free_port()
     proc = start_serve(model, log_path, mark, "--port", str(port), "--grpc-port",
                        str(grpc_port), "--served-model-name", "demo",
                        "--local-prefill-threshold", "0",  # every prompt is prefilled remotely
-                       "--disaggregation", "always")
+                       "--disaggregation", "always", *flags)
     try:
         log = wait_for_line(proc, log_path, "pdserve serving", START_TIMEOUT_S)
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
@@ -226,7 +362,11 @@ def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monke
         ray_known = ray_ports(procs)
         listeners = sockets_of(procs, proc.pid)
         ready = READY.findall(log)
-        refusals = probe_unauthenticated(ready)
+        found = classify_all(listeners, ready, ray_known, {port: "router HTTP",
+                                                           grpc_port: "router gRPC"})
+        refusals = probe_unauthenticated(ready, host)
+        pair_refusals = probe_pair_listeners(listeners, ready, ray_known, host)
+        wide = probe_wide(found, refusals, pair_refusals, host)
         proc.send_signal(signal.SIGINT)
         status = proc.wait(timeout=60)
         left = wait_none_marked(mark, timeout_s=20)
@@ -235,19 +375,29 @@ def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monke
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
         kill_marked(mark)
+    assert "pdserve stopped" in log_path.read_text()
+    return Survey(log, ready, found, refusals, pair_refusals, wide, status, left)
 
+
+def classify_all(listeners: list[Listener], ready: list[tuple[str, ...]],
+                 ray: dict[tuple[int | None, int], str],
+                 router_ports: dict[int, str]) -> list[Listener]:
+    """``classify`` each listener, the workers' ports taken from their ``ready`` lines."""
     worker_ports = {int(port): f"{role} worker gRPC" for role, port, _, _, _ in ready}
     worker_ports.update({int(port): f"{role} worker metrics" for role, _, _, port, _ in ready})
     worker_ports.update({int(kv.rpartition(":")[2]): "decode worker KV store"
                          for role, _, kv, _, _ in ready if role == "decode"})
     worker_pids = {int(pid): role for role, _, _, _, pid in ready}
-    router_ports = {port: "router HTTP", grpc_port: "router gRPC"}
-    found = [classify(listener, router_ports, worker_ports, worker_pids, ray_known)
-             for listener in listeners]
-    table = "\n".join(map(str, sorted(found, key=lambda f: (f.owner, f.purpose, f.port))))
+    return [classify(listener, router_ports, worker_ports, worker_pids, ray)
+            for listener in listeners]
+
+
+def assert_pdserve_listeners(survey: Survey) -> None:
+    """The enumeration saw pdserve's listeners and Ray's in the processes expected, and
+    each of pdserve's workers' listeners refused a client without the cluster secret."""
+    table = survey.table
     print(table)  # NOTE: shown with -s
-    purposes = {(f.process, f.purpose) for f in found}
-    # the enumeration sees pdserve's listeners and Ray's, in the processes expected
+    purposes = {(f.process, f.purpose) for f in survey.found}
     assert {("pdserve", "router HTTP"), ("pdserve", "router gRPC"),
             ("redis-server", "private Redis"), ("ray::WorkerActor", "prefill worker gRPC"),
             ("ray::WorkerActor", "decode worker gRPC"), ("gcs_server", "GcsServer gRPC"),
@@ -255,17 +405,75 @@ def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monke
             ("ray::WorkerActor", "decode worker metrics"),
             ("raylet", "NodeManager gRPC"), ("raylet", "ObjectManager gRPC"),
             ("pdserve", "driver gRPC")} <= purposes, table
-    assert len(worker_pids) == 2, log
+    assert len({pid for *_, pid in survey.ready}) == 2, survey.log
     assert ("ray::WorkerActor", "decode worker KV store") in purposes, table
-    assert any(f.purpose == "decode KV transfer (gloo pair channel)" for f in found), table
-    # each of pdserve's workers' listeners refuses a client without the cluster secret
-    assert refusals == {"prefill worker gRPC": "UNAUTHENTICATED",
-                        "decode worker gRPC": "UNAUTHENTICATED",
-                        "decode worker KV store": "refused a TCPStore client and another key"}
-    wide = "\n".join(str(f) for f in found if not is_loopback(f.ip))
-    assert not wide, f"listeners beyond loopback:\n{wide}\nall:\n{table}"
-    assert status == 0 and left == []
-    assert "pdserve stopped" in log_path.read_text()
+    assert any(f.purpose == "decode KV transfer (pair channel)" for f in survey.found), table
+    pair_refusals = survey.pair_refusals
+    assert pair_refusals and set(pair_refusals.values()) == {"refused"}, pair_refusals
+    assert survey.refusals == {
+        "prefill worker gRPC": "UNAUTHENTICATED", "decode worker gRPC": "UNAUTHENTICATED",
+        "decode worker KV store": "refused a TCPStore client and another key"}
+    assert survey.status == 0 and survey.left == []
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_demo_model(tmp_path_factory.mktemp("demo") / "model")
+
+
+def test_every_listener_of_a_default_serve_binds_loopback(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")  # NOTE: no kernel build: it listens on nothing
+    survey = survey_serve(model, tmp_path)
+    assert_pdserve_listeners(survey)
+    wide = "\n".join(str(f) for f in survey.found if not is_loopback(f.ip))
+    assert not wide, f"listeners beyond loopback:\n{wide}\nall:\n{survey.table}"
+    assert survey.wide == {}
+
+
+def routable_address() -> str:
+    """This machine's first routable address (``hostname -I``'s first)."""
+    return subprocess.run(["hostname", "-I"], capture_output=True, text=True,
+                          check=True).stdout.split()[0]
+
+
+def expected_refusal(listener: Listener) -> str | None:
+    """What ``listener`` must answer a client without credentials; None: not known."""
+    purpose = listener.purpose
+    if purpose in ("prefill worker gRPC", "decode worker gRPC", *RAY_GRPC_METHODS) or (
+            listener.owner == "ray" and purpose.endswith(" gRPC")):
+        return "UNAUTHENTICATED"
+    return {"decode worker KV store": "refused a TCPStore client and another key",
+            "decode KV transfer (pair channel)": "refused", "private Redis": "-NOAUTH",
+            **{name: "HTTP 401" for name in RAY_HTTP}}.get(purpose)
+
+
+def test_every_listener_of_a_wide_serve_refuses_a_client_without_credentials(
+        model, tmp_path, monkeypatch):
+    """``--worker-host 0.0.0.0``: the workers bind this node's routable IP, and Ray takes it
+    as its node IP. Every listener beyond loopback, pdserve's and Ray's, refuses a client
+    from this machine's routable address that holds no credentials, but those named in
+    WIDE_EXCEPTIONS (read-only Prometheus text); Ray's agent exports no metrics."""
+    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
+    host = routable_address()
+    survey = survey_serve(model, tmp_path, "--worker-host", "0.0.0.0", host=host)
+    assert_pdserve_listeners(survey)
+    table = survey.table
+    purposes = {f.purpose for f in survey.found}
+    assert "Prometheus metrics export" not in purposes, table  # the launcher turned it off
+    assert "unknown" not in purposes, table
+    wide = {f.purpose for f in survey.wide}
+    assert {"prefill worker gRPC", "decode worker gRPC", "decode worker KV store",
+            "decode KV transfer (pair channel)", "GcsServer gRPC", "NodeManager gRPC",
+            "ObjectManager gRPC", "driver gRPC"} <= wide, table
+    for name in ("router HTTP", "router gRPC"):
+        assert name in purposes and name not in wide, table  # their defaults: loopback
+    answers = "\n".join(f"{f} -> {a}" for f, a in survey.wide.items())
+    print(answers)  # NOTE: shown with -s
+    for listener, answer in survey.wide.items():
+        if listener.purpose in WIDE_EXCEPTIONS:
+            assert answer in ("HTTP 200", expected_refusal(listener)), answers
+        else:
+            assert answer == expected_refusal(listener), f"{listener}: {answer}\n{answers}"
 
 
 def test_ray_node_ip_is_loopback_unless_a_host_is_another_address():
