@@ -140,6 +140,7 @@ class SimulatedRegistry:
         self.rejected_ids: set[str] = set()
 
     def list_live(self) -> list[WorkerRecord]:
+        """Every simulated worker's record."""
         return list(self.records)
 
 

@@ -183,11 +183,11 @@ class ModelService:
         if not len(router.decode.ids):
             raise RequestError("no live decode worker; retry later", status=503)
         self._check_waiting(num_sequences)
-        if not self.routing.open(router, "decode", router.decode.live()).any():
+        if not np.count_nonzero(self.routing.open(router, "decode", router.decode.live())):
             self.metrics.record_rejection("decode_pool_full")
             raise RequestError("every decode worker is at capacity; retry later", status=503)
         if self._uses_prefill and len(router.prefill.ids) and \
-                not self.routing.open(router, "prefill", router.prefill.live()).any():
+                not np.count_nonzero(self.routing.open(router, "prefill", router.prefill.live())):
             self.metrics.record_rejection("prefill_pool_full")
             raise RequestError("every prefill worker is at capacity; retry later", status=503)
 
@@ -403,8 +403,8 @@ class RoutingStep:
         ``local_prefill_threshold`` tokens), else by load (``Router.decide_decode``)."""
         live = router.decode.live(exclude)
         mask = self.open(router, "decode", live) if admit else live
-        if not mask.any():
-            if admit and live.any():
+        if not np.count_nonzero(mask):
+            if admit and np.count_nonzero(live):
                 self.metrics.record_rejection("decode_pool_full")
                 raise RequestError("every decode worker is at capacity; retry later",
                                    status=503)

@@ -51,7 +51,7 @@ class RouteDecision:
 class RoleArrays:
     """One role's workers, ordered by id, with their loads in ``table``, float64
     [4, n]: rows KV usage, running, waiting (the last Health), and routed since then;
-    and what admission reads: ``healthy`` (uint8 [n]), ``inflight`` (this router's calls
+    and what admission reads: ``healthy`` (bool [n]), ``inflight`` (this router's calls
     on each now) and ``inflight_at_health`` (the same when its last Health was asked),
     float64 [n]. ``router/workers.py``'s handles write through to these.
 
@@ -69,31 +69,40 @@ class RoleArrays:
         self.table = np.zeros((4, n))
         self.slots = np.full(n, -1, dtype=np.int64)  # prefix index slots, -1: none
         self.everyone = np.ones(n, dtype=np.uint8)
-        self.healthy = np.zeros(n, dtype=np.uint8)
+        self.healthy = np.zeros(n, dtype=bool)
+        self._all = np.ones(n, dtype=bool)
         self.inflight = np.zeros(n)
         self.inflight_at_health = np.zeros(n)
+        self.others = np.zeros(n)  # running + waiting - inflight_at_health, at least 0
 
     def live(self, exclude=()) -> np.ndarray:
         """``WorkerPool.live`` as a bool mask [n]: the workers not in ``exclude`` (ids),
         the healthy ones among them when any are."""
+        if not exclude:  # NOTE: no copy: callers combine masks into new ones
+            return self.healthy if np.count_nonzero(self.healthy) else self._all
         base = np.ones(len(self.ids), dtype=bool)
         for worker_id in exclude:
             i = self.position.get(worker_id)
             if i is not None:
                 base[i] = False
-        healthy = base & self.healthy.astype(bool)
-        return healthy if healthy.any() else base
+        healthy = base & self.healthy
+        return healthy if np.count_nonzero(healthy) else base
 
     def below_caps(self, max_inflight: int, max_kv_usage: float | None = None) -> np.ndarray:
         """Bool mask [n] of the workers whose admission count
         (``WorkerHandle.admission_count``, sequences) is under ``max_inflight`` and, when
         given, whose KV usage is under ``max_kv_usage``."""
-        t = self.table
-        others = np.maximum(0.0, t[self.RUNNING] + t[self.WAITING] - self.inflight_at_health)
-        mask = self.inflight + others < max_inflight
+        mask = self.inflight + self.others < max_inflight
         if max_kv_usage is not None:
-            mask &= t[self.KV] < max_kv_usage
+            mask &= self.table[self.KV] < max_kv_usage
         return mask
+
+    def update_others(self, i: int) -> None:
+        """Re-derive worker ``i``'s sequences of other routers (``others``) after its load
+        or ``inflight_at_health`` changed."""
+        t = self.table
+        self.others[i] = max(0.0, t[self.RUNNING, i] + t[self.WAITING, i]
+                             - self.inflight_at_health[i])
 
     @property
     def routed(self) -> np.ndarray:
@@ -108,7 +117,9 @@ class RoleArrays:
     def set_load(self, worker_id: str, num_running: int, num_waiting: int,
                  kv_cache_usage: float) -> None:
         """A Health answer: the load, and the routed count back to 0."""
-        self.table[:, self.position[worker_id]] = (kv_cache_usage, num_running, num_waiting, 0)
+        i = self.position[worker_id]
+        self.table[:, i] = (kv_cache_usage, num_running, num_waiting, 0)
+        self.update_others(i)
 
     def overlap(self, i: int, counts) -> int:
         """Worker ``i``'s leading blocks in an index lookup per slot (or a mapping worker
@@ -134,6 +145,11 @@ def _scoring():
         except (RuntimeError, OSError, ImportError):
             _native = False
     return _native or None
+
+
+def _u8(mask: np.ndarray) -> np.ndarray:
+    """A bool or integer mask as uint8, without a copy for bool."""
+    return mask.view(np.uint8) if mask.dtype == bool else mask.astype(np.uint8)
 
 
 def _overlaps(arrays: RoleArrays, counts) -> tuple[np.ndarray, np.ndarray]:
@@ -249,6 +265,7 @@ class Router:
         self.apart = (~shares).astype(np.uint8)  # [decode i, prefill j]: may prefill for i
         self._rotation = rotation or {"prefill": itertools.count(),
                                       "decode": itertools.count()}
+        self._checked = None  # the last lookup answer whose slots were checked
         self.refresh_slots()
 
     def refresh_slots(self) -> None:
@@ -273,6 +290,7 @@ class Router:
         """How many of these workers' slots ``counts`` gives blocks; re-reads the workers'
         slots first when another slot has some (a worker's first blocks), at most every
         ``_SLOT_REREAD_S`` (slots of another model's workers stay unknown here)."""
+        self._checked = counts
         known = self._count_known(counts)
         if known < np.count_nonzero(counts) and \
                 time.monotonic() - self._slots_read_at >= _SLOT_REREAD_S:
@@ -329,10 +347,10 @@ class Router:
             ValueError: no decode worker is open.
         """
         s, d = self.settings, self.decode
-        if isinstance(counts, np.ndarray):
+        if isinstance(counts, np.ndarray) and counts is not self._checked:
             self._check_slots(counts)
-        d_mask = d.everyone if decode_open is None else decode_open.astype(np.uint8)
-        if not len(d.ids) or (decode_open is not None and not d_mask.any()):
+        d_mask = d.everyone if decode_open is None else _u8(decode_open)
+        if not len(d.ids) or (decode_open is not None and not np.count_nonzero(d_mask)):
             raise ValueError("no open decode worker")
         i = choose_decode(d, d_mask, counts, s.block_size, num_tokens,
                           max(s.local_prefill_threshold, num_tokens // 2, 1),
@@ -352,17 +370,17 @@ class Router:
         """
         s, d, p = self.settings, self.decode, self.prefill
         d_over = d.overlap(i, counts)
-        live = p.everyone if prefill_live is None else prefill_live.astype(np.uint8)
-        if not len(p.ids) or not live.any():
+        live = p.everyone if prefill_live is None else _u8(prefill_live)
+        if not len(p.ids) or not np.count_nonzero(live):
             return RouteDecision(d.ids[i], None, d_over, num_blocks, "no_prefill_worker")
         if num_tokens < s.local_prefill_threshold:
             return RouteDecision(d.ids[i], None, d_over, num_blocks, "short_prompt")
         always = s.disaggregation == "always"
         candidates = live if always else self.apart[i] & live
-        any_apart = bool(candidates.any())
-        mask = candidates if prefill_open is None else candidates & prefill_open.astype(np.uint8)
+        any_apart = bool(np.count_nonzero(candidates))
+        mask = candidates if prefill_open is None else candidates & _u8(prefill_open)
         j = None
-        if any_apart and mask.any():
+        if any_apart and np.count_nonzero(mask):
             if s.prefill_routing == "round-robin":
                 tied = np.flatnonzero(mask)
                 j = int(tied[next(self._rotation["prefill"]) % len(tied)])

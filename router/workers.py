@@ -78,6 +78,7 @@ class WorkerHandle:
             t[RoleArrays.KV, i] = load.kv_cache_usage
             t[RoleArrays.RUNNING, i] = load.num_running
             t[RoleArrays.WAITING, i] = load.num_waiting
+            self._arrays.update_others(i)
 
     @property
     def healthy(self) -> bool:
@@ -124,6 +125,7 @@ class WorkerHandle:
         self._num_inflight_at_health = value
         if self._arrays is not None:
             self._arrays.inflight_at_health[self._i] = value
+            self._arrays.update_others(self._i)
 
     @property
     def worker_id(self) -> str:
