@@ -4,9 +4,11 @@ simulated workers.
 
 No engines: each simulated worker publishes its cached blocks through pdserve's own write
 path (``KVEventPublisher``, one per worker, into a real ``redis-server`` on a free port);
-one router process follows the index (``LocalPrefixIndex``) and decides with
-``Router.route``'s steps (hash, in-memory lookup, array scoring), 64 decisions in flight
-on one asyncio loop.
+one router process follows the index (``LocalPrefixIndex``) and decides with the request
+path's own routing step (``router.model_service.RoutingStep``, what ``ModelService``
+calls per request: hash, in-memory lookup, admission masks, ``Router``'s array scoring,
+metrics and in-flight bookkeeping) over a ``WorkerPool`` of the simulated workers' records
+and loads, 64 decisions in flight on one asyncio loop.
 
 Sharing model: 200 system prompts of 4-64 blocks, Zipf popularity (prompt k on a worker
 with probability (k+1)^-0.5: the first everywhere, the last on 7% of workers); private
@@ -35,15 +37,23 @@ import numpy as np
 from pdserve.cluster import block_index
 from pdserve.cluster.prefix_follower import LocalPrefixIndex
 from pdserve.cluster.prefix_index import KVEventPublisher, PrefixIndex
+from pdserve.cluster.registry import WorkerRecord
 from pdserve.engine.block_hash import root_block_hash
 from pdserve.engine.block_pool import KVEvent, KVEventKind
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.entrypoints.redis_server import RedisServer
-from pdserve.router.route import Router, RouteSettings
+from pdserve.router.config import RouterConfig
+from pdserve.router.generate_request import GenerateRequest
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.model_service import RoutingStep
+from pdserve.router.routing_policy import WorkerLoad
+from pdserve.router.workers import WorkerPool
 
 BLOCK = 16
 VOCAB = 32000
 NUM_SYSTEM_PROMPTS = 200
-ROOT = root_block_hash("router-scale", BLOCK)
+MODEL = "router-scale"
+ROOT = root_block_hash(MODEL, BLOCK)
 
 
 class Sharing:
@@ -120,25 +130,49 @@ def publish(url: str, sharing: Sharing, parallel: int = 8) -> float:
     return time.perf_counter() - start
 
 
-async def decide(router: Router, index: LocalPrefixIndex, prompts: list[list[int]],
-                 seconds: float, concurrency: int) -> dict:
-    """``concurrency`` tasks deciding for ``seconds``; latencies per decision."""
+class SimulatedRegistry:
+    """The simulated workers' registry records (``WorkerPool`` reads ``list_live``)."""
+
+    def __init__(self, sharing: Sharing, placements: dict[str, str]) -> None:
+        self.records = [WorkerRecord(w, w.split("-")[0], "127.0.0.1:1", "127.0.0.1:2", 1,
+                                     MODEL, 0.0, compute=placements[w])
+                        for w in sharing.workers]
+        self.rejected_ids: set[str] = set()
+
+    def list_live(self) -> list[WorkerRecord]:
+        """Every simulated worker's record."""
+        return list(self.records)
+
+
+async def decide(routing: RoutingStep, prompts: list[list[int]], seconds: float,
+                 concurrency: int) -> dict:
+    """``concurrency`` tasks deciding for ``seconds`` as ``ModelService._attempt`` does
+    (the lookup, the decode worker, its in-flight count, the prefill path); latencies per
+    decision. Each request's in-flight counts are given back at once."""
     lookups, decisions = [], []
+    requests = [GenerateRequest(str(i), tokens, SamplingParams())
+                for i, tokens in enumerate(prompts)]
     deadline = time.perf_counter() + seconds
 
     async def loop(offset: int) -> None:
         i = offset
         while time.perf_counter() < deadline:
-            tokens = prompts[i % len(prompts)]
+            request = requests[i % len(requests)]
+            num_tokens = len(request.prompt_token_ids)
             t0 = time.perf_counter()
-            packed = block_index.hash_chain_packed(tokens, BLOCK, ROOT)
+            num_blocks, counts = await routing.prefix_counts(request)
             t1 = time.perf_counter()
-            counts = index.lookup_slots(packed)
+            router = routing.pool.router
+            decode, position = routing.choose_decode(router, set(), True, counts, num_tokens)
+            decode.num_inflight += 1
+            prefill = routing.choose_prefill(router, position, set(), True, counts,
+                                             num_tokens, num_blocks)
             t2 = time.perf_counter()
-            router.decide(len(tokens), len(packed) // 16, counts)
-            t3 = time.perf_counter()
-            lookups.append(t2 - t1)
-            decisions.append(t3 - t0)
+            decode.num_inflight -= 1
+            if prefill is not None:
+                prefill.num_inflight -= 1
+            lookups.append(t1 - t0)
+            decisions.append(t2 - t0)
             i += concurrency
             await asyncio.sleep(0)
 
@@ -149,6 +183,29 @@ async def decide(router: Router, index: LocalPrefixIndex, prompts: list[list[int
     return {"decisions_per_s": len(decisions) / wall, "lookup_p50_ms": ms(lookups, 50),
             "lookup_p99_ms": ms(lookups, 99), "decision_p50_ms": ms(decisions, 50),
             "decision_p99_ms": ms(decisions, 99), "num_decisions": len(decisions)}
+
+
+async def route_requests(url: str, index: LocalPrefixIndex, sharing: Sharing,
+                         seconds: float, concurrency: int) -> dict:
+    """The pool of the simulated workers (records, placements, a health poll's loads) and
+    its routing step; ``decide`` over 3,000 prompts of the sharing model."""
+    rng = np.random.default_rng(1)
+    placements = {w: f"cpu@host{i // 8}:{i % 8}" for i, w in enumerate(sharing.workers)}
+    config = RouterConfig(MODEL, url, block_size=BLOCK, local_prefill_threshold=0)
+    pool = WorkerPool(SimulatedRegistry(sharing, placements), config)
+    routing = RoutingStep(config, pool, RouterMetrics(MODEL), index, ROOT)
+    pool.slot_index = index
+    await pool.refresh()
+    for known in pool.workers.values():
+        for worker in known.values():  # a health poll's answers
+            worker.healthy = True
+            worker.load = WorkerLoad(worker.worker_id, int(rng.integers(0, 8)),
+                                     int(rng.integers(0, 4)), float(rng.random()))
+    pool.router.refresh_slots()
+    try:
+        return await decide(routing, sharing.prompts(3000), seconds, concurrency)
+    finally:
+        await pool.close()
 
 
 def run_size(num_workers: int, registrations: int, seconds: float, concurrency: int) -> dict:
@@ -164,17 +221,8 @@ def run_size(num_workers: int, registrations: int, seconds: float, concurrency: 
             if not index.wait_loaded(timeout_s=1800):
                 raise RuntimeError("the router's index did not load")
             load_s = time.perf_counter() - start
-            rng = np.random.default_rng(1)
-            placements = {w: f"cpu@host{i // 8}:{i % 8}" for i, w in enumerate(sharing.workers)}
-            router = Router(RouteSettings(BLOCK, local_prefill_threshold=0), index, ROOT,
-                            {w: placements[w] for w in sharing.prefill},
-                            {w: placements[w] for w in sharing.decode})
-            for arrays in (router.prefill, router.decode):
-                for w in arrays.ids:  # a health poll's loads
-                    arrays.set_load(w, int(rng.integers(0, 8)), int(rng.integers(0, 4)),
-                                    float(rng.random()))
-            result = asyncio.run(decide(router, index, sharing.prompts(3000), seconds,
-                                        concurrency))
+            result = asyncio.run(route_requests(server.url, index, sharing, seconds,
+                                                concurrency))
         finally:
             index.close()
     return {"workers": num_workers, "registrations": sharing.registrations,

@@ -5,7 +5,7 @@ detokenization, stop strings, aborts, retries and migration.
 A request's life here::
 
     admit (503 + Retry-After past the caps, before any work)
-      -> route (prefix-index lookup, choose_prefill_worker, choose_decode_worker)
+      -> route (prefix-index lookup, then ``Router``'s decision over the load arrays)
       -> Prefill (first token yielded at once: TTFT)    [skipped below the local threshold]
       -> Decode stream (detokenized, stop strings applied)
       -> finish; or on cancellation: the Decode is cancelled (the worker aborts it) and an
@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections.abc import AsyncIterator
+
+import numpy as np
 
 from pdserve.cluster import block_index
 from pdserve.cluster.prefix_follower import LocalPrefixIndex
@@ -54,14 +55,8 @@ from pdserve.router.generate_request import GenerateRequest
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.output import GenerationChunk, SequenceOutput
 from pdserve.router.protocol import RequestError
-from pdserve.router.routing_policy import (
-    PrefillPath,
-    choose_decode_worker,
-    choose_prefill_path,
-    choose_prefill_worker,
-    shares_compute,
-    should_prefill_locally,
-)
+from pdserve.router.route import Router
+from pdserve.router.routing_policy import NoWorkersError
 from pdserve.router.workers import WorkerHandle, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -99,15 +94,17 @@ class ModelService:
         self.metrics = RouterMetrics(self.served_model_name)
         self.pool = WorkerPool(WorkerRegistry(config.redis_url, auth=config.auth), config,
                                self.metrics)
-        self.index = _prefix_index(config.redis_url)
         self.pool.on_worker_removed = self._forget_worker
         self.pool.on_registry_read = self._retain_workers
         self._root_hash = root_block_hash(self.served_model_name, config.block_size,
                                           config.kv_cache_dtype)
-        # NOTE: one rotation per role: a shared counter advanced twice per request makes
-        # every tie of two workers fall the same way in both pools.
-        self._rotation = {"prefill": itertools.count(), "decode": itertools.count()}
-        self._index_down = False
+        self.routing = RoutingStep(config, self.pool, self.metrics,
+                                   _prefix_index(config.redis_url), self._root_hash)
+        # NOTE: the pool keeps the routing arrays (router/route.py) and one tie rotation
+        # per role; the slots are the in-memory index's, whichever index is current
+        self.pool.slot_index = _IndexSlots(self.routing)
+        self.pool.root_hash = self._root_hash
+        self.pool.members_changed()
         self._num_waiting = 0  # admitted requests without their first token yet
         self.calls = WorkerCalls(config, self.pool, self.metrics)
         self._pool_task: asyncio.Task | None = None
@@ -132,6 +129,19 @@ class ModelService:
         await self.calls.wait_idle(self.calls.cleanup_bound_s)
         await self.pool.close()
         self.index.close()
+
+    @property
+    def index(self) -> LocalPrefixIndex | PrefixIndex:
+        """The prefix index the routing step asks (replaceable)."""
+        return self.routing.index
+
+    @index.setter
+    def index(self, index: LocalPrefixIndex | PrefixIndex) -> None:
+        self.routing.index = index
+
+    @property
+    def _index_down(self) -> bool:
+        return self.routing.index_down
 
     @property
     def validation_context(self) -> dict:
@@ -169,13 +179,15 @@ class ModelService:
                 at its cap (``RouterConfig``). With no live prefill worker at all, prompts
                 are prefilled on the decode workers instead.
         """
-        if not self.pool.live("decode"):
+        router = self.pool.router
+        if not len(router.decode.ids):
             raise RequestError("no live decode worker; retry later", status=503)
         self._check_waiting(num_sequences)
-        if not self._open_workers("decode"):
+        if not np.count_nonzero(self.routing.open(router, "decode", router.decode.live())):
             self.metrics.record_rejection("decode_pool_full")
             raise RequestError("every decode worker is at capacity; retry later", status=503)
-        if self._uses_prefill and self.pool.live("prefill") and not self._open_workers("prefill"):
+        if self._uses_prefill and len(router.prefill.ids) and \
+                not np.count_nonzero(self.routing.open(router, "prefill", router.prefill.live())):
             self.metrics.record_rejection("prefill_pool_full")
             raise RequestError("every prefill worker is at capacity; retry later", status=503)
 
@@ -188,16 +200,6 @@ class ModelService:
                 f"the server is overloaded: {self._num_waiting} requests are waiting for "
                 f"their first token (limit {self.config.max_waiting_requests}); retry later",
                 status=503)
-
-    def _open_workers(self, role: str, exclude: set[str] = frozenset()) -> list[WorkerHandle]:
-        """Live workers of ``role`` below their admission caps."""
-        config = self.config
-        if role == "prefill":
-            return [w for w in self.pool.live(role, exclude)
-                    if w.admission_count() < config.prefill_max_inflight]
-        return [w for w in self.pool.live(role, exclude)
-                if w.admission_count() < config.decode_max_inflight
-                and w.load.kv_cache_usage < config.decode_max_kv_usage]
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         """Run ``request``; yield chunks until one carries ``finish_reason``. Closing the
@@ -267,15 +269,16 @@ class ModelService:
         # NOTE: a worker's num_inflight counts a request from the moment it is chosen, in
         # the same step as the cap check, so a burst cannot pass a cap between two polls
         fresh = not progress.generated and progress.kv is None  # a prompt to prefill
-        hashes, overlaps = await self._prefix_lookup(request) if fresh else ([], {})
-        decode = self._choose_decode(exclude, admit=first, overlaps=overlaps,
-                                     num_tokens=len(request.prompt_token_ids))
+        num_blocks, counts = await self.routing.prefix_counts(request) if fresh else (0, None)
+        router = self.pool.router  # NOTE: no await from here to both choices
+        num_tokens = len(request.prompt_token_ids)
+        decode, position = self.routing.choose_decode(router, exclude, first, counts, num_tokens)
         decode.num_inflight += 1
         try:
             prefill = None
             if fresh:
-                prefill = await self._choose_prefill(request, decode, exclude, first,
-                                                     hashes, overlaps)
+                prefill = self.routing.choose_prefill(router, position, exclude, first,
+                                                      counts, num_tokens, num_blocks)
             if prefill is not None:
                 chunk = await self.calls.prefill(request, prefill, decode, progress, output,
                                                  exclude)
@@ -289,120 +292,12 @@ class ModelService:
 
     async def _prefix_lookup(self, request: GenerateRequest
                              ) -> tuple[list[bytes], dict[str, int]]:
-        """The prompt's block hashes and, per worker, how many leading ones it caches
-        (the Redis prefix index; ``{}`` while it is down or for a prompt under a block)."""
-        if len(request.prompt_token_ids) < self.config.block_size:
-            return [], {}
-        hashes = _hash_chain(request.prompt_token_ids, self.config.block_size,
-                             self._root_hash, request.cache_salt)
-        return hashes, await self._lookup(hashes)
-
-    def _choose_decode(self, exclude: set[str], admit: bool, overlaps: dict[str, int],
-                       num_tokens: int) -> WorkerHandle:
-        """The decode worker: the one caching most of the prompt when that is at least
-        half of it (and more than ``local_prefill_threshold`` tokens), else by load
-        (``routing.choose_decode_worker``)."""
-        workers = self._open_workers("decode", exclude) if admit else \
-            self.pool.live("decode", exclude)
-        if not workers:
-            if admit and self.pool.live("decode", exclude):
-                self.metrics.record_rejection("decode_pool_full")
-                raise RequestError("every decode worker is at capacity; retry later",
-                                   status=503)
-            raise RequestError("no live decode worker; retry later", status=503)
-        cached = {w.worker_id: min(overlaps.get(w.worker_id, 0) * self.config.block_size,
-                                   num_tokens) for w in workers}
-        worker_id = choose_decode_worker(
-            [w.current_load() for w in workers], rotation=next(self._rotation["decode"]),
-            cached_tokens=cached,
-            min_cached_tokens=max(self.config.local_prefill_threshold, num_tokens // 2, 1))
-        worker = next(w for w in workers if w.worker_id == worker_id)
-        worker.num_routed += 1
-        self.metrics.record_routing("decode", worker_id)
-        return worker
-
-    async def _choose_prefill(self, request: GenerateRequest, decode: WorkerHandle,
-                              exclude: set[str], admit: bool, hashes: list[bytes],
-                              overlaps: dict[str, int]) -> WorkerHandle | None:
-        """The prefill worker for ``request``, or None to prefill on the decode worker
-        ``decode`` (conditional disaggregation, ``RouterConfig.disaggregation``); the
-        choice is counted in ``pdserve:prefill_path``.
-
-        Raises:
-            RequestError: 503 when ``disaggregation="always"`` and every prefill worker
-                is at its cap (in ``"auto"`` the prompt is prefilled locally instead).
-        """
-        num_tokens = len(request.prompt_token_ids)
-        always = self.config.disaggregation == "always"
-        live = self.pool.live("prefill", exclude)
-        if not live or should_prefill_locally(num_tokens, self.config.local_prefill_threshold):
-            self.metrics.record_prefill_path("short_prompt" if live else "no_prefill_worker")
-            return None
-        candidates = {w.worker_id for w in live
-                      if always or not shares_compute(decode.record.compute, w.record.compute)}
-        open_workers = self._open_workers("prefill", exclude) if admit else live
-        workers = [w for w in open_workers if w.worker_id in candidates]
-        if always and not workers:
-            self.metrics.record_rejection("prefill_pool_full")
-            raise RequestError("every prefill worker is at capacity; retry later",
-                               status=503)
-        choice = None
-        if workers and self.config.prefill_routing == "round-robin":
-            loads = sorted((w.current_load() for w in workers), key=lambda w: w.worker_id)
-            turn = loads[next(self._rotation["prefill"]) % len(loads)]
-            choice = choose_prefill_worker(len(hashes), overlaps, [turn], 0.0)
-        elif workers:
-            choice = choose_prefill_worker(len(hashes), overlaps,
-                                           [w.current_load() for w in workers],
-                                           self.config.overlap_weight,
-                                           rotation=next(self._rotation["prefill"]))
-        worker = None if choice is None else \
-            next(w for w in workers if w.worker_id == choice.worker_id)
-        if always:
-            path = PrefillPath(choice.worker_id, "remote")
-        elif candidates and worker is None:  # every prefill worker it may use is at its cap
-            path = PrefillPath(None, "prefill_busy")
-        else:
-            decode_cached = min(overlaps.get(decode.worker_id, 0) * self.config.block_size,
-                                num_tokens)
-            path = choose_prefill_path(
-                num_tokens, decode_cached, self.config.local_prefill_threshold,
-                decode.record.compute, {w.worker_id: w.record.compute for w in live}, choice,
-                None if worker is None else worker.current_load(),
-                self.config.max_prefill_queue_size)
-        self.metrics.record_prefill_path(path.reason)
-        if path.prefill_worker_id is None:
-            return None
-        worker.num_routed += 1
-        worker.num_inflight += 1  # given back by _prefill, called right after
-        self.metrics.record_routing("prefill", worker.worker_id)
-        return worker
+        """``RoutingStep.prefix_lookup``."""
+        return await self.routing.prefix_lookup(request)
 
     async def _lookup(self, hashes: list[bytes]) -> dict[str, int]:
-        """Leading cached blocks per worker; ``{}`` (route by load) when Redis is down."""
-        if not hashes:
-            return {}
-        try:
-            # NOTE: the in-memory copy answers in microseconds; Redis needs a thread.
-            # Never clean_stale: one index serves every model of the cluster, and a
-            # worker leaving this model's pool is forgotten by _forget_worker
-            if isinstance(self.index, LocalPrefixIndex):
-                overlaps = self.index.longest_prefix(hashes, self.pool.all_ids(),
-                                                     clean_stale=False)
-            else:
-                overlaps = await asyncio.to_thread(self.index.longest_prefix, hashes,
-                                                   self.pool.all_ids(), clean_stale=False)
-        except PrefixIndexUnavailable as exc:
-            if not self._index_down:
-                logger.warning("prefix index unreachable, routing by load alone: %s", exc)
-            self._index_down = True
-            self.metrics.record_index_lookup("unavailable")
-            return {}
-        if self._index_down:
-            logger.info("prefix index reachable again")
-        self._index_down = False
-        self.metrics.record_index_lookup("hit" if overlaps else "miss")
-        return overlaps
+        """``RoutingStep.lookup``."""
+        return await self.routing.lookup(hashes)
 
     def _forget_worker(self, worker_id: str) -> None:
         """A worker left this model's pool (gone from the registry, not answering Health):
@@ -420,6 +315,165 @@ class ModelService:
 
 
 _ABSENT_GRACE_S = 30.0
+
+
+class RoutingStep:
+    """The request path's routing step (docs/architecture.md, A request's path, step 1):
+    the prompt's prefix lookup, admission masks, and ``Router``'s decision over the pool's
+    arrays, with the 503s, metrics and bookkeeping of the request path. What
+    ``ModelService`` calls per attempt; ``benchmarks/router_scale.py`` times it.
+
+    Args:
+        config: the router's settings.
+        pool: the workers (its ``router`` holds the arrays).
+        metrics: where rejections, routing and lookups are counted.
+        index: a ``LocalPrefixIndex`` (slot lookups) or a ``PrefixIndex`` (Redis; the
+            fallback without the native extension); may be replaced at any time.
+        root_hash: the chain's ``h_{-1}`` of the served model.
+    """
+
+    def __init__(self, config: RouterConfig, pool: WorkerPool, metrics: RouterMetrics,
+                 index: LocalPrefixIndex | PrefixIndex, root_hash: bytes) -> None:
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+        self.index = index
+        self.root_hash = root_hash
+        self.index_down = False
+
+    def open(self, router: Router, role: str, live: np.ndarray) -> np.ndarray:
+        """The workers of ``live`` (a bool mask over ``router``'s ``role`` arrays) below
+        their admission caps (``RouterConfig``; ``WorkerHandle.admission_count``)."""
+        config = self.config
+        if role == "prefill":
+            return live & router.prefill.below_caps(config.prefill_max_inflight)
+        return live & router.decode.below_caps(config.decode_max_inflight,
+                                               config.decode_max_kv_usage)
+
+    async def prefix_lookup(self, request: GenerateRequest
+                            ) -> tuple[list[bytes], dict[str, int]]:
+        """The prompt's block hashes and, per worker, how many leading ones it caches
+        (the prefix index; ``{}`` while it is down or for a prompt under a block)."""
+        if len(request.prompt_token_ids) < self.config.block_size:
+            return [], {}
+        hashes = _hash_chain(request.prompt_token_ids, self.config.block_size,
+                             self.root_hash, request.cache_salt)
+        return hashes, await self.lookup(hashes)
+
+    async def prefix_counts(self, request: GenerateRequest) -> tuple[int, object]:
+        """The prompt's full blocks and what the index says of them, as ``Router.decide``
+        takes it: leading blocks per index slot (int32 array, the in-memory index, no
+        per-worker objects), a mapping worker id -> blocks (the Redis index, where the
+        native extension is not built), or None (a prompt under a block; index down).
+        The lookup is counted in ``pdserve:prefix_index_lookups``."""
+        if len(request.prompt_token_ids) < self.config.block_size:
+            return 0, None
+        index = self.index
+        if not isinstance(index, LocalPrefixIndex):
+            hashes, overlaps = await self.prefix_lookup(request)
+            return len(hashes), overlaps
+        packed = block_index.hash_chain_packed(request.prompt_token_ids, self.config.block_size,
+                                               self.root_hash, request.cache_salt)
+        try:
+            counts = index.lookup_slots(packed)
+        except PrefixIndexUnavailable as exc:
+            self.index_answered(None, exc)
+            return len(packed) // 16, None
+        self.index_answered(self.pool.router.any_overlap(counts))
+        return len(packed) // 16, counts
+
+    def index_answered(self, hit: bool | None, exc: Exception | None = None) -> None:
+        """Count a lookup (``hit``; None: the index is unreachable, ``exc`` says why) and
+        log the index's outages and recoveries once each."""
+        if hit is None:
+            if not self.index_down:
+                logger.warning("prefix index unreachable, routing by load alone: %s", exc)
+            self.index_down = True
+            self.metrics.record_index_lookup("unavailable")
+            return
+        if self.index_down:
+            logger.info("prefix index reachable again")
+        self.index_down = False
+        self.metrics.record_index_lookup("hit" if hit else "miss")
+
+    def choose_decode(self, router: Router, exclude: set[str], admit: bool, counts,
+                      num_tokens: int) -> tuple[WorkerHandle, int]:
+        """The decode worker and its position in ``router.decode``: the one caching most
+        of the prompt when that is at least half of it (and more than
+        ``local_prefill_threshold`` tokens), else by load (``Router.decide_decode``)."""
+        live = router.decode.live(exclude)
+        mask = self.open(router, "decode", live) if admit else live
+        if not np.count_nonzero(mask):
+            if admit and np.count_nonzero(live):
+                self.metrics.record_rejection("decode_pool_full")
+                raise RequestError("every decode worker is at capacity; retry later",
+                                   status=503)
+            raise RequestError("no live decode worker; retry later", status=503)
+        position = router.decide_decode(num_tokens, counts, mask)
+        worker_id = router.decode.ids[position]
+        self.metrics.record_routing("decode", worker_id)
+        return self.pool.workers["decode"][worker_id], position
+
+    def choose_prefill(self, router: Router, position: int, exclude: set[str], admit: bool,
+                       counts, num_tokens: int, num_blocks: int) -> WorkerHandle | None:
+        """The prefill worker for a prompt whose decode worker is at ``position``, or None
+        to prefill on the decode worker (conditional disaggregation,
+        ``RouterConfig.disaggregation``; ``Router.decide_prefill``); the choice is
+        counted in ``pdserve:prefill_path``.
+
+        Raises:
+            RequestError: 503 when ``disaggregation="always"`` and every prefill worker
+                is at its cap (in ``"auto"`` the prompt is prefilled locally instead).
+        """
+        live = router.prefill.live(exclude)
+        open_workers = self.open(router, "prefill", live) if admit else live
+        try:
+            decision = router.decide_prefill(position, num_tokens, num_blocks, counts,
+                                             open_workers, live)
+        except NoWorkersError:
+            self.metrics.record_rejection("prefill_pool_full")
+            raise RequestError("every prefill worker is at capacity; retry later",
+                               status=503) from None
+        self.metrics.record_prefill_path(decision.reason)
+        if decision.prefill_worker_id is None:
+            return None
+        worker = self.pool.workers["prefill"][decision.prefill_worker_id]
+        worker.num_inflight += 1  # given back by _prefill, called right after
+        self.metrics.record_routing("prefill", worker.worker_id)
+        return worker
+
+    async def lookup(self, hashes: list[bytes]) -> dict[str, int]:
+        """Leading cached blocks per worker; ``{}`` (route by load) when Redis is down."""
+        if not hashes:
+            return {}
+        try:
+            # NOTE: the in-memory copy answers in microseconds; Redis needs a thread.
+            # Never clean_stale: one index serves every model of the cluster, and a
+            # worker leaving this model's pool is forgotten by _forget_worker
+            if isinstance(self.index, LocalPrefixIndex):
+                overlaps = self.index.longest_prefix(hashes, self.pool.all_ids(),
+                                                     clean_stale=False)
+            else:
+                overlaps = await asyncio.to_thread(self.index.longest_prefix, hashes,
+                                                   self.pool.all_ids(), clean_stale=False)
+        except PrefixIndexUnavailable as exc:
+            self.index_answered(None, exc)
+            return {}
+        self.index_answered(bool(overlaps))
+        return overlaps
+
+
+class _IndexSlots:
+    """The routing arrays' view of a service's current prefix index: its worker slots
+    (``LocalPrefixIndex.slot_of``), or none for the Redis index (routed by mapping)."""
+
+    def __init__(self, routing: RoutingStep) -> None:
+        self.routing = routing
+
+    def slot_of(self, worker_id: str) -> int | None:
+        """The worker's slot in the in-memory index, None when it has none."""
+        index = self.routing.index
+        return index.slot_of(worker_id) if isinstance(index, LocalPrefixIndex) else None
 
 
 def _prefix_index(redis_url: str) -> LocalPrefixIndex | PrefixIndex:

@@ -16,13 +16,21 @@ workers' ids and placements, feed it loads, ask ``route``.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from pdserve.cluster import block_index
-from pdserve.router.routing_policy import LoadWeights, NoWorkersError, shares_compute
+from pdserve.router.routing_policy import (
+    LoadWeights,
+    NoWorkersError,
+    WorkerLoad,
+    choose_decode_worker,
+    choose_prefill_worker,
+    shares_compute,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +50,10 @@ class RouteDecision:
 
 class RoleArrays:
     """One role's workers, ordered by id, with their loads in ``table``, float64
-    [4, n]: rows KV usage, running, waiting (the last Health), and routed since then.
+    [4, n]: rows KV usage, running, waiting (the last Health), and routed since then;
+    and what admission reads: ``healthy`` (bool [n]), ``inflight`` (this router's calls
+    on each now) and ``inflight_at_health`` (the same when its last Health was asked),
+    float64 [n]. ``router/workers.py``'s handles write through to these.
 
     Args:
         workers: worker id -> its ``compute`` placement ("" when unknown).
@@ -58,6 +69,40 @@ class RoleArrays:
         self.table = np.zeros((4, n))
         self.slots = np.full(n, -1, dtype=np.int64)  # prefix index slots, -1: none
         self.everyone = np.ones(n, dtype=np.uint8)
+        self.healthy = np.zeros(n, dtype=bool)
+        self._all = np.ones(n, dtype=bool)
+        self.inflight = np.zeros(n)
+        self.inflight_at_health = np.zeros(n)
+        self.others = np.zeros(n)  # running + waiting - inflight_at_health, at least 0
+
+    def live(self, exclude=()) -> np.ndarray:
+        """``WorkerPool.live`` as a bool mask [n]: the workers not in ``exclude`` (ids),
+        the healthy ones among them when any are."""
+        if not exclude:  # NOTE: no copy: callers combine masks into new ones
+            return self.healthy if np.count_nonzero(self.healthy) else self._all
+        base = np.ones(len(self.ids), dtype=bool)
+        for worker_id in exclude:
+            i = self.position.get(worker_id)
+            if i is not None:
+                base[i] = False
+        healthy = base & self.healthy
+        return healthy if np.count_nonzero(healthy) else base
+
+    def below_caps(self, max_inflight: int, max_kv_usage: float | None = None) -> np.ndarray:
+        """Bool mask [n] of the workers whose admission count
+        (``WorkerHandle.admission_count``, sequences) is under ``max_inflight`` and, when
+        given, whose KV usage is under ``max_kv_usage``."""
+        mask = self.inflight + self.others < max_inflight
+        if max_kv_usage is not None:
+            mask &= self.table[self.KV] < max_kv_usage
+        return mask
+
+    def update_others(self, i: int) -> None:
+        """Re-derive worker ``i``'s sequences of other routers (``others``) after its load
+        or ``inflight_at_health`` changed."""
+        t = self.table
+        self.others[i] = max(0.0, t[self.RUNNING, i] + t[self.WAITING, i]
+                             - self.inflight_at_health[i])
 
     @property
     def routed(self) -> np.ndarray:
@@ -72,48 +117,103 @@ class RoleArrays:
     def set_load(self, worker_id: str, num_running: int, num_waiting: int,
                  kv_cache_usage: float) -> None:
         """A Health answer: the load, and the routed count back to 0."""
-        self.table[:, self.position[worker_id]] = (kv_cache_usage, num_running, num_waiting, 0)
+        i = self.position[worker_id]
+        self.table[:, i] = (kv_cache_usage, num_running, num_waiting, 0)
+        self.update_others(i)
 
-    def overlap(self, i: int, counts: np.ndarray | None) -> int:
-        """Worker ``i``'s leading blocks in an index lookup per slot."""
+    def overlap(self, i: int, counts) -> int:
+        """Worker ``i``'s leading blocks in an index lookup per slot (or a mapping worker
+        id -> blocks; None: 0)."""
+        if isinstance(counts, Mapping):
+            return int(counts.get(self.ids[i], 0))
         slot = self.slots[i]
         return 0 if counts is None or slot < 0 or slot >= len(counts) else int(counts[slot])
 
 
 _NO_COUNTS = np.zeros(0, dtype=np.int32)
+_SLOT_REREAD_S = 0.05
 _native = None
 
 
 def _scoring():
+    """The native scoring module, or None where the extension cannot be built (then
+    ``routing_policy``'s functions score, over the same arrays)."""
     global _native
     if _native is None:
-        _native = block_index.scoring()
-    return _native
+        try:
+            _native = block_index.scoring()
+        except (RuntimeError, OSError, ImportError):
+            _native = False
+    return _native or None
 
 
-def choose_decode(arrays: RoleArrays, mask: np.ndarray, counts: np.ndarray | None,
-                  block_size: int, num_tokens: int, min_cached_tokens: int,
-                  rotation: int) -> int:
+def _u8(mask: np.ndarray) -> np.ndarray:
+    """A bool or integer mask as uint8, without a copy for bool."""
+    return mask.view(np.uint8) if mask.dtype == bool else mask.astype(np.uint8)
+
+
+def _overlaps(arrays: RoleArrays, counts) -> tuple[np.ndarray, np.ndarray]:
+    """(slots, counts) for the scoring functions: ``counts`` per index slot (int32
+    array), None (no lookup), or a mapping worker id -> overlap blocks (the Redis
+    index's answer; converted per position)."""
+    if counts is None:
+        return arrays.slots, _NO_COUNTS
+    if isinstance(counts, np.ndarray):
+        return arrays.slots, counts
+    return (np.arange(len(arrays.ids), dtype=np.int64),
+            np.array([counts.get(w, 0) for w in arrays.ids], dtype=np.int32))
+
+
+def _loads(arrays: RoleArrays, positions) -> list[WorkerLoad]:
+    """The spec's ``WorkerLoad``s of ``positions`` (routed counted as waiting)."""
+    t = arrays.table
+    return [WorkerLoad(arrays.ids[i], int(t[arrays.RUNNING, i]),
+                       int(t[arrays.WAITING, i] + t[arrays.ROUTED, i]), float(t[arrays.KV, i]))
+            for i in positions]
+
+
+def choose_decode(arrays: RoleArrays, mask: np.ndarray, counts, block_size: int,
+                  num_tokens: int, min_cached_tokens: int, rotation: int) -> int:
     """``routing_policy.choose_decode_worker`` over ``arrays`` restricted to ``mask``
     (uint8 [n], at least one set), with cached tokens ``min(overlap * block_size,
-    num_tokens)``; returns the chosen position. Native (``cluster/csrc``): numpy's
-    per-call overhead was most of a decision at 500 workers."""
-    return _scoring().choose_decode(arrays.table, mask, arrays.slots,
-                                    _NO_COUNTS if counts is None else counts, block_size,
+    num_tokens)``; ``counts`` as ``_overlaps`` takes it; returns the chosen position.
+    Native (``cluster/csrc``): numpy's per-call overhead was most of a decision at 500
+    workers; the spec's function where the extension is not built."""
+    slots, per_slot = _overlaps(arrays, counts)
+    native = _scoring()
+    if native is not None:
+        return native.choose_decode(arrays.table, mask, slots, per_slot, block_size,
                                     num_tokens, min_cached_tokens, rotation)
+    positions = np.flatnonzero(mask)
+    cached = {arrays.ids[i]: min(_overlap(slots, per_slot, i) * block_size, num_tokens)
+              for i in positions}
+    worker_id = choose_decode_worker(_loads(arrays, positions), rotation=rotation,
+                                     cached_tokens=cached, min_cached_tokens=min_cached_tokens)
+    return arrays.position[worker_id]
 
 
-def choose_prefill(arrays: RoleArrays, mask: np.ndarray, counts: np.ndarray | None,
-                   num_blocks: int, overlap_weight: float, weights: LoadWeights,
-                   rotation: int) -> int:
+def _overlap(slots: np.ndarray, counts: np.ndarray, i: int) -> int:
+    slot = slots[i]
+    return 0 if slot < 0 or slot >= len(counts) else int(counts[slot])
+
+
+def choose_prefill(arrays: RoleArrays, mask: np.ndarray, counts, num_blocks: int,
+                   overlap_weight: float, weights: LoadWeights, rotation: int) -> int:
     """``routing_policy.choose_prefill_worker`` over ``arrays`` restricted to ``mask``
     (at least one set); returns the chosen position. Costs are computed in the spec's
     order of operations (and without fused multiply-adds), so equal costs are equal
     here too."""
-    return _scoring().choose_prefill(
-        arrays.table, mask, arrays.slots, _NO_COUNTS if counts is None else counts,
-        num_blocks, overlap_weight, weights.waiting_blocks, weights.running_blocks,
-        weights.kv_usage_blocks, rotation)
+    slots, per_slot = _overlaps(arrays, counts)
+    native = _scoring()
+    if native is not None:
+        return native.choose_prefill(
+            arrays.table, mask, slots, per_slot, num_blocks, overlap_weight,
+            weights.waiting_blocks, weights.running_blocks, weights.kv_usage_blocks, rotation)
+    positions = np.flatnonzero(mask)
+    overlaps = {arrays.ids[i]: _overlap(slots, per_slot, i) for i in positions}
+    choice = choose_prefill_worker(num_blocks, overlaps, _loads(arrays, positions),
+                                   overlap_weight, weights=weights, rotation=rotation)
+    return arrays.position[choice.worker_id]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +245,13 @@ class Router:
             int32 [capacity]`` and ``slot_of(worker_id)``), or None to route by load.
         root_hash: the chain's ``h_{-1}`` (``engine.block_hash.root_block_hash``).
         prefill, decode: worker id -> placement, per role.
+        rotation: the per-role tie counters (``{"prefill": count(), "decode": count()}``)
+            to go on with, when this router replaces one (the pool's members changed).
     """
 
     def __init__(self, settings: RouteSettings, index, root_hash: bytes,
-                 prefill: Mapping[str, str], decode: Mapping[str, str]) -> None:
+                 prefill: Mapping[str, str], decode: Mapping[str, str],
+                 rotation: dict | None = None) -> None:
         self.settings = settings
         self.index = index
         self.root_hash = root_hash
@@ -160,21 +263,50 @@ class Router:
                            for d in self.decode.computes], dtype=bool).reshape(
                                len(self.decode.ids), len(self.prefill.ids))
         self.apart = (~shares).astype(np.uint8)  # [decode i, prefill j]: may prefill for i
-        self.any_apart = self.apart.any(axis=1).tolist()
-        self._rotation = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._rotation = rotation or {"prefill": itertools.count(),
+                                      "decode": itertools.count()}
+        self._checked = None  # the last lookup answer whose slots were checked
         self.refresh_slots()
 
     def refresh_slots(self) -> None:
         """Re-read each worker's index slot (after workers published for the first time
-        or were forgotten)."""
+        or were forgotten). ``decide`` calls it when a lookup names a slot unknown here."""
+        known = set()
         for arrays in (self.prefill, self.decode):
             for i, worker_id in enumerate(arrays.ids):
                 slot = None if self.index is None else self.index.slot_of(worker_id)
                 arrays.slots[i] = -1 if slot is None else slot
+                if slot is not None:
+                    known.add(slot)
+        self._known_array = np.array(sorted(known), dtype=np.int64)
+        self._slots_read_at = time.monotonic()
+
+    def any_overlap(self, counts: np.ndarray) -> bool:
+        """Whether an index lookup per slot gives any of these workers a block (the
+        slots are re-read first when it names one unknown here)."""
+        return self._check_slots(counts) > 0
+
+    def _check_slots(self, counts: np.ndarray) -> int:
+        """How many of these workers' slots ``counts`` gives blocks; re-reads the workers'
+        slots first when another slot has some (a worker's first blocks), at most every
+        ``_SLOT_REREAD_S`` (slots of another model's workers stay unknown here)."""
+        self._checked = counts
+        known = self._count_known(counts)
+        if known < np.count_nonzero(counts) and \
+                time.monotonic() - self._slots_read_at >= _SLOT_REREAD_S:
+            self.refresh_slots()
+            known = self._count_known(counts)
+        return known
+
+    def _count_known(self, counts: np.ndarray) -> int:
+        slots = self._known_array  # sorted
+        if slots.size and slots[-1] >= len(counts):
+            slots = slots[slots < len(counts)]
+        return int(np.count_nonzero(counts[slots]))
 
     def route(self, token_ids: Sequence[int], cache_salt: str | None = None, *,
-              decode_open: np.ndarray | None = None, prefill_open: np.ndarray | None = None
-              ) -> RouteDecision:
+              decode_open: np.ndarray | None = None, prefill_open: np.ndarray | None = None,
+              prefill_live: np.ndarray | None = None) -> RouteDecision:
         """The decode worker and the prefill path of a prompt, counted as routed.
 
         Args:
@@ -182,6 +314,7 @@ class Router:
             cache_salt: the request's ``cache_salt``.
             decode_open, prefill_open: bool masks of the workers below their caps (all
                 when None).
+            prefill_live: bool mask of the live prefill workers (all when None).
 
         Raises:
             PrefixIndexUnavailable: from the index (the caller routes by load alone).
@@ -193,30 +326,61 @@ class Router:
         num_blocks = len(packed) // 16
         counts = self.index.lookup_slots(packed) if self.index is not None and packed \
             else None
-        return self.decide(len(token_ids), num_blocks, counts, decode_open, prefill_open)
+        return self.decide(len(token_ids), num_blocks, counts, decode_open, prefill_open,
+                           prefill_live=prefill_live)
 
-    def decide(self, num_tokens: int, num_blocks: int, counts: np.ndarray | None,
+    def decide(self, num_tokens: int, num_blocks: int, counts,
                decode_open: np.ndarray | None = None,
-               prefill_open: np.ndarray | None = None) -> RouteDecision:
-        """``route`` after the lookup: ``counts`` is the index's answer per slot."""
-        s, d, p = self.settings, self.decode, self.prefill
-        d_mask = d.everyone if decode_open is None else decode_open.astype(np.uint8)
-        if not len(d.ids) or (decode_open is not None and not d_mask.any()):
+               prefill_open: np.ndarray | None = None, *,
+               prefill_live: np.ndarray | None = None) -> RouteDecision:
+        """``route`` after the lookup: ``counts`` is the index's answer per slot (int32
+        array), a mapping worker id -> overlap blocks, or None (route by load)."""
+        i = self.decide_decode(num_tokens, counts, decode_open)
+        return self.decide_prefill(i, num_tokens, num_blocks, counts, prefill_open,
+                                   prefill_live)
+
+    def decide_decode(self, num_tokens: int, counts,
+                      decode_open: np.ndarray | None = None) -> int:
+        """The decode worker's position in ``self.decode``, counted as routed.
+
+        Raises:
+            ValueError: no decode worker is open.
+        """
+        s, d = self.settings, self.decode
+        if isinstance(counts, np.ndarray) and counts is not self._checked:
+            self._check_slots(counts)
+        d_mask = d.everyone if decode_open is None else _u8(decode_open)
+        if not len(d.ids) or (decode_open is not None and not np.count_nonzero(d_mask)):
             raise ValueError("no open decode worker")
         i = choose_decode(d, d_mask, counts, s.block_size, num_tokens,
                           max(s.local_prefill_threshold, num_tokens // 2, 1),
                           next(self._rotation["decode"]))
         d.routed[i] += 1
+        return i
+
+    def decide_prefill(self, i: int, num_tokens: int, num_blocks: int, counts,
+                       prefill_open: np.ndarray | None = None,
+                       prefill_live: np.ndarray | None = None) -> RouteDecision:
+        """The prefill path of a prompt whose decode worker is at position ``i`` (the
+        prefill worker counted as routed); the rules of ``routing_policy``'s
+        ``choose_prefill_path`` over the live prefill workers.
+
+        Raises:
+            NoWorkersError: ``disaggregation="always"`` and no prefill worker is open.
+        """
+        s, d, p = self.settings, self.decode, self.prefill
         d_over = d.overlap(i, counts)
-        if not len(p.ids):
+        live = p.everyone if prefill_live is None else _u8(prefill_live)
+        if not len(p.ids) or not np.count_nonzero(live):
             return RouteDecision(d.ids[i], None, d_over, num_blocks, "no_prefill_worker")
         if num_tokens < s.local_prefill_threshold:
             return RouteDecision(d.ids[i], None, d_over, num_blocks, "short_prompt")
         always = s.disaggregation == "always"
-        apart = p.everyone if always else self.apart[i]
-        mask = apart if prefill_open is None else apart & prefill_open.astype(np.uint8)
+        candidates = live if always else self.apart[i] & live
+        any_apart = bool(np.count_nonzero(candidates))
+        mask = candidates if prefill_open is None else candidates & _u8(prefill_open)
         j = None
-        if (self.any_apart[i] or always) and (prefill_open is None or mask.any()):
+        if any_apart and np.count_nonzero(mask):
             if s.prefill_routing == "round-robin":
                 tied = np.flatnonzero(mask)
                 j = int(tied[next(self._rotation["prefill"]) % len(tied)])
@@ -227,7 +391,7 @@ class Router:
             raise NoWorkersError("every prefill worker is at capacity")
         if always:
             reason = "remote"
-        elif self.any_apart[i] and j is None:
+        elif any_apart and j is None:
             reason = "prefill_busy"
         elif num_tokens - min(d_over * s.block_size, num_tokens) < s.local_prefill_threshold:
             reason = "cached_on_decode"

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
 from pdserve.cluster.registry import RegistryUnavailable, WorkerRecord, WorkerRegistry
 from pdserve.proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.router.route import RoleArrays, Router, RouteSettings
 from pdserve.router.routing_policy import WorkerLoad
 from pdserve.router.session import DecodeSession, rpc_error
 
@@ -25,23 +26,110 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
 class WorkerHandle:
-    """A live worker: its record, gRPC stub, and the load its last Health gave."""
+    """A live worker: its record, gRPC stub, and the load its last Health gave.
 
-    record: WorkerRecord
-    channel: grpc.aio.Channel
-    stub: object
-    load: WorkerLoad
-    healthy: bool = False  # until its first Health answers "ok"
-    num_routed: int = 0  # requests routed here since that Health answer
-    num_inflight: int = 0  # this router's Prefill calls (or Decode streams) on it now
-    num_inflight_at_health: int = 0  # num_inflight when that Health was asked or answered
-    session: DecodeSession | None = None  # a decode worker's stream of this router's requests
-    probe: asyncio.Task | None = None  # the is_alive probe under way, shared by its callers
+    ``load``, ``healthy``, ``num_routed``, ``num_inflight`` and ``num_inflight_at_health``
+    write through to the pool's routing arrays (``router/route.py``'s ``RoleArrays``)
+    once the pool has placed the worker there (``bind``): the request path scores those
+    arrays, never the handles. ``num_routed`` is read back from them (a decision counts
+    itself there)."""
+
+    __slots__ = ("_arrays", "_healthy", "_i", "_load", "_num_inflight",
+                 "_num_inflight_at_health", "_num_routed", "channel", "probe", "record",
+                 "session", "stub")
+
+    def __init__(self, record: WorkerRecord, channel: grpc.aio.Channel, stub: object,
+                 load: WorkerLoad, healthy: bool = False, num_routed: int = 0,
+                 num_inflight: int = 0, num_inflight_at_health: int = 0) -> None:
+        self.record = record
+        self.channel = channel
+        self.stub = stub
+        # a decode worker's stream of this router's requests
+        self.session: DecodeSession | None = None
+        self.probe: asyncio.Task | None = None  # the is_alive probe under way, shared
+        self._arrays: RoleArrays | None = None
+        self._i = 0
+        self._load = load
+        self._healthy = healthy  # False until its first Health answers "ok"
+        self._num_routed = num_routed  # requests routed here since that Health answer
+        self._num_inflight = num_inflight  # this router's calls on it now
+        self._num_inflight_at_health = num_inflight_at_health  # the same at that Health
+
+    def bind(self, arrays: RoleArrays | None, i: int = 0) -> None:
+        """Write through to position ``i`` of ``arrays`` from now on (None: to nothing),
+        copying this worker's state there."""
+        routed = self.num_routed
+        self._arrays, self._i = arrays, i
+        self.load, self.healthy, self.num_routed = self._load, self._healthy, routed
+        self.num_inflight = self._num_inflight
+        self.num_inflight_at_health = self._num_inflight_at_health
+
+    @property
+    def load(self) -> WorkerLoad:
+        """The load its last Health gave."""
+        return self._load
+
+    @load.setter
+    def load(self, load: WorkerLoad) -> None:
+        self._load = load
+        if self._arrays is not None:
+            t, i = self._arrays.table, self._i
+            t[RoleArrays.KV, i] = load.kv_cache_usage
+            t[RoleArrays.RUNNING, i] = load.num_running
+            t[RoleArrays.WAITING, i] = load.num_waiting
+            self._arrays.update_others(i)
+
+    @property
+    def healthy(self) -> bool:
+        """Routed to: its last Health answered "ok" and no call failed since."""
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, healthy: bool) -> None:
+        self._healthy = healthy
+        if self._arrays is not None:
+            self._arrays.healthy[self._i] = healthy
+
+    @property
+    def num_routed(self) -> int:
+        """Requests routed here since its last Health answer."""
+        if self._arrays is not None:
+            return int(self._arrays.routed[self._i])
+        return self._num_routed
+
+    @num_routed.setter
+    def num_routed(self, num_routed: int) -> None:
+        self._num_routed = num_routed
+        if self._arrays is not None:
+            self._arrays.routed[self._i] = num_routed
+
+    @property
+    def num_inflight(self) -> int:
+        """This router's Prefill calls (or Decode streams) on it now."""
+        return self._num_inflight
+
+    @num_inflight.setter
+    def num_inflight(self, num_inflight: int) -> None:
+        self._num_inflight = num_inflight
+        if self._arrays is not None:
+            self._arrays.inflight[self._i] = num_inflight
+
+    @property
+    def num_inflight_at_health(self) -> int:
+        """``num_inflight`` when its last Health was asked or answered."""
+        return self._num_inflight_at_health
+
+    @num_inflight_at_health.setter
+    def num_inflight_at_health(self, value: int) -> None:
+        self._num_inflight_at_health = value
+        if self._arrays is not None:
+            self._arrays.inflight_at_health[self._i] = value
+            self._arrays.update_others(self._i)
 
     @property
     def worker_id(self) -> str:
+        """The worker's id."""
         return self.record.worker_id
 
     def current_load(self) -> WorkerLoad:
@@ -90,6 +178,31 @@ class WorkerPool:
         # read (the prefix index forgets workers that died before this router saw them)
         self.on_registry_read: Callable[[set[str]], None] | None = None
         self._refresh_lock = asyncio.Lock()
+        # NOTE: the routing arrays of the members (router/route.py), rebuilt when they
+        # change; slot_index gives their prefix index slots (None: route by load)
+        self.slot_index = None
+        self.root_hash = b""
+        self._rotation = {"prefill": itertools.count(), "decode": itertools.count()}
+        self.router = self._new_router()
+
+    def _new_router(self) -> Router:
+        """A ``Router`` over the current members, every handle bound to its arrays (the
+        tie rotation goes on where the last one stopped)."""
+        computes = {role: {i: w.record.compute for i, w in known.items()}
+                    for role, known in self.workers.items()}
+        router = Router(RouteSettings.from_config(self.config), self.slot_index,
+                        self.root_hash, computes["prefill"], computes["decode"],
+                        rotation=self._rotation)
+        for role, known in self.workers.items():
+            arrays = router.prefill if role == "prefill" else router.decode
+            for worker_id, worker in known.items():
+                worker.bind(arrays, arrays.position[worker_id])
+        return router
+
+    def members_changed(self) -> None:
+        """Rebuild the routing arrays: a worker joined or left, or its record (its
+        placement) changed. O(pool); the decisions after it are O(candidates)."""
+        self.router = self._new_router()
 
     def credentials(self, worker: WorkerHandle, rpc: str, request):
         """gRPC metadata proving the cluster secret for one call of ``rpc`` ("Prefill")
@@ -212,6 +325,13 @@ class WorkerPool:
             self.metrics.record_registry(available=True,
                                          num_rejected=len(self.registry.rejected_ids))
         model = self.config.served_model_name or self.config.model
+        if self._update_members(records, model):
+            self.members_changed()
+
+    def _update_members(self, records: list[WorkerRecord], model: str) -> bool:
+        """Apply a registry read to ``workers``; True when a member joined, left or has
+        a new record (same epoch, a field changed: ``WorkerRegistry.update``)."""
+        changed = False
         for role, known in self.workers.items():
             # NOTE: one registry serves several models; this pool is one model's
             fresh = {r.worker_id: r for r in records if r.role == role and r.model == model}
@@ -221,14 +341,21 @@ class WorkerPool:
                     # NOTE: a Redis that restarted empty lists no one until the workers
                     # register again; a worker whose Health still answers "ok" stays
                     continue
-                if record is None or record.epoch != known[worker_id].record.epoch:
-                    # NOTE: closed at close(), not now: a registry blip must not cancel
-                    # the streams in flight on it
-                    self._retired.append(known.pop(worker_id).channel)
-                    if self.metrics is not None:
-                        self.metrics.forget_worker(role, worker_id)
-                    if self.on_worker_removed is not None:
-                        self.on_worker_removed(worker_id)
+                worker = known[worker_id]
+                if record is not None and record.epoch == worker.record.epoch and \
+                        record.grpc_address == worker.record.grpc_address:
+                    if record != worker.record:  # its compute after a CPU re-split
+                        worker.record, changed = record, True
+                    continue
+                # NOTE: closed at close(), not now: a registry blip must not cancel
+                # the streams in flight on it
+                changed = True
+                known.pop(worker_id).bind(None)
+                self._retired.append(worker.channel)
+                if self.metrics is not None:
+                    self.metrics.forget_worker(role, worker_id)
+                if self.on_worker_removed is not None:
+                    self.on_worker_removed(worker_id)
             for worker_id, record in fresh.items():
                 if worker_id not in known:
                     auth = self.config.auth
@@ -236,11 +363,14 @@ class WorkerPool:
                         if auth is None else auth.channel(record.grpc_address)
                     known[worker_id] = WorkerHandle(record, channel, _STUBS[role](channel),
                                                     WorkerLoad(worker_id))
+                    changed = True
+        return changed
 
     async def poll_health(self) -> None:
         """Ask every worker for its load (``health_timeout_s`` each, concurrently)."""
         handles = [w for role in self.workers.values() for w in role.values()]
         await asyncio.gather(*(self._poll(w) for w in handles))
+        self.router.refresh_slots()  # NOTE: slots of workers that published since
         if self.metrics is not None:
             for role, known in self.workers.items():
                 self.metrics.record_pool_size(role, sum(w.healthy for w in known.values()),
