@@ -62,6 +62,7 @@ class RouterMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._children: dict[tuple, object] = {}  # (metric id, label values) -> child
         self._add_vllm_metrics()
         self._add_availability_metrics()
         self._add_refusal_metrics()
@@ -190,17 +191,17 @@ class RouterMetrics:
 
     def record_routing(self, role: str, worker_id: str) -> None:
         """Count one request sent to ``worker_id`` in ``role`` (``prefill`` or ``decode``)."""
-        self._routing_decisions.labels(self.model_name, role, worker_id).inc()
+        self._child(self._routing_decisions, role, worker_id).inc()
 
     def record_prefill_path(self, reason: str) -> None:
         """Count one fresh prompt's prefill path (``routing.PREFILL_PATH_REASONS``):
         ``remote`` goes to the prefill pool, every other reason is local."""
-        self._prefill_paths.labels(self.model_name, "remote" if reason == "remote" else
-                                   "local", reason).inc()
+        self._child(self._prefill_paths, "remote" if reason == "remote" else "local",
+                    reason).inc()
 
     def record_rejection(self, reason: str) -> None:  # one of REJECTION_REASONS
         """Count one request refused by admission control (``reason``: the cap)."""
-        self._rejections.labels(self.model_name, reason).inc()
+        self._child(self._rejections, reason).inc()
 
     def record_cleanup(self, method: str, retried: bool) -> None:
         """Count one failed attempt of the clean-up RPC ``method`` (``CLEANUP_METHODS``):
@@ -232,6 +233,16 @@ class RouterMetrics:
         self._pool_size.labels(self.model_name, role, "healthy").set(num_healthy)
         self._pool_size.labels(self.model_name, role, "known").set(num_known)
 
+    def _child(self, metric, *labels: str):
+        """``metric.labels(model_name, *labels)``, looked up once per label set: the
+        routing step counts on every request, and ``labels()`` checks and hashes its
+        arguments on each call (microseconds a decision)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self.model_name, *labels)
+        return child
+
     def forget_worker(self, role: str, worker_id: str) -> None:
         """Drop a worker that left the registry from the per-worker gauges."""
         for gauge in self._worker_gauges.values():
@@ -241,7 +252,7 @@ class RouterMetrics:
     def record_index_lookup(self, result: str) -> None:
         """Count one prefix-index lookup: ``hit``, ``miss`` or ``unavailable``; the
         availability gauge follows (0 after ``unavailable``, 1 otherwise)."""
-        self._prefix_index_lookups.labels(self.model_name, result).inc()
+        self._child(self._prefix_index_lookups, result).inc()
         self.prefix_index_available.set(0 if result == "unavailable" else 1)
 
     def record_prefix_cache(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
