@@ -52,7 +52,7 @@ class RoleArrays:
     """One role's workers, ordered by id, with their loads in ``table``, float64
     [4, n]: rows KV usage, running, waiting (the last Health), and routed since then;
     and what admission reads: ``healthy`` (bool [n]), ``inflight`` (this router's calls
-    on each now) and ``inflight_at_health`` (the same when its last Health was asked),
+    on each now) and ``inflight_at_health`` (the most of it while its last Health ran),
     float64 [n]. ``router/workers.py``'s handles write through to these.
 
     Args:

@@ -35,7 +35,7 @@ class WorkerHandle:
     arrays, never the handles. ``num_routed`` is read back from them (a decision counts
     itself there)."""
 
-    __slots__ = ("_arrays", "_healthy", "_i", "_load", "_num_inflight",
+    __slots__ = ("_arrays", "_healthy", "_i", "_inflight_peak", "_load", "_num_inflight",
                  "_num_inflight_at_health", "_num_routed", "channel", "probe", "record",
                  "session", "stub")
 
@@ -55,6 +55,7 @@ class WorkerHandle:
         self._num_routed = num_routed  # requests routed here since that Health answer
         self._num_inflight = num_inflight  # this router's calls on it now
         self._num_inflight_at_health = num_inflight_at_health  # the same at that Health
+        self._inflight_peak = num_inflight  # the most in flight since start_health_window
 
     def bind(self, arrays: RoleArrays | None, i: int = 0) -> None:
         """Write through to position ``i`` of ``arrays`` from now on (None: to nothing),
@@ -112,12 +113,26 @@ class WorkerHandle:
     @num_inflight.setter
     def num_inflight(self, num_inflight: int) -> None:
         self._num_inflight = num_inflight
+        self._inflight_peak = max(self._inflight_peak, num_inflight)
         if self._arrays is not None:
             self._arrays.inflight[self._i] = num_inflight
 
+    def start_health_window(self) -> None:
+        """A Health call to this worker starts: from now on ``health_window_peak`` is
+        the most this router had in flight on it."""
+        self._inflight_peak = self._num_inflight
+
+    @property
+    def health_window_peak(self) -> int:
+        """The most Prefill calls (or Decode streams) this router had in flight on the
+        worker since ``start_health_window``: the worker's running + waiting, read at
+        any moment in between, holds at most that many of this router's sequences (each
+        counted here before it is sent and until its reply is back)."""
+        return self._inflight_peak
+
     @property
     def num_inflight_at_health(self) -> int:
-        """``num_inflight`` when its last Health was asked or answered."""
+        """The most ``num_inflight`` while its last Health call was under way."""
         return self._num_inflight_at_health
 
     @num_inflight_at_health.setter
@@ -140,7 +155,8 @@ class WorkerHandle:
     def admission_count(self) -> int:
         """Sequences that count against this worker's admission cap, in sequences: this
         router's in flight now (exact) plus the other routers' as its last Health saw them
-        (its running + waiting less this router's in flight then, at least 0). Router
+        (its running + waiting less the most this router had in flight on it during that
+        call, at least 0: with one router, never more than 0). Router
         replicas never talk to each other: what another admitted since that Health is
         unseen here for at most one health interval."""
         others = self.load.num_running + self.load.num_waiting - self.num_inflight_at_health
@@ -400,7 +416,7 @@ class WorkerPool:
                 if w.record.metrics_address]
 
     async def _poll(self, worker: WorkerHandle) -> None:
-        inflight = worker.num_inflight
+        worker.start_health_window()
         try:
             request = common_pb2.HealthRequest()
             reply = await worker.stub.Health(request, timeout=self.config.health_timeout_s,
@@ -411,7 +427,9 @@ class WorkerPool:
             return
         worker.healthy = reply.status == "ok"
         worker.num_routed = 0
-        worker.num_inflight_at_health = max(inflight, worker.num_inflight)
+        # NOTE: the peak over the call, not its ends: a burst that came and went while
+        # the worker answered is in its counts, and would else read as another router's
+        worker.num_inflight_at_health = worker.health_window_peak
         worker.load = WorkerLoad(worker.worker_id, reply.num_running, reply.num_waiting,
                                  reply.kv_cache_usage)
         if self.metrics is not None:
