@@ -13,19 +13,19 @@ from test_scaling import Load, health, start_serve
 
 @pytest.fixture(scope="module")
 def resplitting(tmp_path_factory):
-    # Both targets broken by any traffic; a decision at most every 14 s, then none (the
+    # Both targets broken by any traffic; a decision at most every 18 s, then none (the
     # cooldown outlasts the test): one scale-up at most. The prefill pool is refused
     # (shared_compute); the decode pool may grow 1 -> 2, each worker on one core.
     yield from start_serve(tmp_path_factory, [
         "--disaggregation", "auto", "--autoscale", "--ttft-target-s", "0.001",
         "--tpot-target-s", "0.00001", "--min-prefill-workers", "1",
         "--max-prefill-workers", "2", "--min-decode-workers", "1",
-        "--max-decode-workers", "2", "--planner-interval-s", "14",
+        "--max-decode-workers", "2", "--planner-interval-s", "18",
         "--planner-cooldown-s", "600"])
 
 
-THROUGHPUT_MARGIN = 0.9  # after >= before x this: the noise of 6 s windows on 2 shared cores
-WINDOW_S = 6.0
+THROUGHPUT_MARGIN = 0.9  # after >= before x this: the noise of 10 s windows on 2 shared cores
+WINDOW_S = 10.0
 
 
 def test_throughput_after_a_scale_up_on_this_node_is_no_lower_or_it_refused(resplitting):
@@ -37,13 +37,13 @@ def test_throughput_after_a_scale_up_on_this_node_is_no_lower_or_it_refused(resp
     load = Load(url, concurrency=16)
     try:
         began = time.monotonic()
-        # NOTE: the planner acts 14 to 28 s after the load starts; the window before it
+        # NOTE: the planner acts 18 to 36 s after the load starts; the window before it
         # starts once the load is steady (its first requests' prefills are behind it)
         time.sleep(5.0)
         first = len(load.outcomes)
         time.sleep(WINDOW_S)
         before = len(load.outcomes) - first
-        assert time.monotonic() - began < 14.0, "the before window overlapped a decision"
+        assert time.monotonic() - began < 18.0, "the before window overlapped a decision"
         wait_for(lambda: health(url)["num_decode_workers"] == 2
                  or "not scaling up the decode pool" in log.read_text(), 180,
                  "the planner to grow the decode pool or refuse")
