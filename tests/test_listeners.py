@@ -56,7 +56,7 @@ from test_serve_startup import (
 )
 
 from pdserve.engine.demo_model import make_demo_model
-from pdserve.entrypoints.launcher import node_ip_for
+from pdserve.entrypoints.launcher import SINGLE_NODE_ENV, node_ip_for
 from pdserve.entrypoints.redis_server import free_port
 
 START_TIMEOUT_S = 150
@@ -464,6 +464,10 @@ def test_every_listener_of_a_wide_serve_refuses_a_client_without_credentials(
     from this machine's routable address that holds no credentials, but those named in
     WIDE_EXCEPTIONS (read-only Prometheus text); Ray's agent exports no metrics."""
     monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
+    # NOTE: an in-process RayLauncher of an earlier test (a loopback Ray) left Ray's
+    # single-node switch at "0" in this process's environment; `pdserve serve` would
+    # inherit it, and its Ray would take 127.0.0.1 as its node IP however wide the workers
+    monkeypatch.delenv(SINGLE_NODE_ENV, raising=False)
     host = routable_address()
     survey = survey_serve(model, tmp_path, "--worker-host", "0.0.0.0", host=host)
     assert_pdserve_listeners(survey)
