@@ -24,7 +24,11 @@ def resplitting(tmp_path_factory):
         "--planner-cooldown-s", "600"])
 
 
-THROUGHPUT_MARGIN = 0.9  # after >= before x this: the noise of 10 s windows on 2 shared cores
+# after >= before x this. Measured on this 2-core VM (requests per window, before -> after):
+# 432 -> 391 (0.905, 6 s windows), 672 -> 717 (1.07), 874 -> 784 (0.897, in a full run):
+# two one-core workers make about what one two-core worker made, so the margin is the
+# windows' noise; it catches a scale-up that costs throughput (the issue's 381 -> 200-256)
+THROUGHPUT_MARGIN = 0.85
 WINDOW_S = 10.0
 
 
