@@ -178,7 +178,7 @@ class WorkerRuntime:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             engine = self.engine.engine
-            if not engine.has_unfinished_requests() and not engine.kv_cache_manager.held:
+            if not engine.has_unfinished_requests() and not engine.kv_cache_manager.leases():
                 return True
             await asyncio.sleep(0.05)
         return False

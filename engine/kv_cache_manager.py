@@ -51,6 +51,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock | None]] = {}
         # Blocks of finished prefill requests kept for a decode worker to pull.
         self.held: dict[str, KVLease] = {}
+        # Leases replaced by a prefill again under the same request id while a send of
+        # them ran: unpinned when that send ends (``end_send``).
+        self.superseded: dict[str, KVLease] = {}
 
     @property
     def usage(self) -> float:
@@ -155,8 +158,18 @@ class KVCacheManager:
 
     def hold(self, request: Request) -> None:
         """Move a finished request's blocks under a lease of ``lease_s`` seconds: they stay
-        referenced (pinned) until ``release_held``, a successful ``end_send``, or expiry."""
+        referenced (pinned) until ``release_held``, a successful ``end_send``, or expiry.
+
+        A lease still standing under the same request id (the router prefilled again after
+        a failed pull, before its ``Release`` arrived) is given up: unpinned now, or when
+        its running send ends."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        old = self.held.pop(request.request_id, None)
+        if old is not None and old.sending:
+            old.released = True
+            self.superseded[request.request_id] = old
+        elif old is not None:
+            self.pool.free_blocks(reversed(old.blocks))
         self.held[request.request_id] = KVLease(blocks, time.monotonic() + self.lease_s,
                                                 consumer=request.kv_consumer)
 
@@ -170,11 +183,12 @@ class KVCacheManager:
 
         Raises:
             KeyError: no lease for ``request_id`` (never held, expired, released or sent),
-                or a send of it is already running.
+                or a send of it (or of a lease it replaced) is already running.
             PermissionError: the lease names another consumer.
         """
         lease = self.held.get(request_id)
-        if lease is None or lease.sending or lease.released:
+        if (lease is None or lease.sending or lease.released
+                or request_id in self.superseded):
             raise KeyError(f"no KV lease for request {request_id!r} (expired, released or "
                            "already being sent)")
         if lease.consumer is not None and consumer != lease.consumer:
@@ -194,7 +208,12 @@ class KVCacheManager:
 
     def end_send(self, request_id: str, ok: bool) -> None:
         """A send of the lease ended: sent (``ok``), the blocks are unpinned; failed, the
-        lease stands until it expires, so another decode worker may pull it."""
+        lease stands until it expires, so another decode worker may pull it. The send of a
+        lease replaced meanwhile (``hold``) unpins that one only."""
+        replaced = self.superseded.pop(request_id, None)
+        if replaced is not None:  # only it can be sending: begin_send refuses the new one
+            self.pool.free_blocks(reversed(replaced.blocks))
+            return
         lease = self.held.get(request_id)
         if lease is None:
             return
@@ -227,7 +246,11 @@ class KVCacheManager:
     @property
     def num_leased_blocks(self) -> int:
         """Blocks pinned under leases (a block shared by two leases counts twice)."""
-        return sum(len(lease.blocks) for lease in self.held.values())
+        return sum(len(lease.blocks) for lease in self.leases())
+
+    def leases(self) -> list[KVLease]:
+        """Every lease pinning blocks: those held and those replaced during their send."""
+        return [*self.held.values(), *self.superseded.values()]
 
 
 @dataclass(slots=True)

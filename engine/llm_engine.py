@@ -503,7 +503,7 @@ class LLMEngine:
         kv = self.kv_cache_manager
         owned = {block.block_id for request_id, blocks in kv.req_to_blocks.items()
                  if request_id in owners for block in blocks if block is not None}
-        owned.update(block.block_id for lease in kv.held.values() for block in lease.blocks)
+        owned.update(block.block_id for lease in kv.leases() for block in lease.blocks)
         num_in_use = self.num_blocks - kv.pool.num_free_blocks
         return num_in_use - len(owned)
 
@@ -512,7 +512,7 @@ class LLMEngine:
         kv = self.kv_cache_manager
         return BlockOwnership(
             num_requests_waiting_for_kv=len(self.scheduler.waiting_for_kv),
-            num_leases=len(kv.held), num_leased_blocks=kv.num_leased_blocks,
+            num_leases=len(kv.leases()), num_leased_blocks=kv.num_leased_blocks,
             num_unowned_blocks=self.num_unowned_blocks())
 
     def is_idle_and_clean(self) -> bool:
@@ -520,7 +520,7 @@ class LLMEngine:
         return (not self.has_unfinished_requests()
                 and self.num_free_blocks() == self.num_blocks
                 and not self.kv_cache_manager.req_to_blocks
-                and not self.kv_cache_manager.held
+                and not self.kv_cache_manager.leases()
                 and not self.scheduler.waiting_for_kv)
 
 
