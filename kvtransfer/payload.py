@@ -2,9 +2,9 @@
 
 The payload of ``n`` blocks goes on the wire block-major, ``[n, num_layers, 2,
 block_size, num_kv_heads, head_dim]`` (each block's KV of all layers, in payload order),
-cut into messages ("chunks") of whole blocks. Over NCCL it is one message. Over gloo the
-receiver picks the cut (``plan_chunks``) and its ticket carries it to the sender: with a
-block-major cache (``ModelRunner``'s: one block's KV of all layers is one contiguous run,
+cut into messages ("chunks") of whole blocks. Over NCCL it is one message. Over the pair
+socket (``socket_pair.py``, every transfer that is not NCCL's) the receiver picks the cut
+(``plan_chunks``) and its ticket carries it to the sender: with a block-major cache (``ModelRunner``'s: one block's KV of all layers is one contiguous run,
 see ``block_major``) it cuts at every break in its local block ids and every
 ``CHUNK_BYTES`` within a run, so every message lands in place, with no copy. Then each
 side decides on its own, per chunk, how to move it:
@@ -35,7 +35,7 @@ plain send/recv when the sender gathered 8 MiB messages, and at 0.8-1.0 one bloc
 message in place; with 512 KiB blocks 0.65-0.73 against 0.84-0.93. At 192 KiB the two
 measured alike, so smaller blocks keep the gather (fewer messages).
 
-A CUDA cache over gloo stages the whole payload through pinned host memory, whose chunks
+A CUDA cache over the pair socket stages the whole payload through pinned host memory, whose chunks
 are then sent or received in place; over NCCL a gathered payload is a CUDA tensor. A CPU
 cache's ring comes from a ``StagingPool`` (``staging.py``) when the caller passes one.
 
@@ -62,7 +62,7 @@ from pdserve.kvtransfer.protocol import KVGeometry, block_major
 from pdserve.kvtransfer.staging import StagingLease, StagingPool
 
 CHUNK_BYTES = 8 * 2**20
-"""The most bytes of one gloo message, unless one block is larger (a chunk is at least
+"""The most bytes of one pair-socket message, unless one block is larger (a chunk is at least
 one block). Part of the receiver's cut only: the sender follows the ticket."""
 
 BLOCK_MESSAGE_BYTES = 512 * 2**10
@@ -119,7 +119,7 @@ def consecutive_start(block_ids: list[int]) -> int | None:
 
 
 def plan_chunks(kv_cache: torch.Tensor, block_ids: list[int], geometry: KVGeometry) -> list[int]:
-    """The receiver's cut of a gloo payload into messages: their sizes in blocks, in
+    """The receiver's cut of a pair-socket payload into messages: their sizes in blocks, in
     payload order (the ticket carries them to the sender).
 
     A block-major CPU cache cuts at every break in its consecutive runs of local ids, and
@@ -245,7 +245,7 @@ class _PayloadSide:
 
     def release(self, reusable: bool) -> None:
         """Give the ring back to its pool (if this side took one); idempotent.
-        ``reusable``: the transfer succeeded (after a failure gloo may still use it)."""
+        ``reusable``: the transfer succeeded (after a failure the socket may still write into it)."""
         if self._lease is not None and self._staging is not None:
             self._staging.give_back(self._lease, reusable)
 
@@ -298,7 +298,7 @@ class PayloadSource(_PayloadSide):
 
 def _gather_whole(kv_cache: torch.Tensor, block_ids: list[int], pinned: bool) -> torch.Tensor:
     """A CUDA cache's blocks as one block-major payload, uint8 bytes: on the GPU, or
-    (``pinned``) copied to pinned host memory for gloo."""
+    (``pinned``) copied to pinned host memory for the pair socket."""
     ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
     blocks = kv_cache.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
     if pinned:
