@@ -4,8 +4,9 @@ The payload of ``n`` blocks goes on the wire block-major, ``[n, num_layers, 2,
 block_size, num_kv_heads, head_dim]`` (each block's KV of all layers, in payload order),
 cut into messages ("chunks") of whole blocks. Over NCCL it is one message. Over the pair
 socket (``socket_pair.py``, every transfer that is not NCCL's) the receiver picks the cut
-(``plan_chunks``) and its ticket carries it to the sender: with a block-major cache (``ModelRunner``'s: one block's KV of all layers is one contiguous run,
-see ``block_major``) it cuts at every break in its local block ids and every
+(``plan_chunks``) and its ticket carries it to the sender: with a block-major cache
+(``ModelRunner``'s: one block's KV of all layers is one contiguous run, see
+``block_major``) it cuts at every break in its local block ids and every
 ``CHUNK_BYTES`` within a run, so every message lands in place, with no copy. Then each
 side decides on its own, per chunk, how to move it:
 
