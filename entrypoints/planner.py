@@ -37,12 +37,17 @@ Policy, per pool, within ``[min, max]``:
     target, else nothing does;
   - ``no_free_cores``: on one CPU node, where the pools re-split (``PoolScaler.plan``:
     each computing worker, decode and with ``--disaggregation always`` prefill, gets
-    CPUs of its own, and the running ones shrink onto fewer cores when the pool grows),
-    when a worker would get less than one core. Where they do not (workers placed by
-    another launcher, as ``taskset`` would), when the new worker's OpenMP team and those
-    of the computing workers whose CPUs it would share (decode workers, and the prefill
-    workers the router sends prompts to) would have more threads than those CPUs are:
-    two teams on one core.
+    CPUs of its own), when no core of the node is free: every one already runs a
+    computing worker's threads (``PoolScaler.why_no_free_core``), so the new worker
+    could only get cores by taking them from the running ones, a re-split that adds no
+    compute (two one-core workers make what one two-core worker made). Where cores are
+    free (workers started with fewer threads than the node has cores, ``--num-threads``),
+    the pool grows onto them and the running workers keep their threads. Where the pools
+    do not re-split (workers placed by another launcher, as ``taskset`` would), when the
+    new worker's OpenMP team and those of the computing workers whose CPUs it would share
+    (decode workers, and the prefill workers the router sends prompts to) would have
+    more threads than those CPUs are: two teams on one core. An operator's explicit
+    resize (``pdserve scale``) still re-splits, and a scale-down widens the workers left.
 
 What it says (logger ``pdserve.entrypoints.planner``, each line naming the model):
 
@@ -50,8 +55,11 @@ What it says (logger ``pdserve.entrypoints.planner``, each line naming the model
 - each resize, one INFO line: the pool, its sizes, the condition that fired (``ttft_p90``,
   ``prefill_queue``, ``tpot_p90``, ``itl_p90``, ``kv_usage``; ``idle`` for a scale-down),
   its measured value and its target;
-- while a target stays broken with its pool at ``max``, one WARNING line, at most once
-  per ``AT_BOUND_REPEAT_S`` seconds (the condition, value, target and bound).
+- each refused scale-up, one INFO line: the pool, the reason, the condition that asked
+  for it with its measured value and target, and why;
+- while a target stays broken with its pool at ``max``, or its scale-up refused for
+  ``no_free_cores`` (after that refusal's line), one WARNING line, at most once per
+  ``AT_BOUND_REPEAT_S`` seconds (the condition, value, target and bound).
 
 Each record also carries these fields as ``record.planner`` (a dict), for structured
 logging. Each resize is counted in
@@ -73,7 +81,6 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge
 
-from pdserve.entrypoints.scaling import ScaleError
 from pdserve.router.routing_policy import (
     PrefillChoice,
     WorkerLoad,
@@ -332,7 +339,11 @@ class SLOPlanner:
             elif self._streak[role, "down"] >= c.down_after and \
                     sizes[role] > c.min_workers[role]:
                 wanted[role] = sizes[role] - 1
-        wanted = self.admit_scale_up(wanted, sizes)
+        wanted = self.admit_scale_up(wanted, sizes,
+                                     {role: conds[0] for role, conds in broken.items() if conds})
+        for role, reason in self.last_refusals.items():
+            if reason == "no_free_cores":  # NOTE: its refusal line said it; the at-bound
+                self._at_bound_said.setdefault(role, now)  # line repeats it from now on
         if not wanted:
             return sizes
         for role, size in wanted.items():
@@ -346,42 +357,46 @@ class SLOPlanner:
         finally:
             self._last_change = max(now, time.monotonic())  # NOTE: cool down from the end
 
-    def admit_scale_up(self, wanted: dict[str, int], sizes: dict[str, int]) -> dict[str, int]:
+    def admit_scale_up(self, wanted: dict[str, int], sizes: dict[str, int],
+                       conditions: dict[str, Condition] | None = None) -> dict[str, int]:
         """``wanted`` (pool -> new size) less the scale-ups that would not help (module
         docstring, Only what helps); each refusal's reason goes to ``last_refusals`` and,
-        when it is new for that pool, to one INFO line."""
+        when it is new for that pool, to one INFO line naming the pool's condition in
+        ``conditions`` (pool -> the one that fired), if given."""
         refusals: dict[str, str] = {}
         decode_computes = [w.record.compute for w in self.router.pool.live("decode")]
         admitted: list = []  # the placements of the new workers admitted so far
         resplits = getattr(self.scaler, "resplits", lambda: False)()
-        trial = dict(sizes)  # the sizes with the scale-ups admitted so far
+        added = 0  # the new workers of re-split pools admitted so far
+
+        def refuse(role: str, reason: str, why: str) -> None:
+            refusals[role] = reason
+            self._say_refused(role, reason, why, (conditions or {}).get(role))
+
         for role in [r for r in ("decode", "prefill") if wanted.get(r, 0) > sizes[r]]:
             new = self.scaler.placement(role)
             if role == "prefill":
                 path = new_prefill_path(self.router.config, decode_computes,
                                         "" if new is None else new.compute)
                 if path != "remote":
-                    refusals[role] = "no_prefill_would_help"
-                    self._say_refused(role, "no_prefill_would_help",
-                                      f"the router would send it no prompt ({path}: every "
-                                      "prompt would be prefilled on its decode worker)")
+                    refuse(role, "no_prefill_would_help",
+                           f"the router would send it no prompt ({path}: every prompt would "
+                           "be prefilled on its decode worker)")
                     continue
             if resplits and role in self.scaler.split:
-                try:  # NOTE: every computing worker gets CPUs of its own: enough cores?
-                    self.scaler.plan({**trial, role: trial[role] + 1})
-                except ScaleError as exc:
-                    refusals[role] = "no_free_cores"
-                    self._say_refused(role, "no_free_cores", str(exc))
+                # NOTE: only onto a core no computing worker's threads hold: a re-split
+                # would take cores from the running ones and add no compute
+                why = self.scaler.why_no_free_core(added + 1)
+                if why is not None:
+                    refuse(role, "no_free_cores", why)
                     continue
-                trial[role] += 1
+                added += 1
                 continue
             busy = computing_placements(self.scaler.placements(), self.router.config,
                                         decode_computes) + admitted
             if new is not None and oversubscribed(new, busy):
-                refusals[role] = "no_free_cores"
-                self._say_refused(role, "no_free_cores",
-                                  f"its {new.num_threads} thread(s) would share cores "
-                                  f"{_cpus(new)} with other workers' threads")
+                refuse(role, "no_free_cores", f"its {new.num_threads} thread(s) would share "
+                       f"cores {_cpus(new)} with other workers' threads")
                 continue
             if new is not None:
                 admitted.append(new)
@@ -390,16 +405,22 @@ class SLOPlanner:
         self.last_refusals = refusals
         return wanted
 
-    def _say_refused(self, role: str, reason: str, why: str) -> None:
-        """One INFO line for a refused scale-up, unless the last step refused it the same
-        way (a refusal repeats every interval while the target stays broken)."""
+    def _say_refused(self, role: str, reason: str, why: str,
+                     condition: Condition | None = None) -> None:
+        """One INFO line for a refused scale-up (``condition``: the one that asked for it),
+        unless the last step refused it the same way (a refusal repeats every interval
+        while the target stays broken); counted in ``planner_decisions_total``."""
         if role in self.last_refusals and self._said.get(role) == why:
             return
         self._said[role] = why
-        logger.info("SLO planner: model %s: not scaling up the %s pool (%s): %s",
-                    self._model, role, reason, why,
+        fired = {} if condition is None else {"condition": condition.name,
+                                              "value": condition.value,
+                                              "target": condition.target}
+        logger.info("SLO planner: model %s: not scaling up the %s pool (%s): %s%s",
+                    self._model, role, reason,
+                    "" if condition is None else f"{condition} is broken, but ", why,
                     extra={"planner": {"event": "refused", "model_name": self._model,
-                                       "pool": role, "reason": reason}})
+                                       "pool": role, "reason": reason, **fired}})
         self._decisions.labels(self._model, role, "none", reason).inc()
 
     def _record(self, pool: str, before: int, after: int, why: Condition,
@@ -423,11 +444,14 @@ class SLOPlanner:
     def _say_at_bound(self, now: float, broken: dict[str, list[Condition]],
                       sizes: dict[str, int]) -> None:
         """A WARNING, at most once per ``AT_BOUND_REPEAT_S`` seconds per pool, while a pool
-        breaks a target for ``up_after`` intervals with ``max`` workers already; a pool
-        that meets its targets again is said again at its next such breach."""
+        breaks a target for ``up_after`` intervals with ``max`` workers already, or with
+        its last scale-up refused for ``no_free_cores`` (the node's cores bound it: that
+        refusal's line was the first); a pool that meets its targets again is said again
+        at its next such breach."""
         for pool in ("prefill", "decode"):
-            bound = self.config.max_workers[pool]
-            if not broken[pool] or sizes[pool] < bound or \
+            at_max = sizes[pool] >= self.config.max_workers[pool]
+            no_cores = self.last_refusals.get(pool) == "no_free_cores"
+            if not broken[pool] or not (at_max or no_cores) or \
                     self._streak[pool, "up"] < self.config.up_after:
                 if not broken[pool]:
                     self._at_bound_said.pop(pool, None)
@@ -436,13 +460,21 @@ class SLOPlanner:
                 continue
             self._at_bound_said[pool] = now
             why = broken[pool][0]
+            if at_max:
+                bound = self.config.max_workers[pool]
+                held = (f"at its maximum of {bound} workers",
+                        f"--max-{pool}-workers bounds it", "max_workers")
+            else:
+                bound = sizes[pool]
+                held = (f"at {bound} workers",
+                        f"no_free_cores: {self._said.get(pool, '')}", "no_free_cores")
             logger.warning(
-                "SLO planner: model %s: %s pool stays at its maximum of %d workers while %s "
-                "is broken: %s (--max-%s-workers bounds it)", self._model, pool, bound,
-                why.name, why, pool,
+                "SLO planner: model %s: %s pool stays %s while %s is broken: %s (%s)",
+                self._model, pool, held[0], why.name, why, held[1],
                 extra={"planner": {"event": "at_bound", "model_name": self._model,
-                                   "pool": pool, "bound": bound, "condition": why.name,
-                                   "value": why.value, "target": why.target}})
+                                   "pool": pool, "bound": bound, "reason": held[2],
+                                   "condition": why.name, "value": why.value,
+                                   "target": why.target}})
 
 
 def planner_config_from_args(args: argparse.Namespace):

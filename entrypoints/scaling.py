@@ -10,10 +10,14 @@ workers at once, then both wait), each all or nothing; a resize whose caller is 
 stops the workers it was starting.
 
 On one CPU node the computing workers (``split``: the decode pool, and the prefill pool
-with ``--disaggregation always``) each get CPUs of their own: the node's CPUs are split
-between them again at every resize (``plan``, ``split_cpus``), and the running ones apply
-their new CPU set and thread count between two engine steps (the launcher's
-``resplit``), so no core runs two workers' OpenMP teams.
+with ``--disaggregation always``) each get CPUs of their own (``plan``): new workers take
+the cores no running one's threads use (``free_cpus``), the running ones keeping their
+thread counts; where too few are free (an operator's resize), the node's CPUs are split
+between all of them again (``split_cpus``). The running ones apply their new CPU set and
+thread count between two engine steps (the launcher's ``resplit``), so no core runs two
+workers' OpenMP teams. A re-split adds no compute, so the SLO planner grows a computing
+pool only onto free cores (``why_no_free_core``; its ``no_free_cores``); when a pool
+shrinks, the workers that stay widen onto the cores left.
 
 It also says where each worker computes and where a new one would (``placements``,
 ``placement``: the launcher's ``Placement``), which the SLO planner's policy asks.
@@ -113,9 +117,10 @@ class PoolScaler:
 
     def adopt(self, role: str, actor, worker_id: str, placement=None) -> None:
         """Count an actor started before the scaler (at start-up) in ``role``'s pool;
-        ``placement`` (a ``Placement``) defaults to where the launcher places ``role``'s
-        workers (``placement``)."""
-        self.members[role].append(_Member(actor, worker_id, placement or self.placement(role)))
+        ``placement`` (a ``Placement``) defaults to where the launcher placed it (its
+        ``placement``: at start-up, workers are not pinned, each runs its thread count on
+        the node's CPUs)."""
+        self.members[role].append(_Member(actor, worker_id, placement or self._started(role)))
 
     def sizes(self) -> dict[str, int]:
         """Workers per pool, ``{"prefill": n, "decode": m}``."""
@@ -124,8 +129,8 @@ class PoolScaler:
     def placement(self, role: str):
         """Where a new worker of ``role`` would compute (the launcher's ``Placement``:
         host, CPUs, threads); None when the launcher cannot say. Where the pools re-split
-        (``resplits``), the CPUs it would get with one more worker of ``role`` (``plan``),
-        or None when each would get less than one core."""
+        (``resplits``), the CPUs it would get with one more worker of ``role`` (``plan``:
+        the free cores, else a re-split), or None when each would get less than one core."""
         if role in self.split and self.resplits():
             sizes = self.sizes()
             sizes[role] += 1
@@ -133,6 +138,11 @@ class PoolScaler:
                 return self.plan(sizes)[role][-1]
             except ScaleError:
                 return None
+        return self._started(role)
+
+    def _started(self, role: str):
+        """Where the launcher places a worker of ``role`` it starts without a placement
+        (None when it cannot say)."""
         place = getattr(self.launcher, "placement", None)
         if place is None or role not in self.configs or self.configs[role] is None:
             return None
@@ -153,10 +163,16 @@ class PoolScaler:
     def plan(self, sizes: dict[str, int], strict: bool = True):
         """Role -> the ``Placement`` each worker of the ``split`` roles would have with
         ``sizes`` workers per pool, in the order of ``members`` (the workers kept first,
-        then the new ones): the node's CPUs split into disjoint runs, one per worker
-        (``split_cpus``), each run's length its thread count. Other roles are left out.
-        With more workers than CPUs and not ``strict`` (an operator's explicit resize),
-        each gets one thread on one CPU, the CPUs taken in turn.
+        then the new ones). Other roles are left out.
+
+        When the pools grow and the cores no kept worker's threads use (``free_cpus``) give
+        each new worker one at least, the kept workers keep their thread counts, each on
+        as many CPUs of its own (``_held``), and the new ones split the free cores
+        (``split_cpus``). Otherwise (too few free, or no new worker) the node's CPUs are
+        split into disjoint runs, one per worker, each run's length its thread count: the
+        kept workers narrow, or widen onto the cores of those leaving. With more workers
+        than CPUs and not ``strict`` (an operator's explicit resize), each gets one thread
+        on one CPU, the CPUs taken in turn.
 
         Raises:
             ScaleError: the pools do not re-split (``resplits``), or, ``strict``, a worker
@@ -169,7 +185,15 @@ class PoolScaler:
         host, cpus = self.launcher.node_cpus()
         cpus = sorted(cpus)
         counts = [sizes.get(role, len(self.members[role])) for role in self.split]
-        if strict or sum(counts) <= len(cpus):
+        kept = {role: min(count, len(self.members[role]))
+                for role, count in zip(self.split, counts)}
+        new = sum(counts) - sum(kept.values())
+        held = self._held(kept, cpus) if new > 0 else None
+        if held is not None and len(held[1]) >= new:  # NOTE: onto free cores only
+            fresh = iter(split_cpus(held[1], new))
+            runs = [run for role, count in zip(self.split, counts)
+                    for run in held[0][role] + [next(fresh) for _ in range(count - kept[role])]]
+        elif strict or sum(counts) <= len(cpus):
             runs = split_cpus(cpus, sum(counts))
         else:
             runs = [frozenset({cpus[i % len(cpus)]}) for i in range(sum(counts))]
@@ -178,6 +202,73 @@ class PoolScaler:
             placed[role] = [Placement(host, run, len(run)) for run in runs[first:first + count]]
             first += count
         return placed
+
+    def _held(self, kept: dict[str, int], cpus: list[int]
+              ) -> tuple[dict[str, list[frozenset[int]]], list[int]] | None:
+        """The CPUs the first ``kept[role]`` workers of each ``split`` role hold for their
+        threads on the node's ``cpus`` (role -> one run per worker: as many CPUs as its
+        ``num_threads``, within those it may run on where they are free), and the CPUs
+        left free (sorted). A worker pinned to as many CPUs as it has threads keeps them;
+        one whose placement is unknown holds every CPU. None when their threads outnumber
+        the CPUs."""
+        node = set(cpus)
+        members = [(role, m.placement) for role in self.split
+                   for m in self.members[role][:kept[role]]]
+        wants = []
+        for role, placement in members:
+            own = sorted(node & placement.cpus) if placement is not None else []
+            own = own or cpus
+            need = len(cpus) if placement is None else min(max(placement.num_threads, 1),
+                                                           len(own))
+            wants.append((own, need))
+        if sum(need for _, need in wants) > len(cpus):
+            return None
+        taken: set[int] = set()
+        runs: list[frozenset[int] | None] = [None] * len(wants)
+        for i, (own, need) in enumerate(wants):  # NOTE: the pinned ones first: they stay
+            if len(own) == need and not taken & set(own):
+                runs[i] = frozenset(own)
+                taken |= runs[i]
+        for i, (own, need) in enumerate(wants):
+            if runs[i] is None:
+                order = [c for c in own if c not in taken] + \
+                    [c for c in cpus if c not in taken and c not in own]
+                runs[i] = frozenset(order[:need])
+                taken |= runs[i]
+        held: dict[str, list[frozenset[int]]] = {role: [] for role in self.split}
+        for (role, _), run in zip(members, runs):
+            held[role].append(run)
+        return held, [c for c in cpus if c not in taken]
+
+    def free_cpus(self) -> list[int]:
+        """The CPUs of this node that no running worker of the ``split`` roles holds for
+        its threads (``_held``), sorted: where a new one would start without taking cores
+        from them. Empty where the pools do not re-split (``resplits``)."""
+        if not self.resplits():
+            return []
+        held = self._held({role: len(self.members[role]) for role in self.split},
+                          sorted(self.launcher.node_cpus()[1]))
+        return [] if held is None else held[1]
+
+    def why_no_free_core(self, count: int = 1) -> str | None:
+        """Why ``count`` more workers of the ``split`` roles would not each get a free core
+        (``free_cpus``), said for an operator; None when they would, or where the pools do
+        not re-split. Another worker on no free core only splits the running ones' cores:
+        it adds no compute (the SLO planner's ``no_free_cores``)."""
+        if not self.resplits():
+            return None
+        free = self.free_cpus()
+        if len(free) >= count:
+            return None
+        cpus = self.launcher.node_cpus()[1]
+        running = [m.placement for role in self.split for m in self.members[role]]
+        threads = sum(len(cpus) if p is None else p.num_threads for p in running)
+        teams = f"{len(running)} computing worker(s), {threads} thread(s)"
+        if not free:
+            return (f"all {len(cpus)} cores of this node already run a worker's threads "
+                    f"({teams}); another worker would only split them")
+        return (f"{len(free)} of the {len(cpus)} cores of this node are free ({teams} on "
+                f"the others), not one for each of {count} new workers")
 
     async def scale(self, sizes: dict[str, int | None]) -> dict[str, int]:
         """Resize the pools named in ``sizes`` (None leaves one as it is); returns the new
@@ -188,12 +279,14 @@ class PoolScaler:
         for together, so a resize of both takes about as long as the slower pool's.
 
         Where the pools re-split (``resplits``), every worker of the ``split`` roles gets
-        its CPUs and thread count of ``plan``: when their number grows, the running ones
-        narrow first (each between two engine steps) and the new ones start on the CPUs
-        freed; when it shrinks, the ones left widen once the others are gone. So no core
-        runs two workers' OpenMP teams, but for a leaving worker's drain, or when asked
-        for more of them than there are cores (one thread each, the CPUs taken in turn;
-        the planner never asks: ``no_free_cores``).
+        its CPUs and thread count of ``plan``: when their number grows, the new ones start
+        on the free cores, the running ones first pinned to those they hold (their thread
+        counts kept), or, with too few free cores, narrowed first (each between two engine
+        steps) so the new ones start on the CPUs freed; when it shrinks, the ones left
+        widen once the others are gone. So no core runs two workers' OpenMP teams, but for
+        a leaving worker's drain, or when asked for more of them than there are cores (one
+        thread each, the CPUs taken in turn). The SLO planner asks only for growth onto
+        free cores (``why_no_free_core``).
 
         Raises:
             ScaleError: a size outside ``[0, 64]`` (``[1, 64]`` for decode), or a role

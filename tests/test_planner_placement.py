@@ -265,15 +265,23 @@ def test_one_cpu_node_refuses_workers_that_would_not_help(cluster, caplog):
     finally:
         launcher.stop()
     assert scaler.sizes() == {"prefill": 0, "decode": 1} and launcher.started["prefill"] == []
-    lines = [r.getMessage() for r in caplog.records if "not scaling up" in r.getMessage()]
+    refused = {r.planner["pool"]: r for r in caplog.records
+               if getattr(r, "planner", {}).get("event") == "refused"}
+    assert len([r for r in caplog.records if "not scaling up" in r.getMessage()]) == 2
+    fired = {pool: (r.planner["condition"], r.planner["target"])
+             for pool, r in refused.items()}
+    assert fired == {"decode": ("tpot_p90", 1e-5), "prefill": ("ttft_p90", 1e-4)}
+    value = {pool: r.planner["value"] for pool, r in refused.items()}
     model = router.metrics.model_name
-    assert sorted(lines) == [
-        (f"SLO planner: model {model}: not scaling up the decode pool (no_free_cores): its "
-         f"{len(CPUS)} thread(s) would share cores {','.join(map(str, CPUS))} with other "
-         "workers' threads"),
-        (f"SLO planner: model {model}: not scaling up the prefill pool "
-         "(no_prefill_would_help): the router would send it no prompt (shared_compute: "
-         "every prompt would be prefilled on its decode worker)")]
+    assert refused["decode"].getMessage() == (
+        f"SLO planner: model {model}: not scaling up the decode pool (no_free_cores): "
+        f"tpot_p90 {value['decode']:.3f} s (target 1e-05 s) is broken, but its {len(CPUS)} "
+        f"thread(s) would share cores {','.join(map(str, CPUS))} with other workers' threads")
+    assert refused["prefill"].getMessage() == (
+        f"SLO planner: model {model}: not scaling up the prefill pool "
+        f"(no_prefill_would_help): ttft_p90 {value['prefill']:.3f} s (target 0.0001 s) is "
+        "broken, but the router would send it no prompt (shared_compute: every prompt "
+        "would be prefilled on its decode worker)")
 
 
 def test_apart_a_ttft_breach_adds_a_prefill_worker_that_prefills(cluster):

@@ -1,7 +1,8 @@
 """Issue 32: on one CPU node every computing worker gets CPUs of its own, re-split when
 the pool changes (``PoolScaler.plan``, ``RayLauncher.resplit``), so no core runs two
-workers' OpenMP teams; the planner refuses ``no_free_cores`` only when a worker would get
-less than one core. And ``PoolScaler.scale`` is cancel-safe: no worker it was starting is
+workers' OpenMP teams; the planner grows a computing pool only onto a free core (one no
+running worker's threads hold) and otherwise refuses ``no_free_cores``: a re-split adds no
+compute. And ``PoolScaler.scale`` is cancel-safe: no worker it was starting is
 left behind.
 
 - the split itself (``split_cpus``, ``split_roles``);
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -30,7 +32,7 @@ from disagg_client import TEST_SECRET
 from pdserve.cluster.auth import SECRET_ENV
 from pdserve.engine.demo_model import ensure_demo_model, make_demo_model
 from pdserve.entrypoints.launcher import Placement
-from pdserve.entrypoints.planner import PlannerConfig, SLOPlanner
+from pdserve.entrypoints.planner import AT_BOUND_REPEAT_S, PlannerConfig, SLOPlanner
 from pdserve.entrypoints.redis_server import RedisServer
 from pdserve.entrypoints.scaling import PoolScaler, ScaleError, split_cpus, split_roles
 from pdserve.router.config import RouterConfig
@@ -141,18 +143,90 @@ def test_a_launcher_that_cannot_resplit_keeps_the_old_placements():
     assert scaler.placements()["decode"] == [at(0, 1), at(0, 1)]
 
 
-def test_the_planner_refuses_no_free_cores_only_below_one_core_each():
+def resplit_planner(scaler: PoolScaler, **config) -> SLOPlanner:
+    """An SLO planner of a real router (the demo model, no worker) over ``scaler``: a
+    decision every 1 s, at once, no cooldown, TPOT target 0.1 s."""
+    router = ModelService(RouterConfig(model=str(ensure_demo_model()),
+                                       redis_url="redis://127.0.0.1:1",
+                                       served_model_name="demo"))
+    config = {"interval_s": 1.0, "cooldown_s": 0.0, "up_after": 1, "tpot_target_s": 0.1,
+              **config}
+    return SLOPlanner(PlannerConfig(**config), router, scaler)
+
+
+def no_free_cores_refused(planner: SLOPlanner) -> float | None:
+    return planner.router.metrics.registry.get_sample_value(
+        "pdserve:planner_decisions_total",
+        {"model_name": planner.router.metrics.model_name, "pool": "decode",
+         "direction": "none", "reason": "no_free_cores"})
+
+
+def test_the_planner_refuses_a_worker_that_would_only_split_the_running_ones_cores():
+    """The one decode worker runs two threads on the node's two cores: another would only
+    take one of them from it (a re-split adds no compute), so the planner refuses it; an
+    operator's explicit resize still re-splits, and then a third is refused too."""
     launcher = SplittingLauncher([0, 1])
     scaler = PoolScaler(launcher, ROLES, 1, 0.1, split=("decode",))
     scaler.adopt("decode", "first", "first")
-    router = ModelService(RouterConfig(model=str(ensure_demo_model()),
-                                       redis_url="redis://127.0.0.1:1"))
-    planner = SLOPlanner(PlannerConfig(), router, scaler)
-    assert planner.admit_scale_up({"decode": 2}, scaler.sizes()) == {"decode": 2}
-    assert planner.last_refusals == {}
-    asyncio.run(scaler.scale({"decode": 2}))
+    planner = resplit_planner(scaler)
+    assert scaler.free_cpus() == []
+    assert planner.admit_scale_up({"decode": 2}, scaler.sizes()) == {}
+    assert planner.last_refusals == {"decode": "no_free_cores"}
+    asyncio.run(scaler.scale({"decode": 2}))  # pdserve scale: re-split, one core each
+    assert scaler.placements()["decode"] == [at(0), at(1)]
     assert planner.admit_scale_up({"decode": 3}, scaler.sizes()) == {}
     assert planner.last_refusals == {"decode": "no_free_cores"}
+    assert no_free_cores_refused(planner) == 2  # once each: the second says 2 workers
+
+
+def test_the_planner_grows_onto_free_cores_and_refuses_with_none_left(caplog):
+    """The decode worker started with one thread on the node's two cores: TPOT broken,
+    the planner adds a worker on the free core (the running one keeps its thread, pinned
+    to the core it holds); TPOT still broken, no core is free: it refuses, with a line
+    naming the model, pool, condition, value and target and why, and the metric counts
+    it; a minute later the at-bound line says it again."""
+    caplog.set_level(logging.INFO, logger="pdserve.entrypoints.planner")
+    launcher = SplittingLauncher([0, 1])
+    scaler = PoolScaler(launcher, ROLES, 1, 0.1, split=("decode",))
+    scaler.adopt("decode", "first", "first", Placement("host", frozenset({0, 1}), 1))
+    planner = resplit_planner(scaler)
+    assert scaler.free_cpus() == [1]
+
+    def step(now: float) -> dict[str, int]:
+        for _ in range(10):
+            planner.router.metrics.time_per_output_token.observe(0.3)
+        return asyncio.run(planner.step(now))
+
+    began = time.monotonic()  # NOTE: a resize's cooldown runs from its end, in this clock
+    assert step(began) == {"prefill": 0, "decode": 2}
+    assert planner.last_refusals == {}
+    assert launcher.events == [("resplit", "first", at(0)), ("start", ["decode-0"], [at(1)])]
+    assert scaler.free_cpus() == []
+    for now in (began + 10.0, began + 11.0):
+        assert step(now) == {"prefill": 0, "decode": 2}
+        assert planner.last_refusals == {"decode": "no_free_cores"}
+    [record] = [r for r in caplog.records if getattr(r, "planner", {}).get("event")
+                == "refused"]
+    fired = record.planner
+    assert (fired["model_name"], fired["pool"], fired["reason"], fired["condition"],
+            fired["target"]) == ("demo", "decode", "no_free_cores", "tpot_p90", 0.1)
+    assert record.getMessage() == (
+        f"SLO planner: model demo: not scaling up the decode pool (no_free_cores): tpot_p90 "
+        f"{fired['value']:.3f} s (target 0.1 s) is broken, but all 2 cores of this node "
+        "already run a worker's threads (2 computing worker(s), 2 thread(s)); another "
+        "worker would only split them")
+    assert no_free_cores_refused(planner) == 1
+    assert not [r for r in caplog.records if "stays at" in r.getMessage()]
+    assert step(began + 10.0 + AT_BOUND_REPEAT_S) == {"prefill": 0, "decode": 2}
+    [warning] = [r for r in caplog.records if "stays at" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
+    assert warning.planner["reason"] == "no_free_cores"
+    assert warning.getMessage().startswith(
+        "SLO planner: model demo: decode pool stays at 2 workers while tpot_p90 is broken: "
+        "tpot_p90 ")
+    assert warning.getMessage().endswith(
+        "(no_free_cores: all 2 cores of this node already run a worker's threads (2 "
+        "computing worker(s), 2 thread(s)); another worker would only split them)")
 
 
 # A decode worker in this fresh process: serve, re-split onto one CPU, serve again.
