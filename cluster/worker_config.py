@@ -19,6 +19,11 @@ from pdserve.cluster.auth import (
     redis_password_from_args,
     redis_url_with_password,
 )
+from pdserve.cluster.metrics_auth import (
+    MetricsAuth,
+    add_metrics_auth_args,
+    metrics_auth_from_args,
+)
 from pdserve.engine.engine_config import EngineConfig
 
 ROLES = ("prefill", "decode")
@@ -48,9 +53,11 @@ class WorkerConfig:
     setting up a pair channel; ``kv_transfer_timeout_s`` one KV transfer (the decode
     worker's pull, the prefill worker's send); ``kv_alloc_timeout_s`` how long a decode
     worker lets a request with prefilled KV wait for free blocks before refusing it
-    (RESOURCE_EXHAUSTED: the router tries another decode worker). ``metrics_port``: the port of the worker's Prometheus
-    ``/metrics`` (bound on ``host``, advertised in the registry; 0 takes a free one, None
-    serves none).
+    (RESOURCE_EXHAUSTED: the router tries another decode worker). ``metrics_port``: the
+    port of the worker's Prometheus ``/metrics`` (0 takes a free one, None serves none);
+    ``metrics_auth``: the digests of the keys it takes. With a key it is bound on
+    ``host`` and advertised in the registry; with none, on ``host`` when that is
+    loopback, else on 127.0.0.1 only, unadvertised (``cluster/metrics_auth.py``).
     """
 
     role: str
@@ -69,6 +76,7 @@ class WorkerConfig:
     kv_connect_timeout_s: float = 5.0
     kv_alloc_timeout_s: float = 30.0
     metrics_port: int | None = 0
+    metrics_auth: MetricsAuth = field(default_factory=MetricsAuth, repr=False)
     auth: ClusterAuth | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -146,10 +154,16 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM: seconds running requests and KV leases get to end "
                         "before the worker stops (the router migrates the rest)")
     add_cluster_auth_args(parser)
+    add_metrics_auth_args(parser, cli_key=False)  # NOTE: secrets never on a worker's argv
 
 
 def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig:
-    """A ``WorkerConfig`` from parsed engine and worker flags."""
+    """A ``WorkerConfig`` from parsed engine and worker flags.
+
+    Raises:
+        ValueError: an unusable metrics key (``metrics_auth_from_args``), cluster secret
+            or setting.
+    """
     from pdserve.engine.args import engine_kwargs
 
     auth = cluster_auth_from_args(args)
@@ -163,4 +177,4 @@ def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig
         kv_transfer_timeout_s=args.kv_transfer_timeout_s, drain_grace_s=args.drain_grace_s,
         kv_connect_timeout_s=args.kv_connect_timeout_s,
         kv_alloc_timeout_s=args.kv_alloc_timeout_s, metrics_port=args.metrics_port,
-        auth=auth)
+        metrics_auth=metrics_auth_from_args(args), auth=auth)

@@ -1,4 +1,5 @@
-"""A worker's own Prometheus metrics, served over HTTP on ``--metrics-port``.
+"""A worker's own Prometheus metrics, served over HTTP on ``--metrics-port``, to the holders
+of a metrics or admin key where it listens beyond loopback (``cluster/metrics_auth.py``).
 
 Every sample carries ``model_name``, ``worker`` (the worker id) and ``role`` (``prefill``
 or ``decode``) labels. Names follow vLLM where vLLM has the metric:
@@ -36,10 +37,14 @@ pays nothing per token for them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -48,6 +53,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from pdserve.cluster.metrics_auth import MetricsAuth
 from pdserve.kvtransfer.protocol import KVTransferCounters
 
 if TYPE_CHECKING:
@@ -159,23 +165,79 @@ def _bound(bound: float) -> str:
     return "+Inf" if bound == float("inf") else str(int(bound))
 
 
+REQUEST_TIMEOUT_S = 10.0  # a scrape's socket reads and writes, each
+UNAUTHORIZED = (b"401 Unauthorized: this worker's /metrics needs a metrics API key (or "
+                b"the admin key) as 'Authorization: Bearer <key>'\n")
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    """One thread per scrape (daemon threads: nothing waits for them at close)."""
+
+    daemon_threads = True
+
+
+class _Handler(WSGIRequestHandler):
+    """Logs nothing; every read and write of a connection waits ``REQUEST_TIMEOUT_S``
+    at most (a client that sends nothing holds its thread no longer)."""
+
+    timeout = REQUEST_TIMEOUT_S
+
+    def log_message(self, format, *args) -> None:
+        pass
+
+
+def guarded(app: Callable, auth: MetricsAuth) -> Callable:
+    """The WSGI app ``app`` behind ``auth``: a request without one of its keys as
+    ``Authorization: Bearer <key>`` gets 401 (``WWW-Authenticate: Bearer``) and nothing
+    of ``app``; with no key in ``auth``, ``app`` itself."""
+    if not auth:
+        return app
+
+    def guarded_app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if auth.allows(environ.get("HTTP_AUTHORIZATION")):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [
+            ("Content-Type", "text/plain; charset=utf-8"),
+            ("Content-Length", str(len(UNAUTHORIZED))),
+            ("WWW-Authenticate", 'Bearer realm="pdserve worker metrics"')])
+        return [UNAUTHORIZED]
+
+    return guarded_app
+
+
 class MetricsServer:
-    """``WorkerCollector`` on its own registry, served by prometheus_client's HTTP server
-    (a daemon thread) at ``host:port`` (``port`` 0: a free one). ``address`` is
-    ``advertise_host:port``, the scrape target the registry record carries.
+    """``WorkerCollector`` on its own registry, served over HTTP (prometheus_client's
+    WSGI app, behind ``guarded``) by a daemon thread at ``host:port`` (``port`` 0: a free
+    one). ``auth``: the keys a scrape must present (none: every scrape is answered).
+    ``address`` is ``advertise_host:port`` (default ``host``), where Prometheus reaches
+    it; ``discoverable``: whether the registry record advertises it (False for a
+    routable worker's loopback-only metrics, ``WorkerRuntime.start_metrics``).
 
     Raises:
         OSError: ``host:port`` cannot be bound.
     """
 
     def __init__(self, collector: WorkerCollector, host: str, port: int,
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, auth: MetricsAuth | None = None,
+                 discoverable: bool = True) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        self.address = f"{advertise_host or host}:{self._server.server_port}"
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        server_class = type("MetricsHTTPServer", (_Server,), {"address_family": family})
+        app = guarded(make_wsgi_app(self.registry), auth or MetricsAuth())
+        self._server = make_server(sockaddr[0], port, app, server_class,
+                                   handler_class=_Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="worker-metrics")
+        self._thread.start()
+        self.host = host
+        self.port = self._server.server_port
+        self.address = f"{advertise_host or host}:{self.port}"
+        self.discoverable = discoverable
 
     def close(self) -> None:
+        """Stop serving (waits for the serving loop, at most 5 s) and close the socket."""
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5.0)

@@ -78,20 +78,35 @@ class WorkerRuntime:
         return self.grpc_address
 
     def start_metrics(self, kv_counters: Callable[[], KVTransferCounters]) -> str:
-        """Serve this worker's Prometheus metrics (``cluster/worker_metrics.py``) on
-        ``config.host:config.metrics_port``; returns the advertised address, "" when
+        """Serve this worker's Prometheus metrics (``cluster/worker_metrics.py``) on port
+        ``config.metrics_port``; returns the address it serves at, "" when
         ``metrics_port`` is None. Call after ``build_engine``.
+
+        With ``config.metrics_auth`` keys: on ``config.host``, every scrape needs one.
+        Without: on ``config.host`` when that is loopback; else on 127.0.0.1 only, left
+        out of the registry record, and a WARNING says so (once, here).
 
         Raises:
             OSError: the port cannot be bound.
         """
         if self.config.metrics_port is None:
             return ""
+        from pdserve.cluster.metrics_auth import LOOPBACK_HOST, METRICS_KEY_ENV, is_loopback_host
         from pdserve.cluster.worker_metrics import MetricsServer, WorkerCollector
 
-        self.metrics_server = MetricsServer(WorkerCollector(self, kv_counters),
-                                            self.config.host, self.config.metrics_port,
-                                            self.config.advertise_host)
+        config = self.config
+        host, advertise, discoverable = config.host, config.advertise_host, True
+        if not config.metrics_auth and not is_loopback_host(host):
+            host, advertise, discoverable = LOOPBACK_HOST, None, False
+        self.metrics_server = MetricsServer(WorkerCollector(self, kv_counters), host,
+                                            config.metrics_port, advertise,
+                                            config.metrics_auth, discoverable)
+        if not discoverable:
+            logger.warning("worker %s: no metrics API key (--metrics-api-key-file, %s, or "
+                           "the router's admin key), so its /metrics is served on %s only, "
+                           "not on %s, and not advertised for Prometheus discovery",
+                           self.worker_id, METRICS_KEY_ENV, self.metrics_server.address,
+                           config.host)
         return self.metrics_server.address
 
     async def register(self, kv_address: str) -> None:
@@ -110,7 +125,8 @@ class WorkerRuntime:
             kv_address=kv_address, epoch=self.epoch,
             model=self.engine.engine.served_model_name, started_at=time.time(),
             compute=compute_placement(self.engine.engine.model_runner.device),
-            metrics_address=self.metrics_server.address if self.metrics_server else "")
+            metrics_address=self.metrics_server.address
+            if self.metrics_server and self.metrics_server.discoverable else "")
         await asyncio.to_thread(self.registry.register, record)
 
     async def resplit(self, cpus: list[int], num_threads: int) -> str:

@@ -20,6 +20,7 @@ default on Windows and macOS) is set before Ray is imported.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import logging
@@ -27,7 +28,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pdserve.cluster.worker_config import WorkerConfig, default_num_threads
@@ -126,6 +127,46 @@ class WorkerActor:
         return drained
 
 
+# Ray's variables for the ports of the Prometheus exporters of its autoscaler monitor
+# (ray/autoscaler/_private/constants.py, default 44217) and of its dashboard head
+# (ray/dashboard/consts.py, default 44227); read once, when each of those processes starts
+RAY_HEAD_EXPORTER_PORT_ENVS = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")
+NO_PORT = "-1"  # a port no socket can bind
+
+
+@contextlib.contextmanager
+def _without_head_exporters(routable: bool) -> Iterator[None]:
+    """While ``ray.init`` starts a local Ray's head (``routable``: on a routable node IP),
+    its autoscaler monitor and dashboard head start no Prometheus exporter.
+
+    Each of them binds its exporter (``prometheus_client.start_http_server``) to every
+    interface, with no credential, unless the node IP is loopback, and Ray has no switch
+    that turns them off or narrows them (neither ``ray.init`` nor its system config; the
+    monitor is started for every head, the dashboard head also without
+    ``include_dashboard``). Ray takes their ports from the variables
+    ``RAY_HEAD_EXPORTER_PORT_ENVS`` and treats an exporter that cannot bind as
+    non-fatal (logged to monitor.log and dashboard.log, as when the port is taken);
+    so, in the environment these two processes inherit, each is a port nothing can bind
+    (``NO_PORT``). Only the processes ``ray.init`` starts inherit it (Ray's own, and the
+    workers its raylet spawns, which never read it); this process gets its previous
+    values back once ``ray.init`` returns. pdserve reads none of Ray's metrics.
+    ``tests/test_listeners.py`` asserts that a routable local Ray listens on neither.
+    """
+    if not routable:
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in RAY_HEAD_EXPORTER_PORT_ENVS}
+    os.environ.update(dict.fromkeys(RAY_HEAD_EXPORTER_PORT_ENVS, NO_PORT))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 _WILDCARDS = ("0.0.0.0", "::", "")
 LOOPBACK_NODE_IP = "127.0.0.1"  # the one node IP for which Ray binds loopback only
 SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": ray.init keeps 127.0.0.1
@@ -191,7 +232,8 @@ class RayLauncher:
     Ray (Ray's default unless ``RAY_AUTH_MODE=disabled``; the token is
     ``~/.ray/auth_token``). A local Ray on a routable node IP runs without Ray's metrics
     collection (``enable_metrics_collection``), so its dashboard agent opens no Prometheus
-    exporter: that one would bind every interface and answer anyone.
+    exporter: that one would bind every interface and answer anyone; nor do its
+    autoscaler monitor and dashboard head (``_without_head_exporters``).
 
     Raises:
         RuntimeError: from the constructor when a loopback Ray was asked for but Ray was
@@ -219,10 +261,11 @@ class RayLauncher:
                 init_kwargs["_system_config"] = {"enable_metrics_collection": False}
             # NOTE: "local", not None: None would join a cluster named by RAY_ADDRESS or
             # by the last `ray start` on this machine, with whatever listeners it has
-            ray.init(address=ray_address or "local", num_cpus=num_cpus,
-                     include_dashboard=dashboard if local else False,
-                     ignore_reinit_error=True, log_to_driver=False,
-                     configure_logging=False, **init_kwargs)
+            with _without_head_exporters(local and not loopback):
+                ray.init(address=ray_address or "local", num_cpus=num_cpus,
+                         include_dashboard=dashboard if local else False,
+                         ignore_reinit_error=True, log_to_driver=False,
+                         configure_logging=False, **init_kwargs)
         self.actors: list = []
         self.certificate_authority = None  # a ClusterCA: each new actor gets its own cert
         self._names: dict = {}  # actor handle -> its first worker id ("prefill-0")

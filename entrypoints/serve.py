@@ -49,6 +49,7 @@ from pdserve.cluster.auth import (
     redis_password_from_args,
     redis_url_with_password,
 )
+from pdserve.cluster.metrics_auth import metrics_auth_from_args
 from pdserve.entrypoints.serve_models import (
     DEMO_MODEL_NAME,
     ModelSpec,
@@ -67,6 +68,7 @@ _BUILD_KERNELS = "from pdserve.kernels import cpu_ext; cpu_ext.main()"
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from pdserve.cluster.auth import add_cluster_auth_args
+    from pdserve.cluster.metrics_auth import add_metrics_auth_args
     from pdserve.cluster.worker_config import worker_default as d
     from pdserve.router.flags import add_listen_args, add_router_args
 
@@ -116,6 +118,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     refuse_repeated(parser, ("--model", "--served-model-name"))
     add_router_args(parser)
     add_cluster_auth_args(parser, generated=True)
+    add_metrics_auth_args(parser)
 
 
 def add_planner_args(parser: argparse.ArgumentParser) -> None:
@@ -242,6 +245,9 @@ class _ServeRun:
         self.interrupts = interrupts
         self.api_auth = api_auth_from_args(args)
         self.admin_auth = admin_auth_from_args(args, self.api_auth)
+        self.metrics_auth = metrics_auth_from_args(  # the workers' /metrics
+            args, self.admin_auth.key_digests,
+            self.api_auth.key_digests if self.api_auth else (), args.worker_host)
         self.auth = cluster_auth_from_args(args, generate=True)
         self.announced = False  # "pdserve serving" printed
         from pdserve.engine.engine_config import EngineConfig
@@ -446,7 +452,8 @@ class _ServeRun:
                   "kv_transfer_timeout_s": args.kv_transfer_timeout_s,
                   "kv_connect_timeout_s": args.kv_connect_timeout_s,
                   "kv_alloc_timeout_s": args.kv_alloc_timeout_s,
-                  "drain_grace_s": args.drain_grace_s, "auth": auth}
+                  "drain_grace_s": args.drain_grace_s, "auth": auth,
+                  "metrics_auth": self.metrics_auth}
         configs = {role: WorkerConfig(role, engine=pool_engine_config(
                        spec.engine, pool_flags(args, role), role), **common)
                    for role in ("prefill", "decode")}

@@ -13,17 +13,17 @@ idle workers'), the dashboard agent, runtime-env agent, and the metrics exporter
 dashboard head and the autoscaler monitor. Ray binds all of these to loopback once its node
 IP is 127.0.0.1 (entrypoints/launcher.py), so no Ray listener needs an exception here.
 
-A ``--worker-host 0.0.0.0`` serve (the router's ports on their loopback defaults) binds
-its workers' gRPC, metrics, KV store and pair listeners on this node's routable IP, and its
-Ray takes that IP as node IP, so Ray's gRPC servers bind every interface and its agents
-the node IP. Each listener beyond loopback is probed from this machine's routable address
-(``hostname -I``'s first) without credentials and must refuse: pdserve's as above, Ray's
-gRPC servers (a real method of each one's service) with UNAUTHENTICATED and its agents'
-HTTP servers with 401 (Ray's token authentication). The launcher turns Ray's metrics
-collection off for a routable local Ray, so its agent opens no Prometheus exporter. The
-exceptions, named in ``WIDE_EXCEPTIONS``, serve read-only Prometheus text to anyone: the
-workers' ``/metrics`` and Ray's autoscaler and dashboard head metrics ports (44217, 44227),
-which Ray binds to every interface for a routable node IP with no switch.
+A ``--worker-host 0.0.0.0`` serve (the router's ports on their loopback defaults, a
+metrics key given) binds its workers' gRPC, metrics, KV store and pair listeners on this
+node's routable IP, and its Ray takes that IP as node IP, so Ray's gRPC servers bind every
+interface and its agents the node IP. Each listener beyond loopback is probed from this
+machine's routable address (``hostname -I``'s first) without credentials and must refuse,
+with no exception: pdserve's as above and the workers' ``/metrics`` with 401 (no metrics
+key), Ray's gRPC servers (a real method of each one's service) with UNAUTHENTICATED and its
+agents' HTTP servers with 401 (Ray's token authentication). The launcher turns Ray's metrics
+collection off for a routable local Ray, so its agent opens no Prometheus exporter, and
+starts its autoscaler monitor and dashboard head with no Prometheus exporter either (they
+would bind 44217 and 44227 on every interface and answer anyone).
 
 Each socket is classified by owner: pdserve's by port (the router's flags, the workers'
 ``ready`` lines) or process (Redis), Ray's gRPC servers by the port each one logs at
@@ -261,16 +261,10 @@ RAY_GRPC_METHODS = {"GcsServer gRPC": "/ray.rpc.NodeInfoGcsService/GetAllNodeInf
                     "dashboard agent gRPC (metrics)": "/ray.rpc.ReporterService/ReportOCMetrics"}
 CORE_WORKER_METHOD = "/ray.rpc.CoreWorkerService/NumPendingTasks"  # the driver's, each worker's
 RAY_HTTP = ("dashboard agent HTTP", "runtime-env agent HTTP")
-# Listeners that answer a client without credentials on a routable cluster, and why: each
-# one serves read-only Prometheus text (README, Security)
-WIDE_EXCEPTIONS = {
-    "prefill worker metrics": "pdserve's worker /metrics: read-only Prometheus text with no "
-                              "key, as vLLM's; Prometheus scrapes it from another node",
-    "decode worker metrics": "pdserve's worker /metrics, as the prefill worker's",
-    "autoscaler monitor metrics": "Ray's autoscaler binds it to every interface for a routable "
-                                  "node IP, unconditionally (no switch, no token)",
-    "dashboard head (metrics)": "Ray's dashboard head binds it to every interface for a "
-                                "routable node IP, unconditionally (no switch, no token)"}
+# Listeners that answer a client without credentials on a routable cluster: none (README,
+# Security). The workers' /metrics take a metrics key; Ray's head exporters do not start.
+WIDE_EXCEPTIONS: dict[str, str] = {}
+METRICS_KEY = "wide-metrics-key-0123456789"
 
 
 def grpc_answer(address: str, method: str) -> str:
@@ -339,6 +333,7 @@ class Survey:
     refusals: dict[str, str]  # probe_unauthenticated's
     pair_refusals: dict  # probe_pair_listeners'
     wide: dict[Listener, str]  # probe_wide's: each listener beyond loopback, its answer
+    keyed: dict[str, str]  # probe_metrics_with_key's
     status: int
     left: list
 
@@ -348,14 +343,33 @@ class Survey:
                                                                      f.port))))
 
 
-def survey_serve(model, tmp_path, *flags: str, host: str = "127.0.0.1") -> Survey:
+def probe_metrics_with_key(found: list[Listener], key: str | None,
+                           host: str) -> dict[str, str]:
+    """Scrape each worker's ``/metrics`` beyond loopback with ``key`` (at ``host`` where
+    it binds a wildcard): ``{purpose: "HTTP <status>"}``; {} without a key."""
+    answers = {}
+    for listener in found:
+        if key and listener.purpose.endswith("worker metrics") and not is_loopback(listener.ip):
+            ip = host if listener.ip in ("0.0.0.0", "::") else listener.ip
+            reply = httpx.get(f"http://{ip}:{listener.port}/metrics", timeout=10,
+                              headers={"Authorization": f"Bearer {key}"})
+            answers[listener.purpose] = f"HTTP {reply.status_code}"
+    return answers
+
+
+def survey_serve(model, tmp_path, *flags: str, host: str = "127.0.0.1",
+                 metrics_key: str | None = None) -> Survey:
     """Start ``pdserve serve`` with ``flags`` (every prompt prefilled remotely), send one
     request so the KV pair channel exists, classify every listener of its process tree,
     probe them as a client without credentials (``host``: the address pdserve's workers
-    bind), and stop it with SIGINT."""
+    bind), scrape the workers' metrics with ``metrics_key`` (``--metrics-api-key-file``
+    when given), and stop it with SIGINT."""
     mark = uuid.uuid4().hex
     log_path = tmp_path / "serve.log"
     port, grpc_port = free_port(), free_port()
+    if metrics_key:
+        (tmp_path / "metrics-keys").write_text(metrics_key + "\n")
+        flags = (*flags, "--metrics-api-key-file", str(tmp_path / "metrics-keys"))
     proc = start_serve(model, log_path, mark, "--port", str(port), "--grpc-port",
                        str(grpc_port), "--served-model-name", "demo",
                        "--local-prefill-threshold", "0",  # every prompt is prefilled remotely
@@ -376,6 +390,7 @@ def survey_serve(model, tmp_path, *flags: str, host: str = "127.0.0.1") -> Surve
         refusals = probe_unauthenticated(ready, host)
         pair_refusals = probe_pair_listeners(listeners, ready, ray_known, host)
         wide = probe_wide(found, refusals, pair_refusals, host)
+        keyed = probe_metrics_with_key(found, metrics_key, host)
         proc.send_signal(signal.SIGINT)
         status = proc.wait(timeout=60)
         left = wait_none_marked(mark, timeout_s=20)
@@ -385,7 +400,7 @@ def survey_serve(model, tmp_path, *flags: str, host: str = "127.0.0.1") -> Surve
             proc.wait(timeout=10)
         kill_marked(mark)
     assert "pdserve stopped" in log_path.read_text()
-    return Survey(log, ready, found, refusals, pair_refusals, wide, status, left)
+    return Survey(log, ready, found, refusals, pair_refusals, wide, keyed, status, left)
 
 
 def classify_all(listeners: list[Listener], ready: list[tuple[str, ...]],
@@ -454,6 +469,7 @@ def expected_refusal(listener: Listener) -> str | None:
         return "UNAUTHENTICATED"
     return {"decode worker KV store": "refused a TCPStore client and another key",
             "decode KV transfer (pair channel)": "refused", "private Redis": "-NOAUTH",
+            "prefill worker metrics": "HTTP 401", "decode worker metrics": "HTTP 401",
             **{name: "HTTP 401" for name in RAY_HTTP}}.get(purpose)
 
 
@@ -461,24 +477,31 @@ def test_every_listener_of_a_wide_serve_refuses_a_client_without_credentials(
         model, tmp_path, monkeypatch):
     """``--worker-host 0.0.0.0``: the workers bind this node's routable IP, and Ray takes it
     as its node IP. Every listener beyond loopback, pdserve's and Ray's, refuses a client
-    from this machine's routable address that holds no credentials, but those named in
-    WIDE_EXCEPTIONS (read-only Prometheus text); Ray's agent exports no metrics."""
+    from this machine's routable address that holds no credentials (WIDE_EXCEPTIONS is
+    empty); the workers' /metrics answer the metrics key; none of Ray's processes exports
+    Prometheus metrics."""
     monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
     # NOTE: an in-process RayLauncher of an earlier test (a loopback Ray) left Ray's
     # single-node switch at "0" in this process's environment; `pdserve serve` would
     # inherit it, and its Ray would take 127.0.0.1 as its node IP however wide the workers
     monkeypatch.delenv(SINGLE_NODE_ENV, raising=False)
     host = routable_address()
-    survey = survey_serve(model, tmp_path, "--worker-host", "0.0.0.0", host=host)
+    survey = survey_serve(model, tmp_path, "--worker-host", "0.0.0.0", host=host,
+                          metrics_key=METRICS_KEY)
     assert_pdserve_listeners(survey)
     table = survey.table
     purposes = {f.purpose for f in survey.found}
     assert "Prometheus metrics export" not in purposes, table  # the launcher turned it off
     assert "unknown" not in purposes, table
     wide = {f.purpose for f in survey.wide}
+    # nor do the autoscaler monitor and the dashboard head export any (44217, 44227)
+    assert not wide & set(RAY_PROCESSES.values()), table
     assert {"prefill worker gRPC", "decode worker gRPC", "decode worker KV store",
             "decode KV transfer (pair channel)", "GcsServer gRPC", "NodeManager gRPC",
-            "ObjectManager gRPC", "driver gRPC"} <= wide, table
+            "ObjectManager gRPC", "driver gRPC", "prefill worker metrics",
+            "decode worker metrics"} <= wide, table
+    assert survey.keyed == {"prefill worker metrics": "HTTP 200",
+                            "decode worker metrics": "HTTP 200"}, survey.keyed
     for name in ("router HTTP", "router gRPC"):
         assert name in purposes and name not in wide, table  # their defaults: loopback
     answers = "\n".join(f"{f} -> {a}" for f, a in survey.wide.items())

@@ -245,7 +245,7 @@ def test_each_flags_default_is_declared_in_one_place(make, router):
 
 # fields with no flag: set by code (WorkerConfig.heartbeat_ttl_s: tests), or from other flags
 ENGINE_INTERNAL = {"load_progress"}
-WORKER_INTERNAL = {"role", "engine", "auth", "heartbeat_ttl_s"}
+WORKER_INTERNAL = {"role", "engine", "auth", "metrics_auth", "heartbeat_ttl_s"}
 # worker flags whose default is not their field's, on purpose
 WORKER_OTHER_DEFAULTS = {"kv_host"}  # None: --advertise-host, else --host
 
