@@ -21,7 +21,6 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "route_scoring.h"
@@ -168,6 +167,72 @@ struct Holders {
   }
 };
 
+// Block hash key -> Holders, open addressing with linear probing (one cache line per
+// probe, where std::unordered_map's nodes cost two or three misses a lookup at 10M
+// registrations). An entry with count 0 is empty: a key leaves when its last holder does.
+class BlockMap {
+ public:
+  BlockMap() : entries_(16) {}
+  size_t size() const { return size_; }
+
+  const Holders* find(uint64_t key) const {
+    for (size_t i = key & mask(); entries_[i].h.count; i = (i + 1) & mask())
+      if (entries_[i].key == key) return &entries_[i].h;
+    return nullptr;
+  }
+  Holders* find(uint64_t key) {
+    return const_cast<Holders*>(static_cast<const BlockMap*>(this)->find(key));
+  }
+  void prefetch(uint64_t key) const { __builtin_prefetch(&entries_[key & mask()]); }
+
+  // The key's holders; a new key's (count 0) must get a holder before the next call.
+  Holders& get(uint64_t key) {
+    if (Holders* h = find(key)) return *h;
+    if (4 * (size_ + 1) > 3 * entries_.size()) grow();  // NOTE: load factor <= 3/4
+    size_t i = key & mask();
+    while (entries_[i].h.count) i = (i + 1) & mask();
+    entries_[i].key = key;
+    ++size_;
+    return entries_[i].h;
+  }
+
+  // Removes the key (present; its count just went to 0): backward-shift deletion.
+  void erase(uint64_t key) {
+    size_t i = key & mask();
+    // NOTE: every entry from the key's home to it is occupied by another key
+    while (entries_[i].key != key) i = (i + 1) & mask();
+    for (size_t j = (i + 1) & mask(); entries_[j].h.count; j = (j + 1) & mask()) {
+      size_t home = entries_[j].key & mask();
+      // NOTE: j's entry may fill the hole at i when its home is not in (i, j] cyclically
+      if (((j - home) & mask()) >= ((j - i) & mask())) {
+        entries_[i] = std::move(entries_[j]);
+        i = j;
+      }
+    }
+    entries_[i] = Entry();
+    --size_;
+  }
+
+ private:
+  struct Entry {
+    uint64_t key = 0;
+    Holders h;
+  };
+  size_t mask() const { return entries_.size() - 1; }
+  void grow() {
+    std::vector<Entry> old(entries_.size() * 2);
+    old.swap(entries_);
+    for (Entry& e : old) {
+      if (!e.h.count) continue;
+      size_t i = e.key & mask();
+      while (entries_[i].h.count) i = (i + 1) & mask();
+      entries_[i] = std::move(e);
+    }
+  }
+  std::vector<Entry> entries_;
+  size_t size_ = 0;
+};
+
 class BlockIndex {
  public:
   explicit BlockIndex(int32_t capacity)
@@ -182,7 +247,7 @@ class BlockIndex {
     int64_t added = 0;
     for (size_t i = 0; i < packed.size(); i += kHashBytes) {
       uint64_t k = key_at(packed.data() + i);
-      Holders& h = map_[k];
+      Holders& h = map_.get(k);
       if (h.has(slot)) continue;
       used_words_ = std::max(used_words_, (slot >> 6) + 1);
       insert(h, slot);
@@ -260,9 +325,13 @@ class BlockIndex {
     std::memset(out, 0, sizeof(int32_t) * capacity_);
     if (n == 0) return;
     std::vector<uint64_t> running(words_, 0);
+    uint64_t next_key = key(0);
     for (size_t i = 0; i < n; ++i) {
-      auto it = map_.find(key(i));
-      const Holders* h = it == map_.end() ? nullptr : &it->second;
+      const Holders* h = map_.find(next_key);
+      if (i + 1 < n) {  // NOTE: the next block's entry is fetched while this one is walked
+        next_key = key(i + 1);
+        map_.prefetch(next_key);
+      }
       if (i == 0) {
         if (!h) return;
         holders_bits(*h, running.data());
@@ -302,9 +371,9 @@ class BlockIndex {
   }
 
   int64_t erase(uint64_t k, int32_t s) {
-    auto it = map_.find(k);
-    if (it == map_.end() || !it->second.has(s)) return 0;
-    Holders& h = it->second;
+    Holders* found = map_.find(k);
+    if (!found || !found->has(s)) return 0;
+    Holders& h = *found;
     if (h.bits) {
       h.bits[s >> 6] &= ~(1ULL << (s & 63));
     } else {
@@ -314,7 +383,7 @@ class BlockIndex {
           break;
         }
     }
-    if (--h.count == 0) map_.erase(it);
+    if (--h.count == 0) map_.erase(k);
     return 1;
   }
 
@@ -322,8 +391,8 @@ class BlockIndex {
     std::vector<uint64_t> kept;
     kept.reserve(slot_counts_[slot]);
     for (uint64_t k : slot_keys_[slot]) {
-      auto it = map_.find(k);
-      if (it != map_.end() && it->second.has(slot)) kept.push_back(k);
+      const Holders* h = map_.find(k);
+      if (h && h->has(slot)) kept.push_back(k);
     }
     std::sort(kept.begin(), kept.end());
     kept.erase(std::unique(kept.begin(), kept.end()), kept.end());
@@ -348,7 +417,7 @@ class BlockIndex {
   int32_t capacity_;
   int32_t words_;
   int32_t used_words_ = 0;  // words holding any slot ever added
-  std::unordered_map<uint64_t, Holders> map_;
+  BlockMap map_;
   std::vector<std::vector<uint64_t>> slot_keys_;
   std::vector<int64_t> slot_counts_;
 };
