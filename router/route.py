@@ -471,7 +471,7 @@ class Router:
         """
         s, d = self.settings, self.decode
         view = d.native()
-        if view is None or isinstance(counts, Mapping):
+        if view is None or not (counts is None or isinstance(counts, np.ndarray)):
             live = d.live(exclude)
             mask = live & d.below_caps(max_inflight, max_kv_usage) if admit else live
             if not np.count_nonzero(mask):
@@ -501,7 +501,7 @@ class Router:
         """
         s, p = self.settings, self.prefill
         view = p.native()
-        if view is None or isinstance(counts, Mapping):
+        if view is None or not (counts is None or isinstance(counts, np.ndarray)):
             live = p.live(exclude)
             open_workers = live & p.below_caps(max_inflight) if admit else live
             return self.decide_prefill(i, num_tokens, num_blocks, counts, open_workers, live)
