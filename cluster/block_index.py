@@ -7,8 +7,8 @@ the CPU kernels (``kernels/cpu_ext.py``: same build-folder lock, CPU and source 
 - ``BlockIndex(capacity)``: block hash -> the worker slots (small integers below
   ``capacity``) holding it; ``lookup(packed_hashes)`` answers, per slot, how many leading
   blocks of a chain it holds, in O(chain length x capacity / 64), however many workers
-  hold a block; ``lookup_tokens`` does it from a prompt's tokens, hashing only up to the
-  first block no slot continues to.
+  hold a block; ``lookup_tokens`` does it from a prompt's tokens, hashing at most one
+  block past the first that no slot continues to.
 - ``role_view(arrays)``: the scoring of one role's routing arrays, admission masks
   included, one call per choice (``router/route.py``).
 
@@ -94,9 +94,9 @@ def new_block_index(capacity: int):
     - ``remove_slot(slot) -> int``: forget every block of a slot, O(its blocks);
     - ``lookup(packed) -> numpy int32 [capacity]``: leading blocks held per slot;
     - ``lookup_tokens(token_ids, block_size, root, salt) -> (num_blocks, counts)``: the
-      prompt's full blocks and ``lookup`` of its chain (``salt``: bytes), hashing a block
-      only while some slot holds every block before it (tokens past that are not read:
-      ints or an int64 array expected);
+      prompt's full blocks and ``lookup`` of its chain (``salt``: bytes), hashing at most
+      one block past the first that no slot continues to (tokens past that are not
+      read: ints or an int64 array expected);
     - ``num_blocks(slot)``, ``num_hashes()``, ``capacity()``.
 
     Calls hold the GIL, so one index may be shared by threads.

@@ -108,8 +108,8 @@ class LocalPrefixIndex:
     def lookup_prompt(self, token_ids, block_size: int, root_hash: bytes,
                       cache_salt: str | None = None) -> tuple[int, np.ndarray]:
         """``lookup_slots`` of a prompt's chain from its tokens (ints): (its full blocks,
-        leading blocks held per slot, int32 ``[capacity]``), hashing only up to the first
-        block no slot continues to.
+        leading blocks held per slot, int32 ``[capacity]``), hashing at most one block past
+        the first that no slot continues to.
 
         Raises:
             PrefixIndexUnavailable: Redis is unreachable or the copy is not loaded yet.

@@ -373,7 +373,7 @@ class RoutingStep:
             hashes, overlaps = await self.prefix_lookup(request)
             return len(hashes), overlaps
         try:
-            # NOTE: hashes only up to the first block no worker continues to
+            # NOTE: hashes at most one block past the first no worker continues to
             num_blocks, counts = index.lookup_prompt(request.prompt_token_ids,
                                                      self.config.block_size, self.root_hash,
                                                      request.cache_salt)

@@ -292,9 +292,10 @@ class BlockIndex {
     return result;
   }
 
-  // `lookup` of a prompt's chain: (its full blocks, leading blocks held per slot). A
-  // block is hashed only while some slot holds every block before it: the hashes past
-  // the first block no slot continues to are never computed (nor their tokens read).
+  // `lookup` of a prompt's chain: (its full blocks, leading blocks held per slot). The
+  // blocks are hashed as the walk goes (one ahead, to prefetch its entry): the hashes
+  // past the first block no slot continues to, and one, are never computed (nor their
+  // tokens read).
   py::tuple lookup_tokens(const py::handle& token_ids, int64_t block_size,
                           const std::string& root, const std::string& salt) const {
     Chain chain(token_ids, block_size, root, salt);
@@ -319,7 +320,8 @@ class BlockIndex {
   }
 
   // Per slot, how many of the chain's `n` keys (key(i), asked in order, each once) it
-  // holds from the first on, into out[capacity]; stops asking once no slot runs on.
+  // holds from the first on, into out[capacity]; asks one key ahead, and stops once no
+  // slot runs on.
   template <class Key>
   void leading_runs(size_t n, Key key, int32_t* out) const {
     std::memset(out, 0, sizeof(int32_t) * capacity_);
@@ -327,11 +329,12 @@ class BlockIndex {
     std::vector<uint64_t> running(words_, 0);
     uint64_t next_key = key(0);
     for (size_t i = 0; i < n; ++i) {
-      const Holders* h = map_.find(next_key);
+      uint64_t this_key = next_key;
       if (i + 1 < n) {  // NOTE: the next block's entry is fetched while this one is walked
-        next_key = key(i + 1);
+        next_key = key(i + 1);  // NOTE: before the find: no Python runs while `h` is held
         map_.prefetch(next_key);
       }
+      const Holders* h = map_.find(this_key);
       if (i == 0) {
         if (!h) return;
         holders_bits(*h, running.data());
