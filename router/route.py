@@ -7,7 +7,11 @@ objects: ``RoleArrays`` holds one role's workers ordered by id (so ties taking t
 ``rotation`` fall as in the spec), their last Health (running, waiting, KV usage), the
 requests routed since (counted as waiting, as ``WorkerHandle.current_load`` does), and
 their placements parsed once into a shares-compute matrix. The overlaps come from the
-in-memory prefix index (``LocalPrefixIndex.lookup_slots``), one int32 per worker slot.
+in-memory prefix index (``LocalPrefixIndex.lookup_prompt``), one int32 per worker slot.
+The request path's step (``route_decode``, ``route_prefill``) is one native call per
+choice (``block_index.role_view``: the live and admission masks and the scoring in one
+pass, no numpy temporaries); the numpy and Python paths stay where the extension is
+not built, and as the reference ``tests/test_route_native.py`` holds it to.
 
 Usable without gRPC or workers: build a ``Router`` from a config, an index and the
 workers' ids and placements, feed it loads, ask ``route``.
