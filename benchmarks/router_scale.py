@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -148,7 +149,9 @@ async def decide(routing: RoutingStep, prompts: list[list[int]], seconds: float,
                  concurrency: int) -> dict:
     """``concurrency`` tasks deciding for ``seconds`` as ``ModelService._attempt`` does
     (the lookup, the decode worker, its in-flight count, the prefill path); latencies per
-    decision. Each request's in-flight counts are given back at once."""
+    decision. Each request's in-flight counts are given back at once. Also the router
+    thread's CPU time per decision (the loop's included): on a machine shared with other
+    work, what one quiet core would give as 1e6 / it decisions/s."""
     lookups, decisions = [], []
     requests = [GenerateRequest(str(i), tokens, SamplingParams())
                 for i, tokens in enumerate(prompts)]
@@ -176,13 +179,14 @@ async def decide(routing: RoutingStep, prompts: list[list[int]], seconds: float,
             i += concurrency
             await asyncio.sleep(0)
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     await asyncio.gather(*(loop(k) for k in range(concurrency)))
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
     ms = lambda xs, q: float(np.percentile(xs, q) * 1e3)
     return {"decisions_per_s": len(decisions) / wall, "lookup_p50_ms": ms(lookups, 50),
             "lookup_p99_ms": ms(lookups, 99), "decision_p50_ms": ms(decisions, 50),
-            "decision_p99_ms": ms(decisions, 99), "num_decisions": len(decisions)}
+            "decision_p99_ms": ms(decisions, 99), "num_decisions": len(decisions),
+            "cpu_us_per_decision": cpu * 1e6 / max(len(decisions), 1)}
 
 
 async def route_requests(url: str, index: LocalPrefixIndex, sharing: Sharing,
@@ -223,6 +227,7 @@ def run_size(num_workers: int, registrations: int, seconds: float, concurrency: 
             load_s = time.perf_counter() - start
             result = asyncio.run(route_requests(server.url, index, sharing, seconds,
                                                 concurrency))
+            result["load_average"] = os.getloadavg()[0]  # the last minute's, at the end
         finally:
             index.close()
     return {"workers": num_workers, "registrations": sharing.registrations,
@@ -241,8 +246,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     print("| workers | registrations | decisions/s | lookup p50 / p99 (ms) | decision p50 / "
-          "p99 (ms) | Redis used_memory (MB) | publish (s) | router load (s) |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "p99 (ms) | CPU per decision (us) | Redis used_memory (MB) | publish (s) | "
+          "router load (s) | load average |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in args.workers:
         per_worker = args.registrations // max(args.workers)
         row = run_size(n, per_worker * n, args.seconds, args.concurrency)
@@ -250,8 +256,9 @@ def main() -> None:
         print(f"| {n} | {row['registrations']:,} | {row['decisions_per_s']:,.0f} | "
               f"{row['lookup_p50_ms']:.3f} / {row['lookup_p99_ms']:.3f} | "
               f"{row['decision_p50_ms']:.3f} / {row['decision_p99_ms']:.3f} | "
+              f"{row['cpu_us_per_decision']:.0f} | "
               f"{row['redis_used_memory_mb']:,.0f} | {row['publish_s']:.0f} | "
-              f"{row['router_load_s']:.1f} |", flush=True)
+              f"{row['router_load_s']:.1f} | {row['load_average']:.1f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -7,7 +7,10 @@ the CPU kernels (``kernels/cpu_ext.py``: same build-folder lock, CPU and source 
 - ``BlockIndex(capacity)``: block hash -> the worker slots (small integers below
   ``capacity``) holding it; ``lookup(packed_hashes)`` answers, per slot, how many leading
   blocks of a chain it holds, in O(chain length x capacity / 64), however many workers
-  hold a block.
+  hold a block; ``lookup_tokens`` does it from a prompt's tokens, hashing at most one
+  block past the first that no slot continues to.
+- ``role_view(arrays)``: the scoring of one role's routing arrays, admission masks
+  included, one call per choice (``router/route.py``).
 
 The build needs a C++ compiler, ninja and OpenSSL's ``libcrypto`` (``-lcrypto``); a small
 pybind11-only source, it compiles in well under a minute.
@@ -90,6 +93,10 @@ def new_block_index(capacity: int):
       removed from the slot;
     - ``remove_slot(slot) -> int``: forget every block of a slot, O(its blocks);
     - ``lookup(packed) -> numpy int32 [capacity]``: leading blocks held per slot;
+    - ``lookup_tokens(token_ids, block_size, root, salt) -> (num_blocks, counts)``: the
+      prompt's full blocks and ``lookup`` of its chain (``salt``: bytes), hashing at most
+      one block past the first that no slot continues to (tokens past that are not
+      read: ints or an int64 array expected);
     - ``num_blocks(slot)``, ``num_hashes()``, ``capacity()``.
 
     Calls hold the GIL, so one index may be shared by threads.
@@ -106,6 +113,31 @@ def packed(hashes) -> bytes:
     return b"".join(hashes)
 
 
+def role_view(table, healthy, inflight, others, slots):
+    """The native scoring of one role's routing arrays (``router/route.py``'s
+    ``RoleArrays``), held by reference (the arrays must stay the same objects, written in
+    place): ``table`` float64 [4, n] (KV usage, running, waiting, routed), ``healthy``
+    bool [n], ``inflight`` and ``others`` float64 [n], ``slots`` int64 [n]. Its methods,
+    one call per choice, compute the live and admission masks as ``RoleArrays.live`` and
+    ``below_caps`` do and choose as ``routing_policy`` does:
+
+    - ``decode(counts, exclude, admit, max_inflight, max_kv_usage, block_size,
+      num_tokens, min_cached, rotation) -> int``;
+    - ``prefill(counts, exclude, admit, max_inflight, apart, choose, round_robin,
+      num_blocks, overlap_weight, waiting_blocks, running_blocks, kv_usage_blocks,
+      rotation) -> int``.
+
+    ``counts``: int32 leading blocks per index slot (empty: none); ``exclude``: uint8 [n]
+    or empty; ``apart``: uint8 [n] (may prefill for the decode worker) or empty (any);
+    ``rotation``: an iterator of ints, advanced once when a choice is made. A result is a
+    position >= 0, or ``NO_LIVE``, ``ALL_FULL`` (live workers, all at their caps),
+    ``SHORT`` (``choose`` false) or ``NONE_APART`` (module constants, < 0).
+
+    Raises:
+        ValueError: arrays of the wrong shape or dtype;
+        RuntimeError, OSError, ImportError: the extension could not be built.
+    """
+    return _module().RoleView(table, healthy, inflight, others, slots)
 
 
 def scoring():

@@ -105,6 +105,20 @@ class LocalPrefixIndex:
             raise PrefixIndexUnavailable(f"prefix index at {self.redis_url} not followed")
         return self._index.lookup(packed_hashes)
 
+    def lookup_prompt(self, token_ids, block_size: int, root_hash: bytes,
+                      cache_salt: str | None = None) -> tuple[int, np.ndarray]:
+        """``lookup_slots`` of a prompt's chain from its tokens (ints): (its full blocks,
+        leading blocks held per slot, int32 ``[capacity]``), hashing at most one block past
+        the first that no slot continues to.
+
+        Raises:
+            PrefixIndexUnavailable: Redis is unreachable or the copy is not loaded yet.
+        """
+        if not self.available:
+            raise PrefixIndexUnavailable(f"prefix index at {self.redis_url} not followed")
+        salt = cache_salt.encode() if cache_salt else b""
+        return self._index.lookup_tokens(token_ids, block_size, root_hash, salt)
+
     def longest_prefix(self, hashes: Sequence[bytes] | bytes,
                        live_worker_ids: Collection[str], *, clean_stale: bool = True
                        ) -> dict[str, int]:

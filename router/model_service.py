@@ -55,7 +55,7 @@ from pdserve.router.generate_request import GenerateRequest
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.output import GenerationChunk, SequenceOutput
 from pdserve.router.protocol import RequestError
-from pdserve.router.route import Router
+from pdserve.router.route import ALL_FULL, NO_LIVE, Router
 from pdserve.router.routing_policy import NoWorkersError
 from pdserve.router.workers import WorkerHandle, WorkerPool
 
@@ -372,15 +372,16 @@ class RoutingStep:
         if not isinstance(index, LocalPrefixIndex):
             hashes, overlaps = await self.prefix_lookup(request)
             return len(hashes), overlaps
-        packed = block_index.hash_chain_packed(request.prompt_token_ids, self.config.block_size,
-                                               self.root_hash, request.cache_salt)
         try:
-            counts = index.lookup_slots(packed)
+            # NOTE: hashes at most one block past the first no worker continues to
+            num_blocks, counts = index.lookup_prompt(request.prompt_token_ids,
+                                                     self.config.block_size, self.root_hash,
+                                                     request.cache_salt)
         except PrefixIndexUnavailable as exc:
             self.index_answered(None, exc)
-            return len(packed) // 16, None
+            return len(request.prompt_token_ids) // self.config.block_size, None
         self.index_answered(self.pool.router.any_overlap(counts))
-        return len(packed) // 16, counts
+        return num_blocks, counts
 
     def index_answered(self, hit: bool | None, exc: Exception | None = None) -> None:
         """Count a lookup (``hit``; None: the index is unreachable, ``exc`` says why) and
@@ -401,15 +402,14 @@ class RoutingStep:
         """The decode worker and its position in ``router.decode``: the one caching most
         of the prompt when that is at least half of it (and more than
         ``local_prefill_threshold`` tokens), else by load (``Router.decide_decode``)."""
-        live = router.decode.live(exclude)
-        mask = self.open(router, "decode", live) if admit else live
-        if not np.count_nonzero(mask):
-            if admit and np.count_nonzero(live):
-                self.metrics.record_rejection("decode_pool_full")
-                raise RequestError("every decode worker is at capacity; retry later",
-                                   status=503)
+        config = self.config
+        position = router.route_decode(num_tokens, counts, exclude, admit,
+                                       config.decode_max_inflight, config.decode_max_kv_usage)
+        if position == ALL_FULL:
+            self.metrics.record_rejection("decode_pool_full")
+            raise RequestError("every decode worker is at capacity; retry later", status=503)
+        if position == NO_LIVE:
             raise RequestError("no live decode worker; retry later", status=503)
-        position = router.decide_decode(num_tokens, counts, mask)
         worker_id = router.decode.ids[position]
         self.metrics.record_routing("decode", worker_id)
         return self.pool.workers["decode"][worker_id], position
@@ -425,11 +425,9 @@ class RoutingStep:
             RequestError: 503 when ``disaggregation="always"`` and every prefill worker
                 is at its cap (in ``"auto"`` the prompt is prefilled locally instead).
         """
-        live = router.prefill.live(exclude)
-        open_workers = self.open(router, "prefill", live) if admit else live
         try:
-            decision = router.decide_prefill(position, num_tokens, num_blocks, counts,
-                                             open_workers, live)
+            decision = router.route_prefill(position, num_tokens, num_blocks, counts, exclude,
+                                            admit, self.config.prefill_max_inflight)
         except NoWorkersError:
             self.metrics.record_rejection("prefill_pool_full")
             raise RequestError("every prefill worker is at capacity; retry later",

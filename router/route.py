@@ -7,7 +7,11 @@ objects: ``RoleArrays`` holds one role's workers ordered by id (so ties taking t
 ``rotation`` fall as in the spec), their last Health (running, waiting, KV usage), the
 requests routed since (counted as waiting, as ``WorkerHandle.current_load`` does), and
 their placements parsed once into a shares-compute matrix. The overlaps come from the
-in-memory prefix index (``LocalPrefixIndex.lookup_slots``), one int32 per worker slot.
+in-memory prefix index (``LocalPrefixIndex.lookup_prompt``), one int32 per worker slot.
+The request path's step (``route_decode``, ``route_prefill``) is one native call per
+choice (``block_index.role_view``: the live and admission masks and the scoring in one
+pass, no numpy temporaries); the numpy and Python paths stay where the extension is
+not built, and as the reference ``tests/test_route_native.py`` holds it to.
 
 Usable without gRPC or workers: build a ``Router`` from a config, an index and the
 workers' ids and placements, feed it loads, ask ``route``.
@@ -74,6 +78,30 @@ class RoleArrays:
         self.inflight = np.zeros(n)
         self.inflight_at_health = np.zeros(n)
         self.others = np.zeros(n)  # running + waiting - inflight_at_health, at least 0
+        self._view = None  # the native scoring of these arrays, made on first use
+
+    def native(self):
+        """The native scoring over these arrays (``block_index.role_view``: the live and
+        admission masks and a choice in one call), None where the extension is not
+        built."""
+        if _scoring() is None:
+            return None
+        if self._view is None:
+            self._view = block_index.role_view(self.table, self.healthy, self.inflight,
+                                               self.others, self.slots)
+        return self._view
+
+    def exclude_mask(self, exclude) -> np.ndarray:
+        """uint8 [n]: 1 for the workers of ``exclude`` (ids); an empty array when none
+        (what ``native().decode`` and ``prefill`` take)."""
+        if not exclude:
+            return _NO_MASK
+        mask = np.zeros(len(self.ids), dtype=np.uint8)
+        for worker_id in exclude:
+            i = self.position.get(worker_id)
+            if i is not None:
+                mask[i] = 1
+        return mask
 
     def live(self, exclude=()) -> np.ndarray:
         """``WorkerPool.live`` as a bool mask [n]: the workers not in ``exclude`` (ids),
@@ -131,6 +159,10 @@ class RoleArrays:
 
 
 _NO_COUNTS = np.zeros(0, dtype=np.int32)
+_NO_MASK = np.zeros(0, dtype=np.uint8)
+# ``Router.route_decode`` / ``route_prefill`` results other than a position (the native
+# ``RoleView``'s constants): no live worker; live ones, all at their admission caps
+NO_LIVE, ALL_FULL, _SHORT, _NONE_APART = -1, -2, -3, -4
 _SLOT_REREAD_S = 0.05
 _native = None
 
@@ -291,18 +323,21 @@ class Router:
         slots first when another slot has some (a worker's first blocks), at most every
         ``_SLOT_REREAD_S`` (slots of another model's workers stay unknown here)."""
         self._checked = counts
-        known = self._count_known(counts)
-        if known < np.count_nonzero(counts) and \
-                time.monotonic() - self._slots_read_at >= _SLOT_REREAD_S:
+        known, total = self._census(counts)
+        if known < total and time.monotonic() - self._slots_read_at >= _SLOT_REREAD_S:
             self.refresh_slots()
-            known = self._count_known(counts)
+            known, _ = self._census(counts)
         return known
 
-    def _count_known(self, counts: np.ndarray) -> int:
+    def _census(self, counts: np.ndarray) -> tuple[int, int]:
+        """(slots of these workers with blocks in ``counts``, slots with blocks)."""
+        native = _scoring()
+        if native is not None:
+            return native.overlap_census(counts, self._known_array)
         slots = self._known_array  # sorted
         if slots.size and slots[-1] >= len(counts):
             slots = slots[slots < len(counts)]
-        return int(np.count_nonzero(counts[slots]))
+        return int(np.count_nonzero(counts[slots])), int(np.count_nonzero(counts))
 
     def route(self, token_ids: Sequence[int], cache_salt: str | None = None, *,
               decode_open: np.ndarray | None = None, prefill_open: np.ndarray | None = None,
@@ -322,10 +357,16 @@ class Router:
             NoWorkersError: ``disaggregation="always"`` and no prefill worker is open.
         """
         s = self.settings
-        packed = block_index.hash_chain_packed(token_ids, s.block_size, self.root_hash, cache_salt)
-        num_blocks = len(packed) // 16
-        counts = self.index.lookup_slots(packed) if self.index is not None and packed \
-            else None
+        if self.index is not None and hasattr(self.index, "lookup_prompt"):
+            num_blocks, counts = self.index.lookup_prompt(token_ids, s.block_size,
+                                                          self.root_hash, cache_salt)
+            counts = counts if num_blocks else None
+        else:
+            packed = block_index.hash_chain_packed(token_ids, s.block_size, self.root_hash,
+                                                   cache_salt)
+            num_blocks = len(packed) // 16
+            counts = self.index.lookup_slots(packed) if self.index is not None and packed \
+                else None
         return self.decide(len(token_ids), num_blocks, counts, decode_open, prefill_open,
                            prefill_live=prefill_live)
 
@@ -387,6 +428,20 @@ class Router:
             else:
                 j = choose_prefill(p, mask, counts, num_blocks, s.overlap_weight,
                                    self.weights, next(self._rotation["prefill"]))
+        return self._prefill_path(i, num_tokens, num_blocks, counts, j, any_apart)
+
+    def _prefill_path(self, i: int, num_tokens: int, num_blocks: int, counts, j: int | None,
+                      any_apart: bool) -> RouteDecision:
+        """``choose_prefill_path``'s reason once the prefill worker ``j`` (None: none open,
+        or none apart from decode worker ``i`` when not ``any_apart``) is known; ``j``
+        counted as routed when the prompt goes to it.
+
+        Raises:
+            NoWorkersError: ``disaggregation="always"`` and ``j`` is None.
+        """
+        s, d, p = self.settings, self.decode, self.prefill
+        d_over = d.overlap(i, counts)
+        always = s.disaggregation == "always"
         if always and j is None:
             raise NoWorkersError("every prefill worker is at capacity")
         if always:
@@ -405,3 +460,66 @@ class Router:
             return RouteDecision(d.ids[i], None, d_over, num_blocks, reason)
         p.routed[j] += 1
         return RouteDecision(d.ids[i], p.ids[j], p.overlap(j, counts), num_blocks, "remote")
+
+    def route_decode(self, num_tokens: int, counts, exclude=(), admit: bool = False,
+                     max_inflight: float = float("inf"),
+                     max_kv_usage: float | None = None) -> int:
+        """``decide_decode`` over the live workers not in ``exclude`` (ids; the healthy
+        ones when any are: ``RoleArrays.live``), with ``admit`` only those below
+        ``max_inflight`` sequences and ``max_kv_usage`` (``RoleArrays.below_caps``): the
+        request path's step in one native call, no per-decision masks.
+
+        Returns:
+            The chosen position in ``self.decode`` (counted as routed), or ``NO_LIVE`` (no
+            live worker) or ``ALL_FULL`` (``admit`` and every live worker at a cap).
+        """
+        s, d = self.settings, self.decode
+        view = d.native()
+        if view is None or not (counts is None or isinstance(counts, np.ndarray)):
+            live = d.live(exclude)
+            mask = live & d.below_caps(max_inflight, max_kv_usage) if admit else live
+            if not np.count_nonzero(mask):
+                return ALL_FULL if admit and np.count_nonzero(live) else NO_LIVE
+            return self.decide_decode(num_tokens, counts, mask)
+        if counts is None:
+            counts = _NO_COUNTS
+        elif counts is not self._checked:
+            self._check_slots(counts)
+        i = view.decode(counts, d.exclude_mask(exclude), admit, max_inflight, max_kv_usage,
+                        s.block_size, num_tokens,
+                        max(s.local_prefill_threshold, num_tokens // 2, 1),
+                        self._rotation["decode"])
+        if i >= 0:
+            d.routed[i] += 1
+        return i
+
+    def route_prefill(self, i: int, num_tokens: int, num_blocks: int, counts, exclude=(),
+                      admit: bool = False,
+                      max_inflight: float = float("inf")) -> RouteDecision:
+        """``decide_prefill`` over the live prefill workers not in ``exclude`` (as
+        ``route_decode``), with ``admit`` only those below ``max_inflight``: one native
+        call.
+
+        Raises:
+            NoWorkersError: ``disaggregation="always"`` and no prefill worker is open.
+        """
+        s, p = self.settings, self.prefill
+        view = p.native()
+        if view is None or not (counts is None or isinstance(counts, np.ndarray)):
+            live = p.live(exclude)
+            open_workers = live & p.below_caps(max_inflight) if admit else live
+            return self.decide_prefill(i, num_tokens, num_blocks, counts, open_workers, live)
+        always = s.disaggregation == "always"
+        w = self.weights
+        j = view.prefill(_NO_COUNTS if counts is None else counts, p.exclude_mask(exclude),
+                         admit, max_inflight, _NO_MASK if always else self.apart[i],
+                         num_tokens >= s.local_prefill_threshold,
+                         s.prefill_routing == "round-robin", num_blocks, s.overlap_weight,
+                         w.waiting_blocks, w.running_blocks, w.kv_usage_blocks,
+                         self._rotation["prefill"])
+        if j in (NO_LIVE, _SHORT):
+            d = self.decode
+            return RouteDecision(d.ids[i], None, d.overlap(i, counts), num_blocks,
+                                 "no_prefill_worker" if j == NO_LIVE else "short_prompt")
+        return self._prefill_path(i, num_tokens, num_blocks, counts, j if j >= 0 else None,
+                                  j != _NONE_APART)

@@ -87,3 +87,28 @@ def test_a_run_stops_at_the_first_miss():
         index.add(4, h[0])
     with pytest.raises(ValueError):
         index.lookup(b"x" * 17)
+
+
+def test_many_blocks_come_and_go():
+    """The block map's growth and deletions (open addressing, backward shifts) against a
+    set: thousands of hashes added and removed in random order, each looked up alone."""
+    rng = random.Random(7)
+    index = block_index.new_block_index(2)
+    universe = [rng.randbytes(16) for _ in range(6000)]
+    held: dict[int, set[bytes]] = {0: set(), 1: set()}
+    for _ in range(40):
+        slot = rng.randrange(2)
+        batch = rng.sample(universe, rng.randrange(1, 800))
+        if rng.random() < 0.6:
+            assert index.add(slot, block_index.packed(batch)) == len(set(batch) - held[slot])
+            held[slot].update(batch)
+        else:
+            assert index.remove(slot, block_index.packed(batch)) == len(held[slot] & set(batch))
+            held[slot] -= set(batch)
+        assert index.num_hashes() == len(held[0] | held[1])
+    for h in universe:
+        assert index.lookup(h).tolist() == [int(h in held[0]), int(h in held[1])]
+    assert index.remove_slot(0) == len(held[0])
+    assert index.num_hashes() == len(held[1])
+    for h in rng.sample(universe, 500):
+        assert index.lookup(h).tolist() == [0, int(h in held[1])]
