@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import ipaddress
 import logging
 import os
 import socket
@@ -31,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from pdserve.cluster.metrics_auth import is_loopback_host
 from pdserve.cluster.worker_config import WorkerConfig, default_num_threads
 
 logger = logging.getLogger(__name__)
@@ -173,18 +173,6 @@ SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": ray.init keeps 127
 ADVERTISE_HOST_ENV = "PDSERVE_ADVERTISE_HOST"  # a node's name for its workers' gRPC
 
 
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and any 127.0.0.0/8 or ::1 address (IPv4-mapped too)."""
-    if host == "localhost":
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
-
-
 def node_ip_for(*hosts: str) -> str | None:
     """The node IP a local Ray should take for workers and a router on ``hosts``.
 
@@ -192,7 +180,7 @@ def node_ip_for(*hosts: str) -> str | None:
     (``None``: the routable address) when one is a wildcard; else the first other host,
     which other nodes can reach.
     """
-    others = [host for host in hosts if not is_loopback(host)]
+    others = [host for host in hosts if not is_loopback_host(host)]
     if not others:
         return LOOPBACK_NODE_IP
     if any(host in _WILDCARDS for host in others):
