@@ -110,14 +110,20 @@ VLLM_WRAPPER = textwrap.dedent('''\
             main()
 ''')
 
+# argv: model, repeats, dtype, pattern ("w1": W1's 32 prompts at once, greedy; "served":
+# the served run's 64 prompts, at most 32 at once, sampled at temperature 1.0)
 OFFLINE_PDSERVE = textwrap.dedent('''\
     import json, random, sys, time
     from pdserve.engine import LLM, SamplingParams
-    model, repeats, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    model, repeats, dtype, pattern = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    served = pattern == "served"
     rng = random.Random(0)
-    prompts = [[rng.randrange({r}) for _ in range({n_in})] for _ in range({n})]
-    llm = LLM(model, dtype=dtype, max_model_len=1024, load_progress=False)
-    params = SamplingParams(temperature=0.0, max_tokens={n_out}, ignore_eos=True)
+    prompts = [[rng.randrange({r}) for _ in range({n_in})]
+               for _ in range({ns} if served else {n})]
+    llm = LLM(model, dtype=dtype, max_model_len=1024, load_progress=False,
+              **({{"max_num_seqs": {c}}} if served else {{}}))
+    params = SamplingParams(temperature=1.0 if served else 0.0, max_tokens={n_out},
+                            ignore_eos=True)
     llm.generate([[t + 1 for t in p] for p in prompts[:2]],
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     times = []
@@ -127,7 +133,8 @@ OFFLINE_PDSERVE = textwrap.dedent('''\
         llm.generate(prompts, params)
         times.append(time.perf_counter() - start)
     print("RESULT " + json.dumps(times))
-''').format(r=W1_TOKEN_RANGE, n_in=W1_INPUT_LEN, n=W1_PROMPTS, n_out=W1_OUTPUT_LEN)
+''').format(r=W1_TOKEN_RANGE, n_in=W1_INPUT_LEN, n=W1_PROMPTS, n_out=W1_OUTPUT_LEN,
+           ns=SERVE_PROMPTS, c=SERVE_CONCURRENCY)
 
 OFFLINE_VLLM = textwrap.dedent('''\
     import json, random, sys, time
@@ -219,19 +226,26 @@ def cpu_list() -> str:
 # ---------------------------------------------------------------- offline
 
 
-def offline(engine: str, args: argparse.Namespace, model: Path, work: Path) -> dict:
+def offline(engine: str, args: argparse.Namespace, model: Path, work: Path,
+            pattern: str = "w1") -> dict:
     """Best of ``--offline-repeats`` runs of W1's workload on ``model`` by ``engine``, in a
-    fresh process."""
+    fresh process (output tokens/s in ``output_throughput``). ``pattern="served"``
+    (pdserve only) runs the served run's workload instead: 64 prompts, at most 32 at once
+    (``max_num_seqs``), sampled at temperature 1.0, so that served / offline splits into
+    the workload's share and the serving path's own cost."""
+    num_prompts = W1_PROMPTS
     if engine == "pdserve":
         script, python, env = OFFLINE_PDSERVE, sys.executable, None
-        argv = [python, "-c", script, str(model), str(args.offline_repeats), args.dtype]
+        argv = [python, "-c", script, str(model), str(args.offline_repeats), args.dtype,
+                pattern]
+        num_prompts = SERVE_PROMPTS if pattern == "served" else W1_PROMPTS
     else:
         path = work / "offline_vllm.py"
         path.write_text(OFFLINE_VLLM)
         argv = [args.vllm_python, str(work / "vllm_cli.py"), "--script", str(path),
                 str(model), str(args.offline_repeats), args.dtype]
         env = vllm_env(cpu_list())
-    log = work / f"offline-{engine}.log"
+    log = work / f"offline-{engine}-{pattern}.log"
     with open(log, "w") as out:
         done = subprocess.run(argv, check=False, stdout=subprocess.PIPE, stderr=out, text=True,
                               env=env,
@@ -241,7 +255,7 @@ def offline(engine: str, args: argparse.Namespace, model: Path, work: Path) -> d
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
         raise RuntimeError(f"offline {engine} failed (exit {done.returncode}):\n{tail}")
     times = json.loads(lines[-1].split(" ", 1)[1])
-    return {"seconds": times, "output_throughput": W1_PROMPTS * W1_OUTPUT_LEN / min(times)}
+    return {"seconds": times, "output_throughput": num_prompts * W1_OUTPUT_LEN / min(times)}
 
 
 # ---------------------------------------------------------------- served

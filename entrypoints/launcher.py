@@ -221,7 +221,8 @@ class RayLauncher:
     ``~/.ray/auth_token``). A local Ray on a routable node IP runs without Ray's metrics
     collection (``enable_metrics_collection``), so its dashboard agent opens no Prometheus
     exporter: that one would bind every interface and answer anyone; nor do its
-    autoscaler monitor and dashboard head (``_without_head_exporters``).
+    autoscaler monitor and dashboard head (``_without_head_exporters``). A local Ray starts
+    its workers at nice 0 (``RAY_worker_niceness`` sets another), not at Ray's default 15.
 
     Raises:
         RuntimeError: from the constructor when a loopback Ray was asked for but Ray was
@@ -243,10 +244,15 @@ class RayLauncher:
             if loopback:
                 _check_single_node_mode()
             init_kwargs = {"_node_ip_address": node_ip} if local and node_ip else {}
+            if local:
+                # NOTE: Ray starts its workers at nice 15; here they are the engines, and
+                # the router, Redis and a client at nice 0 took their cores first
+                init_kwargs["_system_config"] = {
+                    "worker_niceness": int(os.environ.get("RAY_worker_niceness", "0"))}
             if local and not loopback:
                 # NOTE: a routable local Ray's agent would export its Prometheus metrics on
                 # every interface to anyone; pdserve's own metrics do not go through Ray
-                init_kwargs["_system_config"] = {"enable_metrics_collection": False}
+                init_kwargs["_system_config"]["enable_metrics_collection"] = False
             # NOTE: "local", not None: None would join a cluster named by RAY_ADDRESS or
             # by the last `ray start` on this machine, with whatever listeners it has
             with _without_head_exporters(local and not loopback):
