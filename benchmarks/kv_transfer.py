@@ -63,7 +63,7 @@ from pdserve.kernels.kv_quant import KV_CACHE_DTYPE_NAMES, kv_cache_torch_dtype
 from pdserve.kvtransfer import KVPollState, KVReceiver, KVSender
 from pdserve.kvtransfer import receiver as kv_receiver
 from pdserve.kvtransfer import sender as kv_sender
-from pdserve.kvtransfer.auth import TRAILER_NUMEL, PayloadDigest
+from pdserve.kvtransfer.auth import TRAILER_NUMEL, BlockVerifier, PayloadDigest
 from pdserve.kvtransfer.payload import wire_view
 
 KV_KEY = hashlib.sha256(b"pdserve test cluster: kv").digest()  # both processes
@@ -139,6 +139,26 @@ def plain_group(address: str, rank: int, device: str = "cpu"):
     return dist.ProcessGroupGloo(dist.PrefixStore("bench/plain", store), rank, 2, opts)
 
 
+def bindings_of(block_ids: list[int]) -> list[bytes]:
+    """What the sender's blocks "hold" here (a worker binds them to the prompt's tokens,
+    ``engine.block_hash.block_bindings``): the same on both sides, fixed per block, so
+    that each block is tagged once, up front, as a prefill worker tags what it writes."""
+    return [hashlib.sha256(b"bench block %d" % b).digest()[:20] for b in block_ids]
+
+
+class _UncheckedBlocks:
+    """``auth.BlockVerifier`` for the "untagged" runs: checks nothing."""
+
+    def __init__(self, *args) -> None:
+        pass
+
+    def landed(self, view, upto: int) -> None:
+        pass
+
+    def ok(self) -> bool:
+        return True
+
+
 class _UntaggedDigest:
     """What the pair transfer costs without its GMAC tags (``kvtransfer/auth.py``):
     the same messages (an all-zero tag), nothing computed or checked. Only for this
@@ -161,9 +181,12 @@ class _UntaggedDigest:
 
 
 def set_tags(tagged: bool) -> None:
-    """Tag payloads (the KV path as it is) or not (``_UntaggedDigest``), in this process."""
+    """Tag payloads (the KV path as it is) or not (``_UntaggedDigest``,
+    ``_UncheckedBlocks``: the same frames, nothing computed or checked), in this
+    process."""
     digest = PayloadDigest if tagged else _UntaggedDigest
     kv_sender.PayloadDigest = kv_receiver.PayloadDigest = digest
+    kv_receiver.BlockVerifier = BlockVerifier if tagged else _UncheckedBlocks
 
 
 def prefill_main(conn, geometry: str, num_blocks: int, plain_address: str,
@@ -175,7 +198,11 @@ def prefill_main(conn, geometry: str, num_blocks: int, plain_address: str,
     cache = make_cache(geometry, num_blocks, 1, device, kv_cache_dtype)
     sender = KVSender("bench-prefill", cache[0], kv_key=KV_KEY, kv_scales=cache[1], timeout_s=120)
     group = plain_group(plain_address, 0, device)
-    conn.send("ready")
+    # NOTE: every block tagged once, as a prefill worker tags the blocks it wrote
+    start = time.perf_counter()
+    sender.tag_blocks(range(num_blocks), bindings_of(list(range(num_blocks)))).result()
+    tag_gbps = num_blocks * sender.geometry.block_bytes / (time.perf_counter() - start) / 1e9
+    conn.send(("ready", tag_gbps))
     while (cmd := conn.recv()) is not None:
         if cmd[0] == "plain":
             group.send([leading_bytes(cache, cmd[1])], 1, 0).wait()
@@ -183,8 +210,9 @@ def prefill_main(conn, geometry: str, num_blocks: int, plain_address: str,
         elif cmd[0] == "tags":
             set_tags(cmd[1])
         else:
-            sender.send(*cmd[1:])
+            sender.send(*cmd[1:], bindings=bindings_of(cmd[4]))
         conn.send("done")
+    assert sender.tagger.tagged_on_send == 0  # every send found its blocks' tags
     sender.close()
 
 
@@ -205,7 +233,7 @@ def time_pair(conn, receiver: KVReceiver, rid: str, src: list[int], dst: list[in
     conn.send(("tags", tagged))
     conn.recv()
     start = time.perf_counter()
-    pull = receiver.init(rid, "bench-prefill", dst, timeout_s=120)
+    pull = receiver.init(rid, "bench-prefill", dst, timeout_s=120, bindings=bindings_of(src))
     # NOTE: with the ticket, as the decode worker's SendKV passes it
     conn.send(("pair", rid, receiver.worker_id, receiver.address, src, None, pull.ticket_text))
     assert pull.wait(120) == KVPollState.SUCCESS, pull.failure_exception()
@@ -240,7 +268,8 @@ def run(geometry: str, reps: int, threads: int,
         child_conn, geometry, num_blocks, plain_address, threads, device, kv_cache_dtype))
     child.start()
     group = plain_group(plain_address, 1, device)
-    assert conn.recv() == "ready"
+    ready, tag_gbps = conn.recv()
+    assert ready == "ready"
     gen = torch.Generator().manual_seed(0)
     rows = []
     for tokens in prompt_tokens:
@@ -262,7 +291,8 @@ def run(geometry: str, reps: int, threads: int,
                                                   src, dst, tagged=False))
         row = {"geometry": geometry, "kv_cache_dtype": kv_cache_dtype, "tokens": tokens,
                "blocks": n, "bytes": num_bytes, "bytes_per_token": num_bytes / tokens,
-               "plain_gbps": num_bytes / statistics.median(times["plain"][len(LAYOUTS):]) / 1e9}
+               "plain_gbps": num_bytes / statistics.median(times["plain"][len(LAYOUTS):]) / 1e9,
+               "tag_gbps": tag_gbps}
         for i, layout in enumerate(LAYOUTS):
             pair = times[layout][1:]
             plain = times["plain"][len(LAYOUTS) + i::len(LAYOUTS)]  # NOTE: the one just before
@@ -277,6 +307,7 @@ def run(geometry: str, reps: int, threads: int,
     conn.send(None)
     child.join(30)
     receiver.close()
+    set_tags(True)  # NOTE: this process's KV path as it was (a test may go on using it)
     return rows
 
 
@@ -325,6 +356,8 @@ def main() -> None:
                 print(f"{'':>10} {'':>8} {'':>7} {'':>6} {'':>6} {'tags':>6}" + "".join(
                     f" {'':>11} {r[f'{layout}_tagged_ratio']:>5.2f} {'':>9}"
                     for layout in LAYOUTS), flush=True)
+            print(f"{'':>10} {kv_cache_dtype:>8} tagging every block once on the sending "
+                  f"side (as prefill does): {r['tag_gbps']:.2f} GB/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -64,3 +64,31 @@ def hash_block_chain(
         parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
         hashes.append(parent)
     return hashes
+
+
+def block_bindings(
+    token_ids: Sequence[int],
+    block_size: int,
+    root_hash: bytes,
+    cache_salt: str | None = None,
+    *,
+    full_hashes: Sequence[bytes] | None = None,
+) -> list[bytes]:
+    """What each block of a prompt's KV holds, for the KV path's block tags
+    (``kvtransfer.auth.BlockTagger``): one 20-byte value per block, a trailing partial
+    block included: the number of tokens in the block (4 bytes, little-endian) and the
+    chain hash up to and including it (``hash_block_tokens`` over the partial block's
+    tokens for the last one). Prefill and decode worker compute it from the prompt alike.
+
+    ``full_hashes``: ``hash_block_chain`` of the same arguments, if already computed.
+    """
+    if full_hashes is None:
+        full_hashes = hash_block_chain(token_ids, block_size, root_hash, cache_salt)
+    bindings = [block_size.to_bytes(4, "little") + h for h in full_hashes]
+    tail = len(token_ids) - len(full_hashes) * block_size
+    if tail:
+        parent = full_hashes[-1] if full_hashes else root_hash
+        extra = cache_salt.encode() if cache_salt else b""
+        bindings.append(tail.to_bytes(4, "little")
+                        + hash_block_tokens(parent, token_ids[-tail:], extra))
+    return bindings

@@ -197,6 +197,21 @@ class KVCacheManager:
         lease.sending = True
         return [b.block_id for b in lease.blocks]
 
+    def bind(self, request_id: str, bindings: list[bytes]) -> list[int] | None:
+        """Record what the leading blocks of a lease hold (``block_hash.block_bindings``
+        of its prompt, one per prompt block) and return their block ids; None without
+        such a lease (ended, released, or fewer blocks than bindings)."""
+        lease = self.held.get(request_id)
+        if lease is None or lease.released or len(bindings) > len(lease.blocks):
+            return None
+        lease.bindings = list(bindings)
+        return [b.block_id for b in lease.blocks[:len(bindings)]]
+
+    def bindings(self, request_id: str) -> list[bytes] | None:
+        """What ``bind`` recorded for a lease (None: nothing, or no lease)."""
+        lease = self.held.get(request_id)
+        return None if lease is None else lease.bindings
+
     def grant(self, request_id: str, consumer: str | None) -> bool:
         """Let ``consumer`` (instead of the one named so far) take a lease that is not
         being sent; False if there is no such lease."""
@@ -265,3 +280,4 @@ class KVLease:
     sending: bool = False
     released: bool = False
     consumer: str | None = None
+    bindings: list[bytes] | None = None  # what each block holds (the KV path's tags)

@@ -372,6 +372,16 @@ class LLMEngine:
         consumer."""
         return self.kv_cache_manager.begin_send(request_id, consumer)
 
+    def bind_kv_lease(self, request_id: str, bindings: list[bytes]) -> list[int] | None:
+        """Prefill workers: record what each block of ``request_id``'s lease holds (the KV
+        path's block tags, ``block_hash.block_bindings``) and return its block ids; None
+        without a live lease of that many blocks."""
+        return self.kv_cache_manager.bind(request_id, bindings)
+
+    def kv_lease_bindings(self, request_id: str) -> list[bytes] | None:
+        """What ``bind_kv_lease`` recorded for ``request_id``'s lease, or None."""
+        return self.kv_cache_manager.bindings(request_id)
+
     def grant_kv(self, request_id: str, consumer: str | None) -> bool:
         """Let ``consumer`` take ``request_id``'s lease instead of the one it names (the
         router retries the decode elsewhere); False without a live lease not being sent."""

@@ -5,8 +5,10 @@ Rank 0 is the prefill worker, rank 1 the decode worker, which hosts the store
 both ends are on distinct CUDA devices, payloads go over NCCL and headers over gloo,
 tagged per transfer. Otherwise everything goes over the pair socket
 (``socket_pair.SocketPair``: one TCP connection whose ends prove ``auth.pair_key``
-before any byte moves), and a payload ends with its GMAC tag (``auth``), fed piece by
-piece as the socket moves it. Either way transfers on one pair may overlap.
+before any byte moves): a header, the payload's block tags (``auth.BlockTagger``'s records),
+the payload, and a GMAC tag over header and records (``auth.PayloadDigest``); the receiver
+checks each block's tag as it lands (``auth.BlockVerifier``). Either way transfers on one
+pair may overlap.
 
 NOTE: a socket pair, like a gloo group, that saw any error is aborted and never reused.
 
@@ -43,7 +45,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer.auth import TRAILER_NUMEL, PayloadDigest, pair_key
+from pdserve.kvtransfer.auth import (
+    TRAILER_NUMEL,
+    BlockVerifier,
+    PayloadDigest,
+    pair_key,
+    records_numel,
+)
 from pdserve.kvtransfer.payload import PayloadSink, PayloadSource
 from pdserve.kvtransfer.protocol import HEADER_NUMEL, KVTransferError
 from pdserve.kvtransfer.socket_pair import SocketPair
@@ -83,6 +91,9 @@ def _wait(work, deadline: float, what: str) -> None:
 
 _FORGED = ("the payload's tag is not its sender's: its bytes were altered or injected, or "
            "the sender holds another cluster secret")
+_FORGED_BLOCK = ("a block's tag is not its sender's: its bytes were altered or injected, "
+                 "it holds other tokens than this prompt's, or the sender holds another "
+                 "cluster secret")
 
 CLOSE_ABORT_WAIT_S = 10.0
 """Seconds a closing sender or receiver waits for each NCCL group's abort."""
@@ -193,10 +204,11 @@ class PairGroup:
         return cls(rank, gloo, nccl)
 
     def send(self, make_header: Callable[[int], torch.Tensor], source: PayloadSource,
-             tag: int, deadline: float, digest: PayloadDigest) -> int:
-        """Send a header, then the payload's chunks, then (pair socket) the tag of both
-        (``auth.PayloadDigest``, fed each piece right before it goes); return the payload
-        bytes.
+             tag: int, deadline: float, digest: PayloadDigest,
+             records: Callable[[], torch.Tensor] | None = None) -> int:
+        """Send a header, then (pair socket) the payload's block tags (``records()``, the
+        ``auth.BlockTagger`` records frame), the payload's chunks, and the GMAC tag of
+        header and records (``digest``); return the payload bytes.
 
         Args:
             make_header: seq -> int64[HEADER_NUMEL]; seq numbers this group's payloads
@@ -207,12 +219,16 @@ class PairGroup:
             deadline: ``time.monotonic()`` seconds by which everything must be sent.
             digest: this transfer's, fresh (socket only; NOTE: payloads over NCCL are not
                 tagged yet).
+            records: the payload's records frame, ``int64[auth.records_numel(n)]``
+                (socket only; called once the send's turn on the pair has come).
 
         Raises:
             KVTransferError: sending failed, or the deadline passed.
         """
         if self._sock is not None:
-            return self._send_socket(make_header, source, tag, deadline, digest)
+            if records is None:
+                raise ValueError("a send over the pair socket needs its block records")
+            return self._send_socket(make_header, source, tag, deadline, digest, records)
         try:
             # NOTE: over NCCL the payload is gathered before the header goes: the receiver
             # posts its NCCL receive on the header, and a receive whose send never comes
@@ -258,10 +274,12 @@ class PairGroup:
 
     def recv(self, sink: PayloadSink, tag: int, deadline: float,
              check_header: Callable[[torch.Tensor], int],
-             posted: PostedRecv | None = None, digest: PayloadDigest | None = None) -> None:
-        """Receive a header, then the payload's chunks into the sink (scattering each
-        staged one as it lands), then (pair socket) the sender's tag, which must equal
-        ``digest``'s (fed each piece right after it landed).
+             posted: PostedRecv | None = None, digest: PayloadDigest | None = None,
+             verifier: Callable[[torch.Tensor], BlockVerifier] | None = None) -> None:
+        """Receive a header, then (pair socket) the payload's block records, the payload's
+        chunks into the sink (scattering each staged one as it lands), each block checked
+        as it lands by ``verifier(records)``, and the sender's GMAC tag of header and
+        records, which must equal ``digest``'s.
 
         Args:
             sink: where the chunks go; its sizes come from the receiver's ticket.
@@ -272,6 +290,8 @@ class PairGroup:
             posted: what ``post_recv(sink, tag)`` returned, if called before (unused).
             digest: this transfer's, fresh; None receives the tag without checking it
                 (a drained payload, discarded anyway).
+            verifier: makes the payload's ``auth.BlockVerifier`` from the records frame;
+                None (with ``digest`` None: a drain) checks no block.
 
         Over NCCL the header comes over gloo and the payload (one chunk) is posted after
         it, in the sender's seq order, and carries no tag yet.
@@ -281,7 +301,7 @@ class PairGroup:
                 whose tag is not the sender's (then nothing of it may be used).
         """
         if self._sock is not None:
-            self._recv_socket(sink, tag, deadline, check_header, digest)
+            self._recv_socket(sink, tag, deadline, check_header, digest, verifier)
             return
         header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
         header_work = self._post(self._gloo, [header], tag)[0]
@@ -290,20 +310,22 @@ class PairGroup:
         _wait_device(works[-1], deadline, "receiving the payload")
 
     def _send_socket(self, make_header: Callable[[int], torch.Tensor], source: PayloadSource,
-                     tag: int, deadline: float, digest: PayloadDigest) -> int:
-        """``send`` over the pair socket: the transfer's frames in a row, each piece fed
-        to ``digest`` right before it goes (cache-hot)."""
+                     tag: int, deadline: float, digest: PayloadDigest,
+                     records: Callable[[], torch.Tensor]) -> int:
+        """``send`` over the pair socket: the transfer's frames in a row (header, records,
+        chunks, trailer); ``digest`` covers header and records."""
         if not self._send_lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
             raise KVTransferError("sending: timed out waiting for the pair's earlier sends")
         try:
             header = make_header(self._next_send_seq)
             self._next_send_seq += 1
             self._sock.send_frame(tag, header, deadline, digest)
+            self._sock.send_frame(tag, records(), deadline, digest)
             num_bytes = 0
             for c in range(source.num_chunks):
                 # NOTE: each frame is sent whole before the next chunk is gathered, so a
                 # ring slot is free again at once
-                num_bytes += self._sock.send_frame(tag, source.chunk(c), deadline, digest)
+                num_bytes += self._sock.send_frame(tag, source.chunk(c), deadline)
             self._sock.send_frame(tag, digest.trailer(), deadline)
             return num_bytes
         except KVTransferError:
@@ -315,26 +337,37 @@ class PairGroup:
 
     def _recv_socket(self, sink: PayloadSink, tag: int, deadline: float,
                      check_header: Callable[[torch.Tensor], int],
-                     digest: PayloadDigest | None) -> None:
+                     digest: PayloadDigest | None,
+                     verifier: Callable[[torch.Tensor], BlockVerifier] | None) -> None:
         """``recv`` over the pair socket: waits for the transfer's turn on the
-        connection, then reads each frame straight into its buffer, feeding each piece
-        to ``digest`` as it lands; checks the trailer (``PayloadDigest.verify``)."""
+        connection, then reads each frame straight into its buffer, checking each block
+        as it lands; checks the trailer (``PayloadDigest.verify``) and the blocks' tags
+        (``BlockVerifier.ok``)."""
         header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
         trailer = torch.zeros(TRAILER_NUMEL, dtype=torch.int64)
         self._sock.acquire(tag, deadline)
         try:
-            self._sock.recv_frame(tag, header, deadline)
+            self._sock.recv_frame(tag, header, deadline, digest)
             check_header(header)
-            if digest is not None:
-                digest.update(header)
+            records = torch.zeros(records_numel(len(sink.block_ids)), dtype=torch.int64)
+            self._sock.recv_frame(tag, records, deadline, digest)
+            checker = None
+            if verifier is not None:
+                try:
+                    checker = verifier(records)
+                except ValueError as exc:
+                    raise KVTransferError(f"bad block records: {exc}") from exc
+            landed = checker.landed if checker is not None else None
             for c in range(sink.num_chunks):
-                self._sock.recv_frame(tag, sink.buffer(c), deadline, digest)
+                self._sock.recv_frame(tag, sink.buffer(c), deadline, on_landed=landed)
                 sink.chunk_done(c)
             self._sock.recv_frame(tag, trailer, deadline)
         finally:
             self._sock.release()
         if digest is not None and not digest.verify(trailer):
             raise KVTransferError(_FORGED)
+        if checker is not None and not checker.ok():
+            raise KVTransferError(_FORGED_BLOCK)
 
     def _post_in_turn(self, sink: PayloadSink, tag: int, seq: int, deadline: float) -> list:
         with self._turn:

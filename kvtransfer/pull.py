@@ -117,6 +117,8 @@ class KVPull(KVTransfer):
         super().__init__(request_id, len(block_ids), deadline)
         self.prefill_worker_id = prefill_worker_id
         self.block_ids = block_ids
+        # what each block must hold (``auth.BlockVerifier``); set by ``KVReceiver.init``
+        self.bindings: list[bytes] = []
         self.channel = channel
         self.ticket = ticket
         self._claimed = threading.Event()

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer.auth import PayloadDigest, transfer_key
+from pdserve.kvtransfer.auth import BlockVerifier, PayloadDigest, request_bindings, transfer_key
 from pdserve.kvtransfer.channel import CLOSE_ABORT_WAIT_S, PairGroup
 from pdserve.kvtransfer.payload import (
     PayloadSink,
@@ -146,9 +146,16 @@ class KVReceiver:
         self._watcher.start()
 
     def init(self, request_id: str, prefill_worker_id: str, block_ids: Sequence[int],
-             timeout_s: float | None = None) -> KVPull:
+             timeout_s: float | None = None, bindings: Sequence[bytes] | None = None
+             ) -> KVPull:
         """Start pulling ``len(block_ids)`` blocks of ``request_id`` from a prefill worker
         into local ``block_ids`` (payload order); returns at once (BOOTSTRAPPING).
+
+        ``bindings``: what each block must hold (``engine.block_hash.block_bindings`` of
+        the prompt at the pulled positions; the sender tags blocks with the same); a
+        block whose tag is not of its binding fails the pull. None: the request id and
+        the block's place in the payload (``auth.request_bindings``), as the sender's
+        default.
 
         Ask the prefill worker to send only after this returns. ``timeout_s`` (default
         ``self.timeout_s``) bounds the whole pull. When the pair's channel is up (every
@@ -156,11 +163,15 @@ class KVReceiver:
         sender's bytes never wait for a receive.
 
         Raises:
-            ValueError: no blocks, ids out of range or repeated, or a pull of this request
-                from this worker already in flight.
+            ValueError: no blocks, ids out of range or repeated, not one binding each,
+                or a pull of this request from this worker already in flight.
             KVTransferError: the receiver is closed or its store failed.
         """
         ids = check_block_ids(block_ids, self.kv_cache.shape[2])
+        bindings = (request_bindings(request_id, len(ids)) if bindings is None
+                    else list(bindings))
+        if len(bindings) != len(ids):
+            raise ValueError(f"{len(bindings)} bindings for {len(ids)} blocks")
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         prefix = pair_prefix(prefill_worker_id, self.worker_id)
         with self._lock:
@@ -175,6 +186,7 @@ class KVReceiver:
                                 tuple(plan_chunks(self.kv_cache, ids, self.geometry)),
                                 secrets.token_hex(16))
                 pull = KVPull(request_id, prefill_worker_id, ids, channel, ticket, deadline)
+                pull.bindings = bindings
                 self._store.set(ticket_key(prefix, request_id), ticket.encode())
             except (RuntimeError, dist.DistError) as exc:
                 raise KVTransferError(f"KV receiver store failed: {exc}") from exc
@@ -360,8 +372,12 @@ class KVReceiver:
                 digest = None if drain else PayloadDigest(transfer_key(
                     self._kv_key, pull.prefill_worker_id, self.worker_id, pull.request_id,
                     pull.ticket))
+                verifier = None if drain else (lambda records: BlockVerifier(
+                    self._kv_key, pull.prefill_worker_id, records, pull.bindings,
+                    self.geometry.block_bytes))
                 group.recv(sink, pull.ticket.tag, deadline,
-                           lambda header: self._check_header(pull, header), posted, digest)
+                           lambda header: self._check_header(pull, header), posted, digest,
+                           verifier)
                 if not drain:
                     sink.finish()
         except KVTransferError as exc:

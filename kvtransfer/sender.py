@@ -5,10 +5,17 @@ worker's store, makes or reuses the pair channel of the ticket's generation, cla
 transfer and sends header and payload (see ``protocol.py`` and ``receiver.py``). A failed
 send aborts the channel and bumps the pair's generation, so the decode side makes a new
 one for its next pull.
+
+Blocks that go over the pair socket are tagged (``auth.BlockTagger``) by ``tag_blocks``
+once they are written (the prefill worker calls it for each finished prefill, on this
+sender's tagging thread, in the order called); a send tags a block only if it holds no
+current tag then. Blocks of a CUDA cache are tagged only when they go over the pair
+socket: between GPUs they go over NCCL, untagged (docs/architecture.md, KV transfer).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -16,7 +23,13 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.kvtransfer.auth import PayloadDigest, transfer_key
+from pdserve.kvtransfer import payload
+from pdserve.kvtransfer.auth import (
+    BlockTagger,
+    PayloadDigest,
+    request_bindings,
+    transfer_key,
+)
 from pdserve.kvtransfer.channel import CLOSE_ABORT_WAIT_S, PairGroup
 from pdserve.kvtransfer.handle import KVTransfer
 from pdserve.kvtransfer.payload import PayloadSource, load_copy_kernels, on_device, wire_view
@@ -42,10 +55,13 @@ from pdserve.kvtransfer.protocol import (
     split_address,
     ticket_key,
 )
+from pdserve.kvtransfer.socket_pair import byte_view
 from pdserve.kvtransfer.staging import DEFAULT_STAGING_BYTES, StagingPool
 from pdserve.kvtransfer.store import RemoteStore
 
 _ABSENT = "\x00absent"  # never a ticket
+TAG_WAIT_S = 1.0
+"""Seconds a send waits for the tagging thread's earlier work before tagging here."""
 
 
 class _Peer:
@@ -122,18 +138,59 @@ class KVSender:
         self._peers: dict[str, _Peer] = {}
         self._counters = CounterSet()
         self.staging = StagingPool(staging_bytes)
+        self.tagger = BlockTagger(kv_key, worker_id)
+        self._tagging = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"kv-tag-{worker_id}")
+
+    def tag_blocks(self, block_ids: Sequence[int], bindings: Sequence[bytes]
+                   ) -> concurrent.futures.Future:
+        """Tag written blocks ``block_ids`` as holding ``bindings`` (one each:
+        ``engine.block_hash.block_bindings``) on this sender's tagging thread, in the
+        order called; the future is done once they are tagged. Call while the blocks
+        are pinned (their lease). Does nothing on a CUDA cache (see the module
+        docstring).
+
+        Raises:
+            ValueError: block ids repeated or out of range, or not one binding each.
+            RuntimeError: the sender is closed.
+        """
+        ids = check_block_ids(block_ids, self.kv_cache.shape[2])
+        if len(bindings) != len(ids):
+            raise ValueError(f"{len(bindings)} bindings for {len(ids)} blocks")
+        if self.kv_cache.is_cuda:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        return self._tagging.submit(self._tag_now, ids, list(bindings))
+
+    def _tag_now(self, ids: list[int], bindings: list[bytes]) -> None:
+        """Tag blocks ``ids`` (their wire bytes, as a send moves them) on this thread."""
+        with on_device(self.kv_cache):
+            # NOTE: one block a chunk: in place where the cache is block-major
+            source = payload.PayloadSource(self.kv_cache, ids, self.geometry, [1] * len(ids),
+                                           False)
+            try:
+                self.tagger.tag(ids, bindings, lambda i: byte_view(source.chunk(i)))
+            finally:
+                source.release(reusable=True)
 
     def send(self, request_id: str, decode_worker_id: str, decode_kv_address: str,
              block_ids: Sequence[int], timeout_s: float | None = None,
-             ticket: str | None = None) -> KVTransferStats:
+             ticket: str | None = None, bindings: Sequence[bytes] | None = None
+             ) -> KVTransferStats:
         """Send blocks ``block_ids`` (the payload's order) of ``request_id`` to the decode
         worker that is pulling them; return blocks, bytes and seconds moved.
 
         ``ticket``: the pull's ticket text (``KVPull.ticket_text``) when the decode worker
         passed it along; then it is not read back from the decode worker's store.
+        ``bindings``: what each block holds (``engine.block_hash.block_bindings`` of the
+        prompt, at the blocks' positions), as the decode worker expects them; None binds
+        them to the request id and their place in the payload (``auth.request_bindings``,
+        for callers without a prompt). Blocks without a current tag of their binding
+        (``tag_blocks``) are tagged here, if they go over the pair socket.
 
         Raises:
-            ValueError: block ids repeated or out of range.
+            ValueError: block ids repeated or out of range, or not one binding each.
             KVTransferError: no pull of this request is waiting at the decode worker before
                 the timeout, the two sides disagree on block count or geometry, the pull
                 was given up, or moving the bytes failed or timed out.
@@ -141,7 +198,11 @@ class KVSender:
         transfer = KVTransfer(request_id, len(block_ids), self._deadline(timeout_s))
         known = self._parse_ticket(ticket)
         ids = check_block_ids(block_ids, self.kv_cache.shape[2])
-        self._send(transfer, decode_worker_id, decode_kv_address, ids, known)
+        bindings = (request_bindings(request_id, len(ids)) if bindings is None
+                    else list(bindings))
+        if len(bindings) != len(ids):
+            raise ValueError(f"{len(bindings)} bindings for {len(ids)} blocks")
+        self._send(transfer, decode_worker_id, decode_kv_address, ids, known, bindings)
         if transfer.poll() != KVPollState.SUCCESS:
             raise transfer.failure_exception()
         return transfer.stats
@@ -171,6 +232,7 @@ class KVSender:
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
             peer.close()
+        self._tagging.shutdown(wait=False, cancel_futures=True)
         self.staging.close()
 
     @staticmethod
@@ -197,7 +259,7 @@ class KVSender:
             return peer
 
     def _send(self, transfer: KVTransfer, decode_worker_id: str, address: str,
-              ids: list[int], known: Ticket | None = None) -> None:
+              ids: list[int], known: Ticket | None, bindings: list[bytes]) -> None:
         peer = self._peer(decode_worker_id, address)
         stats, moving = None, False
         try:
@@ -210,7 +272,7 @@ class KVSender:
             transfer.begin()
             self._counters.start()
             moving = True
-            stats = self._move(group, peer, ticket, transfer, ids)
+            stats = self._move(group, peer, ticket, transfer, ids, bindings)
         except KVTransferError as exc:
             error = exc
         except RuntimeError as exc:  # the store connection broke (DistError is one)
@@ -306,8 +368,9 @@ class KVSender:
         return True
 
     def _move(self, group: PairGroup, peer: _Peer, ticket: Ticket, transfer: KVTransfer,
-              ids: list[int]) -> KVTransferStats:
-        """Header and payload; on failure abort the group and bump the generation."""
+              ids: list[int], bindings: list[bytes]) -> KVTransferStats:
+        """Header, block tags and payload; on failure abort the group and bump the
+        generation."""
         start = time.monotonic()
         deadline = max(transfer.deadline, start + MIN_TRANSFER_S)
         rid_hash = request_hash(transfer.request_id)
@@ -324,7 +387,8 @@ class KVSender:
                 source = PayloadSource(self.kv_cache, ids, self.geometry, list(ticket.chunks),
                                        group.device_payload, self.staging)
                 try:
-                    num_bytes = group.send(make_header, source, ticket.tag, deadline, digest)
+                    num_bytes = group.send(make_header, source, ticket.tag, deadline, digest,
+                                           lambda: self._records(ids, bindings))
                     sent = True
                 finally:  # NOTE: after a failed send gloo may still read the ring
                     source.release(reusable=sent)
@@ -340,3 +404,18 @@ class KVSender:
                     store.compare_set(f"{peer.prefix}/gen", str(gen), str(gen + 1))
             raise
         return KVTransferStats(len(ids), num_bytes, time.monotonic() - start)
+
+    def _records(self, ids: list[int], bindings: list[bytes]) -> torch.Tensor:
+        """The payload's records frame (pair socket only), once every block holds a tag
+        of its binding: after the tagging thread's earlier work (``TAG_WAIT_S`` at
+        most), blocks still without one are tagged here (``tagged_on_send``)."""
+        untagged = [i for i, ok in enumerate(self.tagger.current(ids, bindings)) if not ok]
+        if untagged:
+            with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+                self._tagging.submit(lambda: None).result(timeout=TAG_WAIT_S)
+            untagged = [i for i, ok in enumerate(self.tagger.current(ids, bindings))
+                        if not ok]
+        if untagged:
+            self.tagger.count_tagged_on_send(len(untagged))
+            self._tag_now([ids[i] for i in untagged], [bindings[i] for i in untagged])
+        return self.tagger.records(ids, bindings)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from pdserve.cluster.wire import KVHandle
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
-from pdserve.engine.block_hash import hash_block_chain
+from pdserve.engine.block_hash import block_bindings, hash_block_chain
 from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer import KVSender, KVTransferError
@@ -113,8 +113,22 @@ class PrefillService:
             handle = KVHandle(self.worker_id, self.kv_address, request_id,
                               len(prompt_token_ids), hashes, self.block_size,
                               time.time() + self.lease_s, self.grpc_address)
+            bindings = block_bindings(prompt_token_ids, self.block_size, self.root_hash,
+                                      cache_salt, full_hashes=hashes)
+            # NOTE: queued before this returns, so before any SendKV's engine call
+            self.engine.post(lambda e: self._tag_lease(e, request_id, bindings))
         return PrefillResult(request_id, last.new_token_ids[0], first_logprob,
                              last.num_cached_tokens, last.finish_reason, handle)
+
+    def _tag_lease(self, engine, request_id: str, bindings: list[bytes]) -> None:
+        """On the engine thread: record what the lease's blocks hold and have the sender
+        tag them (on its tagging thread), while the router picks a decode worker."""
+        block_ids = engine.bind_kv_lease(request_id, bindings)
+        if block_ids:
+            try:
+                self.sender.tag_blocks(block_ids, bindings)
+            except RuntimeError:  # NOTE: the sender is closing; a send would tag them
+                pass
 
     async def send_kv(self, request_id: str, decode_worker_id: str, decode_kv_address: str,
                       block_indices: list[int], ticket: str | None = None) -> tuple[int, int]:
@@ -133,29 +147,34 @@ class PrefillService:
             KVTransferError: the transfer failed or timed out.
         """
         consumer = kv_consumer(decode_worker_id, decode_kv_address)
-        block_ids = await self.engine.call(lambda e: e.begin_kv_send(request_id, consumer),
-                                           undo=lambda e, _: e.end_kv_send(request_id, False))
+        block_ids, bindings = await self.engine.call(
+            lambda e: (e.begin_kv_send(request_id, consumer), e.kv_lease_bindings(request_id)),
+            undo=lambda e, _: e.end_kv_send(request_id, False))
         task = asyncio.ensure_future(self._send(request_id, decode_worker_id,
                                                 decode_kv_address, block_ids, block_indices,
-                                                ticket))
+                                                ticket, bindings))
         self._sends.add(task)  # NOTE: a strong reference while it runs, even if we leave
         task.add_done_callback(self._send_ended)
         return await asyncio.shield(task)
 
     async def _send(self, request_id: str, decode_worker_id: str, decode_kv_address: str,
-                    block_ids: list[int], block_indices: list[int], ticket: str | None
-                    ) -> tuple[int, int]:
+                    block_ids: list[int], block_indices: list[int], ticket: str | None,
+                    bindings: list[bytes] | None) -> tuple[int, int]:
         ok = False
         try:
             bad = [i for i in block_indices if not 0 <= i < len(block_ids)]
             if bad:
                 raise ValueError(f"block_indices {bad} outside the request's "
                                  f"{len(block_ids)} blocks")
+            if block_indices and (bindings is None
+                                  or any(i >= len(bindings) for i in block_indices)):
+                raise KVTransferError(f"the KV lease of {request_id} records no bindings "
+                                      "for the blocks asked")
             if block_indices:
                 stats = await _on_thread(
                     self._threads, self.sender.send, request_id, decode_worker_id,
                     decode_kv_address, [block_ids[i] for i in block_indices],
-                    self.transfer_timeout_s, ticket)
+                    self.transfer_timeout_s, ticket, [bindings[i] for i in block_indices])
                 result = stats.num_blocks, stats.num_bytes
             else:
                 result = 0, 0

@@ -152,6 +152,8 @@ def test_the_kv_path_refuses_an_attacker_and_caches_nothing_forged(cluster):
     assert gloo_ports and attacker.forged_connections > 0
     # the pair listener dropped every forged client that reached its handshake
     assert socket_pair.refused_total() - pair_refused >= attacker.rounds
+    # every block sent was tagged when prefill wrote it, not on the transfer
+    assert cluster.prefill.service.sender.tagger.tagged_on_send == 0
     # nothing forged was cached: every prompt again, from the caches, is the oracle's
     for prompt in PROMPTS:
         reply = client.completions.create(model=str(cluster.model), prompt=prompt,

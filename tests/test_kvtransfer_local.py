@@ -73,15 +73,27 @@ def _pair_groups(name: str):
     return groups, server
 
 
-def _send_in_thread(group, source, ids, geometry, tag, deadline, digest) -> list:
+def _send_in_thread(group, source, ids, geometry, tag, deadline, digest, records) -> list:
     from pdserve.kvtransfer.protocol import Header
 
     sent: list = []
     thread = threading.Thread(target=lambda: sent.append(group.send(
         lambda seq: Header(1, len(ids), geometry, seq).encode(), source, tag, deadline,
-        digest)))
+        digest, lambda: records)))
     thread.start()
     return [thread, sent]
+
+
+def _tagged(cache, ids, bindings, kv_key=b"k" * 32):
+    """Block records of ``ids`` tagged (``auth.BlockTagger``) by prefill worker "p"."""
+    from pdserve.kvtransfer.auth import BlockTagger
+    from pdserve.kvtransfer.socket_pair import byte_view
+
+    tagger = BlockTagger(kv_key, "p")
+    geometry = KVGeometry.of(cache)
+    source = payload.PayloadSource(cache, ids, geometry, [1] * len(ids), False)
+    tagger.tag(ids, bindings, lambda i: byte_view(source.chunk(i)))
+    return tagger.records(ids, bindings)
 
 
 def test_a_drained_payload_of_more_chunks_than_ring_slots_is_received_whole():
@@ -89,7 +101,7 @@ def test_a_drained_payload_of_more_chunks_than_ring_slots_is_received_whole():
     receives the payload into its ring and discards it: every chunk, re-posting as slots
     free (6 chunks, 2 slots), and the payload's tag, on a real 2-rank gloo group in this
     process."""
-    from pdserve.kvtransfer.auth import PayloadDigest
+    from pdserve.kvtransfer.auth import PayloadDigest, request_bindings
     from pdserve.kvtransfer.protocol import Header
 
     groups, server = _pair_groups("drain-test")
@@ -103,7 +115,8 @@ def test_a_drained_payload_of_more_chunks_than_ring_slots_is_received_whole():
     deadline = time.monotonic() + 10
     thread, sent = _send_in_thread(
         groups[0], payload.PayloadSource(source_cache, ids, geometry, sizes, False), ids,
-        geometry, 5, deadline, PayloadDigest(b"k" * 32))
+        geometry, 5, deadline, PayloadDigest(b"k" * 32),
+        _tagged(source_cache, ids, request_bindings("r", len(ids))))
     groups[1].recv(sink, 5, deadline, lambda header: Header.decode(header).seq)
     thread.join(10)
     assert sent == [NUM_BLOCKS * geometry.block_bytes]
@@ -113,36 +126,65 @@ def test_a_drained_payload_of_more_chunks_than_ring_slots_is_received_whole():
     server.close()
 
 
-@pytest.mark.parametrize("layout", ["block", "layer"])
-def test_a_payload_whose_tag_is_not_its_senders_is_refused(layout):
-    """The receiver computes the payload's GMAC tag as chunks land and compares it
-    with the sender's: the same key passes (bytes equal); bytes tagged under another key
-    (someone without the cluster secret) fail the pull however they arrived (in place, or
-    through the staging ring)."""
-    from pdserve.kvtransfer.auth import PayloadDigest
+@pytest.mark.parametrize("layout,streamed", [("block", False), ("layer", False),
+                                             ("block", True)])
+def test_a_payload_whose_tags_are_not_its_senders_is_refused(layout, streamed, monkeypatch):
+    """The receiver checks each block's tag as it lands (``auth.BlockVerifier``), and
+    the transfer's GMAC over header and block records: its own tags pass (bytes equal);
+    blocks tagged under another cluster secret, blocks that hold other tokens than the
+    receiver expects (another binding: a replayed block of another prompt), a flipped
+    byte, and records under another transfer key each fail the pull, however the bytes
+    arrived (in place, or through the staging ring), and whether each block is checked
+    whole or (``streamed``: large blocks) piece by piece as it lands, here in pieces of
+    300 bytes that cut 1 KiB blocks anywhere."""
+    from pdserve.kvtransfer import auth, socket_pair
+    from pdserve.kvtransfer.auth import BlockVerifier, PayloadDigest, request_bindings
     from pdserve.kvtransfer.protocol import Header
+
+    if streamed:
+        monkeypatch.setattr(auth, "INCREMENTAL_BYTES", 0)
+        monkeypatch.setattr(socket_pair, "PIECE_BYTES", 300)
 
     groups, server = _pair_groups(f"tag-test-{layout}")
     source_cache = make_cache(torch.float32, 7, layout)
     geometry = KVGeometry.of(source_cache)
     ids = [3, 4, 5, 9, 1]
-    for tag, sender_key, ok in ((5, b"k" * 32, True), (6, b"x" * 32, False)):
+    bindings = request_bindings("r", len(ids))
+    flipped = source_cache.clone()
+    flipped[0, 1, 9, 0, 0, 0] += 1  # NOTE: one value of block 9, sent with block 9's tag
+    cases = [  # tag, source, block records, transfer key, expected bindings, refusal
+        (5, source_cache, _tagged(source_cache, ids, bindings), b"k" * 32, bindings, None),
+        (6, source_cache, _tagged(source_cache, ids, bindings, b"x" * 32), b"k" * 32,
+         bindings, "a block's tag"),
+        (7, source_cache, _tagged(source_cache, ids, bindings), b"k" * 32,
+         request_bindings("other", len(ids)), "a block's tag"),
+        (8, flipped, _tagged(source_cache, ids, bindings), b"k" * 32, bindings,
+         "a block's tag"),
+        (9, source_cache, _tagged(source_cache, ids, bindings), b"x" * 32, bindings,
+         "payload's tag is not its sender's"),
+    ]
+    for tag, cache, records, transfer_key, expected, refusal in cases:
         receiving = make_cache(torch.float32, None, layout)
         sizes = payload.plan_chunks(receiving, ids, geometry)
         sink = payload.PayloadSink(receiving, ids, geometry, sizes, False)
         deadline = time.monotonic() + 10
         thread, sent = _send_in_thread(
-            groups[0], payload.PayloadSource(source_cache, ids, geometry, sizes, False), ids,
-            geometry, tag, deadline, PayloadDigest(sender_key))
+            groups[0], payload.PayloadSource(cache, ids, geometry, sizes, False), ids,
+            geometry, tag, deadline, PayloadDigest(transfer_key), records)
         check = PayloadDigest(b"k" * 32)
-        if ok:
-            groups[1].recv(sink, tag, deadline, lambda h: Header.decode(h).seq, digest=check)
+
+        def verifier(recs, expected=expected):
+            return BlockVerifier(b"k" * 32, "p", recs, expected, geometry.block_bytes)
+
+        if refusal is None:
+            groups[1].recv(sink, tag, deadline, lambda h: Header.decode(h).seq, digest=check,
+                           verifier=verifier)
             sink.finish()
             assert torch.equal(receiving[:, :, ids], source_cache[:, :, ids])
         else:
-            with pytest.raises(KVTransferError, match="tag is not its sender's"):
+            with pytest.raises(KVTransferError, match=refusal):
                 groups[1].recv(sink, tag, deadline, lambda h: Header.decode(h).seq,
-                               digest=check)
+                               digest=check, verifier=verifier)
         thread.join(10)
         assert sent == [len(ids) * geometry.block_bytes]
     for group in groups.values():
@@ -259,3 +301,35 @@ def test_transfer_threads_reuse_idle_threads_grow_for_concurrent_tasks_and_close
     threads.close()
     with pytest.raises(RuntimeError, match="closed"):
         threads.submit(print)
+
+
+def test_block_bindings_bind_each_block_to_its_tokens_and_tags_to_their_binding():
+    """``block_bindings`` gives one value per block, the partial last one included, that
+    changes with any token up to the block, the cache salt and the model's root hash;
+    ``BlockTagger`` keeps each block's latest tag and refuses records of a binding the
+    block was not tagged with."""
+    from pdserve.engine.block_hash import block_bindings, hash_block_chain, root_block_hash
+    from pdserve.kvtransfer.auth import BlockTagger, records_numel
+
+    root = root_block_hash("m", 16)
+    tokens = list(range(40))
+    bindings = block_bindings(tokens, 16, root)
+    assert len(bindings) == 3 and all(len(b) == 20 for b in bindings)
+    assert [b[4:] for b in bindings[:2]] == hash_block_chain(tokens, 16, root)
+    assert [int.from_bytes(b[:4], "little") for b in bindings] == [16, 16, 8]
+    assert block_bindings(tokens[:32] + [7] * 8, 16, root)[:2] == bindings[:2]
+    assert block_bindings(tokens[:32] + [7] * 8, 16, root)[2] != bindings[2]
+    assert block_bindings(tokens[:32], 16, root) == bindings[:2]  # no partial block
+    assert block_bindings(tokens, 16, root, "salt")[0] != bindings[0]
+    assert block_bindings(tokens, 16, root_block_hash("other", 16))[0] != bindings[0]
+    tagger = BlockTagger(b"k" * 32, "p")
+    data = [bytes([i]) * 64 for i in range(3)]
+    tagger.tag([4, 5, 6], bindings, lambda i: data[i])
+    assert tagger.records([4, 5, 6], bindings).numel() == records_numel(3)
+    assert tagger.current([4, 5, 6], bindings) == [True] * 3
+    assert tagger.current([5], [bindings[0]]) == [False]
+    with pytest.raises(KeyError, match="block 5 holds no tag"):
+        tagger.records([5], [bindings[0]])
+    first = tagger.records([4], [bindings[0]])
+    tagger.tag([4], [bindings[0]], lambda i: data[0])  # NOTE: a new serial, a new tag
+    assert not torch.equal(tagger.records([4], [bindings[0]]), first)
