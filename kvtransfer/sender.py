@@ -46,6 +46,7 @@ from pdserve.kvtransfer.protocol import (
     KVTransferError,
     KVTransferStats,
     Ticket,
+    block_major,
     check_block_ids,
     claim_key,
     established_key,
@@ -139,6 +140,10 @@ class KVSender:
         self._counters = CounterSet()
         self.staging = StagingPool(staging_bytes)
         self.tagger = BlockTagger(kv_key, worker_id)
+        # NOTE: a block-major CPU cache's blocks as rows of bytes, for tagging in place
+        self._rows = (self.kv_cache.permute(2, 0, 1, 3, 4, 5)
+                      .reshape(self.kv_cache.shape[2], -1).view(torch.uint8).numpy()
+                      if not self.kv_cache.is_cuda and block_major(self.kv_cache) else None)
         self._tagging = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"kv-tag-{worker_id}")
 
@@ -165,6 +170,10 @@ class KVSender:
 
     def _tag_now(self, ids: list[int], bindings: list[bytes]) -> None:
         """Tag blocks ``ids`` (their wire bytes, as a send moves them) on this thread."""
+        if self._rows is not None:
+            rows = self._rows
+            self.tagger.tag(ids, bindings, lambda i: rows[ids[i]].data)
+            return
         with on_device(self.kv_cache):
             # NOTE: one block a chunk: in place where the cache is block-major
             source = payload.PayloadSource(self.kv_cache, ids, self.geometry, [1] * len(ids),
