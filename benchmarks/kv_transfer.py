@@ -30,10 +30,14 @@ are in place (pair: the pull's SUCCESS). Each pair transfer follows a plain one,
 two see the same drift in this machine's speed. Printed: the KV dtype and bytes per token
 (a block's bytes, scales included, over its tokens), GB/s of the median of ``--reps``
 runs, the ratio of the medians pair / plain, and in brackets the lowest and highest ratio
-of a pair transfer to the plain one just before it. Every pair transfer is also run again
-right after, on the same blocks, without its GMAC tags (``kvtransfer/auth.py``; a
-stand-in digest that computes and checks nothing, in both processes): the "tags" line is
-pair throughput with tags over without (medians). Run:
+of a pair transfer to the plain one just before it. The sending process tags every block
+of its cache once before the first transfer (``KVSender.tag_blocks``, as a prefill worker
+tags the blocks it wrote while the router picks a decode worker; printed as GB/s, and it
+checks at the end that no send had to tag a block itself), so a transfer sends those tags
+and the receiver checks each block as it lands (``kvtransfer/auth.py``). Every pair
+transfer is also run again right after, on the same blocks, without verification
+(stand-ins that compute and check nothing, in both processes, over the same frames): the
+"tags" line is pair throughput with verification over without (medians). Run:
 ``python benchmarks/kv_transfer.py --kv-cache-dtype auto --kv-cache-dtype int8``.
 
 ``--device cuda`` puts both caches on the GPU (both processes on GPU 0: two CUDA
@@ -338,7 +342,8 @@ def main() -> None:
               "(distinct NCCL_HOSTID: its network transport)")
     print("GB/s: median of the timed runs; ratio: pair / plain of the medians (lowest-highest "
           "of each pair run against the plain run before it); tags: pair throughput with "
-          "its GMAC tags / without (medians; the same blocks right after)")
+          "verification (block tags, GMAC of header and tags) / without (medians; the "
+          "same blocks right after)")
     print(f"{'geometry':>10} {'kv':>8} {'B/token':>7} {'prompt':>6} {'MiB':>6} {'plain':>6}"
           + "".join(f" {layout:>11} {'ratio':>15}" for layout in LAYOUTS))
     for geometry in args.geometry or GEOMETRIES:

@@ -209,6 +209,24 @@ def _on_this_node(config: WorkerConfig) -> WorkerConfig:
         kv_host=node_ip if config.kv_host in _WILDCARDS else config.kv_host)
 
 
+
+def _worker_niceness() -> int:
+    """``RAY_worker_niceness`` (default 0): the nice value of a local Ray's workers.
+
+    Raises:
+        ValueError: it is not an integer in [-20, 19], naming the variable.
+    """
+    raw = os.environ.get("RAY_worker_niceness", "0")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or not -20 <= value <= 19:
+        raise ValueError(f"RAY_worker_niceness must be an integer from -20 to 19 (a nice "
+                         f"value), got {raw!r}")
+    return value
+
+
 class RayLauncher:
     """Joins a Ray cluster (``ray_address``) or starts a local one, and runs worker actors.
 
@@ -247,8 +265,7 @@ class RayLauncher:
             if local:
                 # NOTE: Ray starts its workers at nice 15; here they are the engines, and
                 # the router, Redis and a client at nice 0 took their cores first
-                init_kwargs["_system_config"] = {
-                    "worker_niceness": int(os.environ.get("RAY_worker_niceness", "0"))}
+                init_kwargs["_system_config"] = {"worker_niceness": _worker_niceness()}
             if local and not loopback:
                 # NOTE: a routable local Ray's agent would export its Prometheus metrics on
                 # every interface to anyone; pdserve's own metrics do not go through Ray
