@@ -35,9 +35,10 @@ of its cache once before the first transfer (``KVSender.tag_blocks``, as a prefi
 tags the blocks it wrote while the router picks a decode worker; printed as GB/s, and it
 checks at the end that no send had to tag a block itself), so a transfer sends those tags
 and the receiver checks each block as it lands (``kvtransfer/auth.py``). Every pair
-transfer is also run again right after, on the same blocks, without verification
-(stand-ins that compute and check nothing, in both processes, over the same frames): the
-"tags" line is pair throughput with verification over without (medians). Run:
+transfer is also run right after or right before (in turn), on the same blocks, without
+verification (stand-ins that compute and check nothing, in both processes, over the same
+frames): the "tags" line is pair throughput with verification over without (medians).
+Run:
 ``python benchmarks/kv_transfer.py --kv-cache-dtype auto --kv-cache-dtype int8``.
 
 ``--device cuda`` puts both caches on the GPU (both processes on GPU 0: two CUDA
@@ -288,11 +289,12 @@ def run(geometry: str, reps: int, threads: int,
                 src = block_ids(num_blocks, n, layout, gen)
                 dst = block_ids(num_blocks, n, "consecutive" if layout == "mixed" else layout,
                                 gen)
-                times[layout].append(time_pair(conn, receiver, f"{tokens}-{layout}-{rep}",
-                                               src, dst))
-                # NOTE: the same blocks again without tags, for the tags' cost
-                untagged[layout].append(time_pair(conn, receiver, f"{tokens}-{layout}-{rep}u",
-                                                  src, dst, tagged=False))
+                # NOTE: the same blocks again without verification, for its cost; which
+                # of the two goes first alternates, so neither gains from its place
+                for tagged in (True, False) if rep % 2 == 0 else (False, True):
+                    (times[layout] if tagged else untagged[layout]).append(time_pair(
+                        conn, receiver, f"{tokens}-{layout}-{rep}{'' if tagged else 'u'}",
+                        src, dst, tagged=tagged))
         row = {"geometry": geometry, "kv_cache_dtype": kv_cache_dtype, "tokens": tokens,
                "blocks": n, "bytes": num_bytes, "bytes_per_token": num_bytes / tokens,
                "plain_gbps": num_bytes / statistics.median(times["plain"][len(LAYOUTS):]) / 1e9,

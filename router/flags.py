@@ -11,6 +11,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from pdserve.cluster.metrics_auth import is_loopback_host
 from pdserve.router.config import (
     GROUPS,
     APIAuthSettings,
@@ -229,15 +230,6 @@ def admin_auth_from_args(args: argparse.Namespace, api_auth: ApiKeyAuth | None =
         logger.info("operator authentication on: %d admin API key(s) from %s",
                     len(keys), source)
     return admin
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether a listening address (``--host``) is reachable from this machine only:
-    ``localhost``, 127.0.0.0/8 or ``::1``. A wildcard (``0.0.0.0``, ``::``), any other
-    address or a host name is routable."""
-    from pdserve.router.api_keys import is_loopback
-
-    return host.strip("[]").lower() == "localhost" or is_loopback(host.strip("[]"))
 
 
 def log_exposure(host: str, api_auth: ApiKeyAuth | None, admin_auth: AdminAuth,
