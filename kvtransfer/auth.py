@@ -22,7 +22,7 @@ Over the pair socket the blocks themselves are tagged once, when the prefill wor
 written them, not at each send (``BlockTagger``): each block's tag is AES-256-GCM's over
 the block's wire bytes as additional data and its *binding* as plaintext (what the block
 holds: ``engine.block_hash.block_bindings``, the chain hash of the prompt's tokens up to
-and including the block), under a key of the prefill worker's (``block_key``: the kv key,
+and including the block), under a key of the prefill worker's (``_block_key``: the kv key,
 the worker id and a random epoch drawn per ``KVSender``) and a nonce no other block of
 that key uses (a counter). The transfer then sends the tags of its blocks (a records
 frame, after the header) and the receiver (``BlockVerifier``) computes each block's tag

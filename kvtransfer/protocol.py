@@ -32,9 +32,10 @@ import torch
 
 HEADER_NUMEL = 16
 _MAGIC = 0x70645F6B76  # "pd_kv"
-# 4: a GMAC tag after the payload (kvtransfer/auth.py); 3: geometry with scales and
-# block bytes; 2: block-major chunks; 1: planes
-_VERSION = 4
+# 5: block tags (a records frame after the header, kvtransfer/auth.py); 4: a GMAC tag
+# after the payload; 3: geometry with scales and block bytes; 2: block-major chunks;
+# 1: planes
+_VERSION = 5
 
 # NOTE: codes are part of the wire format; append, never renumber.
 DTYPE_CODES: dict[torch.dtype, int] = {
