@@ -242,8 +242,9 @@ class BlockVerifier:
         self._aead = _block_aead(kv_key, prefill_worker_id, raw[:EPOCH_BYTES])
         self._partial = None  # (frame offset, GCM context) of a large block landing
         body = raw[EPOCH_BYTES:]
-        self._records = [(int.from_bytes(body[24 * i:24 * i + 8], "little"),
-                          body[24 * i + 8:24 * i + 24]) for i in range(n)]
+        # NOTE: (nonce, tag) per block, the nonce as GCM takes it (a block's serial)
+        self._records = [(body[24 * i:24 * i + 8] + bytes(4), body[24 * i + 8:24 * i + 24])
+                         for i in range(n)]
         self._bindings = list(bindings)
         self._block_bytes = block_bytes
         self._next = 0  # the next block of the payload to check
@@ -271,10 +272,10 @@ class BlockVerifier:
             if i >= len(self._records):
                 self._bad = True
                 return
-            serial, tag = self._records[i]
+            nonce, tag = self._records[i]
             data = view[self._done:self._done + size]
-            if not hmac.compare_digest(_block_tag(self._aead, serial, self._bindings[i],
-                                                  data), tag):
+            if not hmac.compare_digest(
+                    self._aead.encrypt(nonce, self._bindings[i], data)[-TAG_BYTES:], tag):
                 self._bad = True
                 return
             self._next += 1
@@ -290,7 +291,7 @@ class BlockVerifier:
                 return
             if self._partial is None:
                 self._partial = (self._done, Cipher(algorithms.AES(self._key), modes.GCM(
-                    _nonce(self._records[i][0]))).encryptor())
+                    self._records[i][0])).encryptor())
             start, gcm = self._partial
             end = min(upto, start + size)
             gcm.authenticate_additional_data(view[self._done:end])
