@@ -37,8 +37,9 @@ checks at the end that no send had to tag a block itself), so a transfer sends t
 and the receiver checks each block as it lands (``kvtransfer/auth.py``). Every pair
 transfer is also run right after or right before (in turn), on the same blocks, without
 verification (stand-ins that compute and check nothing, in both processes, over the same
-frames): the "tags" line is pair throughput with verification over without (medians).
-Run:
+frames): the "tags" line is pair throughput with verification over without, the median
+of each such pair of runs (lowest and highest in brackets; the machine's drift between
+one size's runs cancels) and, after "med", the ratio of the two medians. Run:
 ``python benchmarks/kv_transfer.py --kv-cache-dtype auto --kv-cache-dtype int8``.
 
 ``--device cuda`` puts both caches on the GPU (both processes on GPU 0: two CUDA
@@ -306,9 +307,14 @@ def run(geometry: str, reps: int, threads: int,
             row[f"{layout}_gbps"] = num_bytes / statistics.median(pair) / 1e9
             row[f"{layout}_ratio"] = row[f"{layout}_gbps"] / row["plain_gbps"]
             row[f"{layout}_ratio_range"] = (ratios[0], ratios[-1])
-            # NOTE: throughput with tags / without: time without / time with
-            row[f"{layout}_tagged_ratio"] = (statistics.median(untagged[layout][1:])
-                                             / statistics.median(pair))
+            # NOTE: throughput with verification / without: time without / time with, of
+            # each transfer and its unverified twin run beside it (drift between reps
+            # cancels), and of the medians
+            paired = sorted(u / t for t, u in zip(pair, untagged[layout][1:]))
+            row[f"{layout}_tagged_ratio"] = statistics.median(paired)
+            row[f"{layout}_tagged_ratio_range"] = (paired[0], paired[-1])
+            row[f"{layout}_tagged_ratio_of_medians"] = (statistics.median(untagged[layout][1:])
+                                                        / statistics.median(pair))
         rows.append(row)
     conn.send(None)
     child.join(30)
@@ -344,8 +350,9 @@ def main() -> None:
               "(distinct NCCL_HOSTID: its network transport)")
     print("GB/s: median of the timed runs; ratio: pair / plain of the medians (lowest-highest "
           "of each pair run against the plain run before it); tags: pair throughput with "
-          "verification (block tags, GMAC of header and tags) / without (medians; the "
-          "same blocks right after)")
+          "verification (block tags, GMAC of header and tags) / without, the same blocks "
+          "right before or after: median of each pair of runs (lowest-highest), and "
+          "'med': of the medians")
     print(f"{'geometry':>10} {'kv':>8} {'B/token':>7} {'prompt':>6} {'MiB':>6} {'plain':>6}"
           + "".join(f" {layout:>11} {'ratio':>15}" for layout in LAYOUTS))
     for geometry in args.geometry or GEOMETRIES:
@@ -360,9 +367,14 @@ def main() -> None:
                     line += (f" {r[f'{layout}_gbps']:>11.2f} {r[f'{layout}_ratio']:>5.2f} "
                              f"({low:.2f}-{high:.2f})")
                 print(line, flush=True)
-                print(f"{'':>10} {'':>8} {'':>7} {'':>6} {'':>6} {'tags':>6}" + "".join(
-                    f" {'':>11} {r[f'{layout}_tagged_ratio']:>5.2f} {'':>9}"
-                    for layout in LAYOUTS), flush=True)
+                tags = ""
+                for layout in LAYOUTS:
+                    low, high = r[f"{layout}_tagged_ratio_range"]
+                    of_medians = f"med {r[f'{layout}_tagged_ratio_of_medians']:.2f}"
+                    tags += (f" {of_medians:>11} {r[f'{layout}_tagged_ratio']:>5.2f} "
+                             f"({low:.2f}-{high:.2f})")
+                print(f"{'':>10} {'':>8} {'':>7} {'':>6} {'':>6} {'tags':>6}" + tags,
+                      flush=True)
             print(f"{'':>10} {kv_cache_dtype:>8} tagging every block once on the sending "
                   f"side (as prefill does): {r['tag_gbps']:.2f} GB/s", flush=True)
 

@@ -38,6 +38,9 @@ def test_kv_transfer_benchmark_moves_every_layout_and_reports_ratios(monkeypatch
             low, high = row[f"{layout}_ratio_range"]
             assert 0 < low <= high
             assert row[f"{layout}_tagged_ratio"] > 0  # the tags' cost, measured beside
+            low, high = row[f"{layout}_tagged_ratio_range"]
+            assert 0 < low <= row[f"{layout}_tagged_ratio"] <= high
+            assert row[f"{layout}_tagged_ratio_of_medians"] > 0
     from pdserve.kvtransfer import auth, receiver, sender
     assert (sender.PayloadDigest, receiver.PayloadDigest, receiver.BlockVerifier) == (
         auth.PayloadDigest, auth.PayloadDigest, auth.BlockVerifier)  # restored by run()
