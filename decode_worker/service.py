@@ -38,7 +38,6 @@ import grpc
 
 from pdserve.cluster.wire import KVHandle
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.block_hash import block_bindings
 from pdserve.engine.engine_outputs import EngineOutput
 from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
@@ -189,11 +188,8 @@ class DecodeService:
         try:
             try:
                 if alloc.block_indices:
-                    kv = self.engine.engine.kv_cache_manager
-                    bindings = block_bindings(prompt, kv.block_size, kv.root_hash, cache_salt)
                     num_bytes = await self._pull(request_id, handle, alloc.block_ids,
-                                                 alloc.block_indices,
-                                                 [bindings[i] for i in alloc.block_indices])
+                                                 alloc.block_indices, alloc.bindings)
                 else:  # everything was cached here: just end the prefill worker's lease
                     await self._end_lease(request_id, handle)
                     num_bytes = 0
@@ -240,8 +236,8 @@ class DecodeService:
     async def _pull(self, request_id: str, handle: KVHandle, block_ids: list[int],
                     block_indices: list[int], bindings: list[bytes]) -> int:
         """Receive the prompt blocks at ``block_indices`` into ``block_ids``; returns bytes.
-        ``bindings``: what each must hold (``block_hash.block_bindings`` of the prompt, at
-        those positions); the prefill worker's tags must be of them.
+        ``bindings``: what each must hold (``KVTransferAllocation.bindings``); the prefill
+        worker's tags must be of them.
         On any failure or cancellation the pull is cancelled first, so nothing writes into
         the blocks once this returns or raises. No thread waits for it (module
         docstring)."""

@@ -14,12 +14,15 @@ from pdserve.engine.request import Logprob
 class KVTransferAllocation:
     """Where a decode worker puts pulled KV: prompt block ``block_indices[i]`` (its
     position in the prompt's block list) goes into local block ``block_ids[i]``.
-    ``num_cached_tokens`` prompt tokens were already cached here and are not pulled."""
+    ``num_cached_tokens`` prompt tokens were already cached here and are not pulled.
+    ``bindings[i]``: what block ``block_indices[i]`` must hold (``block_hash.block_bindings``
+    of the prompt), which the KV path's block tags are checked against."""
 
     request_id: str
     block_indices: list[int]
     block_ids: list[int]
     num_cached_tokens: int
+    bindings: list[bytes]
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pdserve.engine.block_hash import root_block_hash
+from pdserve.engine.block_hash import block_bindings, root_block_hash
 from pdserve.engine.block_pool import KVEvent
 from pdserve.engine.config import ModelConfig, cpu_compute_dtype
 from pdserve.engine.cpu_threads import bind_intra_op_threads
@@ -351,9 +351,15 @@ class LLMEngine:
         block_size = self.config.block_size
         first_missing = request.num_cached_tokens // block_size
         block_ids = self.kv_cache_manager.block_ids(request_id)
+        # NOTE: the prompt's full blocks are hashed already (the prefix cache's lookup);
+        # a block the first token completes is not a prompt block
+        kv = self.kv_cache_manager
+        full = kv.update_block_hashes(request)[:request.num_prompt_tokens // block_size]
+        bindings = block_bindings(request.prompt_token_ids, block_size, kv.root_hash,
+                                  request.cache_salt, full_hashes=full)
         return KVTransferAllocation(
             request_id, list(range(first_missing, cdiv(request.num_prompt_tokens, block_size))),
-            block_ids[first_missing:], request.num_cached_tokens)
+            block_ids[first_missing:], request.num_cached_tokens, bindings[first_missing:])
 
     def finish_kv_transfer(self, request_id: str, ok: bool) -> bool:
         """The pull for ``request_id`` ended (``ok``: all blocks arrived). True if the

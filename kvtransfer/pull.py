@@ -113,12 +113,12 @@ class KVPull(KVTransfer):
     """
 
     def __init__(self, request_id: str, prefill_worker_id: str, block_ids: list[int],
-                 channel: RecvChannel, ticket: Ticket, deadline: float) -> None:
+                 channel: RecvChannel, ticket: Ticket, deadline: float,
+                 bindings: list[bytes]) -> None:
         super().__init__(request_id, len(block_ids), deadline)
         self.prefill_worker_id = prefill_worker_id
         self.block_ids = block_ids
-        # what each block must hold (``auth.BlockVerifier``); set by ``KVReceiver.init``
-        self.bindings: list[bytes] = []
+        self.bindings = bindings  # what each block must hold (``auth.BlockVerifier``)
         self.channel = channel
         self.ticket = ticket
         self._claimed = threading.Event()

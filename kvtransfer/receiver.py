@@ -185,8 +185,8 @@ class KVReceiver:
                                 len(ids), self.geometry,
                                 tuple(plan_chunks(self.kv_cache, ids, self.geometry)),
                                 secrets.token_hex(16))
-                pull = KVPull(request_id, prefill_worker_id, ids, channel, ticket, deadline)
-                pull.bindings = bindings
+                pull = KVPull(request_id, prefill_worker_id, ids, channel, ticket, deadline,
+                              bindings)
                 self._store.set(ticket_key(prefix, request_id), ticket.encode())
             except (RuntimeError, dist.DistError) as exc:
                 raise KVTransferError(f"KV receiver store failed: {exc}") from exc

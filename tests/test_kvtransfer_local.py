@@ -126,23 +126,22 @@ def test_a_drained_payload_of_more_chunks_than_ring_slots_is_received_whole():
     server.close()
 
 
-@pytest.mark.parametrize("layout,streamed", [("block", False), ("layer", False),
-                                             ("block", True)])
-def test_a_payload_whose_tags_are_not_its_senders_is_refused(layout, streamed, monkeypatch):
+@pytest.mark.parametrize("layout,small_pieces", [("block", False), ("layer", False),
+                                                  ("block", True)])
+def test_a_payload_whose_tags_are_not_its_senders_is_refused(layout, small_pieces,
+                                                             monkeypatch):
     """The receiver checks each block's tag as it lands (``auth.BlockVerifier``), and
     the transfer's GMAC over header and block records: its own tags pass (bytes equal);
     blocks tagged under another cluster secret, blocks that hold other tokens than the
     receiver expects (another binding: a replayed block of another prompt), a flipped
     byte, and records under another transfer key each fail the pull, however the bytes
-    arrived (in place, or through the staging ring), and whether each block is checked
-    whole or (``streamed``: large blocks) piece by piece as it lands, here in pieces of
-    300 bytes that cut 1 KiB blocks anywhere."""
-    from pdserve.kvtransfer import auth, socket_pair
+    arrived (in place, or through the staging ring), and however the socket's pieces
+    cut the blocks (``small_pieces``: 300 bytes, so 1 KiB blocks land over several)."""
+    from pdserve.kvtransfer import socket_pair
     from pdserve.kvtransfer.auth import BlockVerifier, PayloadDigest, request_bindings
     from pdserve.kvtransfer.protocol import Header
 
-    if streamed:
-        monkeypatch.setattr(auth, "INCREMENTAL_BYTES", 0)
+    if small_pieces:
         monkeypatch.setattr(socket_pair, "PIECE_BYTES", 300)
 
     groups, server = _pair_groups(f"tag-test-{layout}")
