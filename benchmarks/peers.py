@@ -13,7 +13,8 @@ each of ``--offline-repeats`` timed runs; the best run counts.
 
 Served (``--skip-serve`` leaves it out): ``--runs`` rounds; in each, every server starts
 fresh (``pdserve serve`` in its default configuration plus ``--pdserve-args``, then
-``vllm serve``; ``--servers`` picks among them), gets one warm-up request, and is driven by
+``vllm serve``; ``--servers`` picks among them; both with ``--max-model-len 2048`` unless
+``--pdserve-args`` sets another), gets one warm-up request, and is driven by
 vLLM's own client::
 
     vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random
@@ -90,6 +91,9 @@ from model_shapes import SHAPES, prepare_model
 HERE = Path(__file__).resolve().parent
 W1_PROMPTS, W1_INPUT_LEN, W1_OUTPUT_LEN, W1_TOKEN_RANGE = 32, 256, 128, 2000
 SERVE_PROMPTS, SERVE_CONCURRENCY = 64, 32
+# NOTE: both servers' context; Qwen3-0.6B's own (40960 tokens) needs more KV cache than
+# either server's default holds, and both refuse to start rather than serve less
+SERVE_MAX_MODEL_LEN = 2048
 START_TIMEOUT_S = 600.0
 RUN_TIMEOUT_S = 1200.0
 
@@ -273,14 +277,17 @@ def auto_dtype() -> str:
 
 def start_pdserve(args, model: Path, port: int, log: Path) -> Server:
     dtype = [] if args.dtype == auto_dtype() else ["--dtype", args.dtype]
+    extra = args.pdserve_args.split()
+    context = [] if "--max-model-len" in extra else ["--max-model-len", str(SERVE_MAX_MODEL_LEN)]
     argv = ["pdserve", "serve", "--model", str(model), "--port", str(port),
-            "--grpc-port", str(args.grpc_port), *dtype, *args.pdserve_args.split()]
+            "--grpc-port", str(args.grpc_port), *dtype, *context, *extra]
     return Server("pdserve serve", argv, log)
 
 
 def start_vllm(args, model: Path, port: int, log: Path, work: Path) -> Server:
     argv = [args.vllm_python, str(work / "vllm_cli.py"), "serve", str(model),
-            "--port", str(port), "--dtype", args.dtype, "--max-model-len", "2048"]
+            "--port", str(port), "--dtype", args.dtype,
+            "--max-model-len", str(SERVE_MAX_MODEL_LEN)]
     return Server("vllm serve", argv, log, env=vllm_env(cpu_list()), cwd=work)
 
 
