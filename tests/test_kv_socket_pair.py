@@ -30,21 +30,36 @@ def server():
     server.close()
 
 
-def _connect(server, prefix: str, key: bytes = KV_KEY, before_client=None):
+def _connect(server, prefix: str, key: bytes = KV_KEY, before_client=None,
+             decode_errors: list | None = None, timeout_s: float = 10):
     """Both ends of one pair (decode listening in a thread, prefill connecting); runs
-    ``before_client(port)`` once the listener is up, before the prefill side connects."""
+    ``before_client(port)`` once the listener is up, before the prefill side connects.
+    What the decode side raises goes into ``decode_errors`` (the prefill side's error
+    propagates once the decode side has ended too)."""
     pairs: dict = {}
+    errors = [] if decode_errors is None else decode_errors
     local = server.local()
-    decode = threading.Thread(target=lambda: pairs.__setitem__(1, SocketPair.connect(
-        dist.PrefixStore(prefix, local), 1, "127.0.0.1", pair_key(KV_KEY, prefix), 10)))
+
+    def listen() -> None:
+        try:
+            pairs[1] = SocketPair.connect(dist.PrefixStore(prefix, local), 1, "127.0.0.1",
+                                          pair_key(KV_KEY, prefix), timeout_s)
+        except KVTransferError as exc:
+            errors.append(exc)
+
+    decode = threading.Thread(target=listen)
     decode.start()
-    remote = RemoteStore("127.0.0.1", server.port, KV_KEY, 10)
-    port = int(dist.PrefixStore(prefix, remote).get(socket_pair.PORT_KEY).decode())
-    if before_client is not None:
-        before_client(port)
-    pairs[0] = SocketPair.connect(dist.PrefixStore(prefix, remote), 0, "127.0.0.1",
-                                  pair_key(key, prefix), 10)
-    decode.join(10)
+    try:
+        remote = RemoteStore("127.0.0.1", server.port, KV_KEY, 10)
+        port = int(dist.PrefixStore(prefix, remote).get(socket_pair.PORT_KEY).decode())
+        if before_client is not None:
+            before_client(port)
+        pairs[0] = SocketPair.connect(dist.PrefixStore(prefix, remote), 0, "127.0.0.1",
+                                      pair_key(key, prefix), timeout_s)
+    finally:
+        decode.join(timeout_s + 5)
+    assert not decode.is_alive()
+    assert decode_errors is not None or not errors, errors
     return pairs, port
 
 
@@ -84,8 +99,11 @@ def test_a_client_without_the_pair_key_is_dropped_and_the_listener_keeps_serving
 
 
 def test_a_peer_with_another_key_never_connects(server):
+    decode_errors: list = []
     with pytest.raises(KVTransferError, match="pair key|refused"):
-        _connect(server, "pair/b", key=b"x" * 32)
+        _connect(server, "pair/b", key=b"x" * 32, decode_errors=decode_errors, timeout_s=2)
+    # NOTE: the listening side never got a peer that proved the key, and gave up in time
+    assert len(decode_errors) == 1 and "did not connect" in str(decode_errors[0])
 
 
 def test_overlapping_transfers_each_wait_their_tags_turn(server):
