@@ -187,11 +187,14 @@ class LLMEngine:
             useful = cfg.max_num_seqs * min_blocks
             num_blocks = min(_CPU_KV_CACHE_BYTES // block_bytes, useful)
         if num_blocks < min_blocks:
+            # NOTE: as vLLM, refuse rather than serve less, and say what would fit
             raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {cfg.block_size} tokens, fewer than "
-                f"one max_model_len={mc.max_model_len} sequence needs ({min_blocks}); raise "
-                "kv_cache_memory_bytes / gpu_memory_utilization / num_gpu_blocks_override or "
-                "lower max_model_len")
+                f"the KV cache holds {num_blocks} blocks of {cfg.block_size} tokens "
+                f"({num_blocks * block_bytes} bytes), fewer than one max_model_len="
+                f"{mc.max_model_len} sequence needs ({min_blocks} blocks, "
+                f"{min_blocks * block_bytes} bytes); raise kv_cache_memory_bytes / "
+                "gpu_memory_utilization / num_gpu_blocks_override, or lower max_model_len "
+                f"to at most {num_blocks * cfg.block_size}")
         return int(num_blocks)
 
     def _check_gpu_share(self) -> int:

@@ -175,9 +175,14 @@ def test_unsupported_checkpoints_are_refused(tmp_path):
 
 
 def test_kv_cache_too_small_is_refused(tiny_checkpoints):
-    with pytest.raises(ValueError, match="max_model_len=256"):
+    with pytest.raises(ValueError, match="max_model_len=256") as refused:
         LLM(str(tiny_checkpoints["llama"]), max_model_len=256, num_gpu_blocks_override=4,
             load_progress=False)
+    # NOTE: it says what would fit: 4 blocks of 16 tokens
+    assert "lower max_model_len to at most 64" in str(refused.value)
+    llm = LLM(str(tiny_checkpoints["llama"]), max_model_len=64, num_gpu_blocks_override=4,
+              load_progress=False)
+    assert llm.engine.max_model_len == 64
 
 
 def test_dtype_aliases_and_errors():
