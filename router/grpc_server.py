@@ -7,7 +7,7 @@ accepted API key where keys are set (``router/api_keys.py``); INVALID_ARGUMENT f
 input (the message names the field and the limit; the bounds are the HTTP API's,
 ``router/limits.py``), also for a request that does not parse (a string field that is not
 UTF-8) and for a ``request_id`` that is longer than 128 characters or holds a character
-outside ``[A-Za-z0-9._:-]``; ALREADY_EXISTS for a ``request_id`` of a request still running
+outside ``[A-Za-z0-9._:-]`` (in ``Abort`` also an empty one); ALREADY_EXISTS for a ``request_id`` of a request still running
 on this router (ids are unique among running requests; an empty one gets ``grpc-<hex>``);
 NOT_FOUND for an unknown model; UNAVAILABLE when no worker of a needed role is
 live; INTERNAL, saying only "internal error" (the stack goes to the log), for a bug or a
@@ -210,6 +210,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             chunks.put_nowait(exc)
 
     async def Abort(self, request, context):
+        """Abort the running ``Generate`` whose id is ``request_id``; ``aborted`` says
+        whether one was running. An empty or malformed id (``limits.check_request_id``)
+        gets INVALID_ARGUMENT naming the field, as in ``Generate``."""
+        try:
+            if not request.request_id:
+                raise RequestError("Invalid value for 'request_id': required, the id of "
+                                   "the request to abort", param="request_id")
+            check_field("request_id", check_request_id, request.request_id)
+        except (RequestError, ValueError) as exc:
+            await context.abort(*_status(exc))
         entry = self._running.pop(request.request_id, None)
         if entry is not None:
             pump, chunks = entry

@@ -397,7 +397,8 @@ def test_grpc_request_ids_are_checked_and_unique_among_running_requests(cluster)
     """Over real gRPC: a bad ``request_id`` gets INVALID_ARGUMENT naming the field and
     the limit; the id of a running request gets ALREADY_EXISTS while the running one goes
     on undisturbed; ids that look like its attempt ids run beside it; once it has ended
-    its id may be used again."""
+    its id may be used again. ``Abort`` of an unknown id answers ``aborted`` false, of an
+    empty or malformed one INVALID_ARGUMENT naming the field."""
     async def main():
         async with grpc.aio.insecure_channel(cluster.grpc_address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
@@ -417,6 +418,15 @@ def test_grpc_request_ids_are_checked_and_unique_among_running_requests(cluster)
             abort = await stub.Abort(router_pb2.RouterAbortRequest(request_id="gone"),
                                      timeout=10)
             after_abort = await drain(await generate(stub, "gone", 8))
+            unknown = await stub.Abort(router_pb2.RouterAbortRequest(request_id="never-ran"),
+                                       timeout=10)
+            assert not unknown.aborted
+            for bad_id, says in (("", "required"), ("x" * 129, "128"), ("a b", "' '")):
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await stub.Abort(router_pb2.RouterAbortRequest(request_id=bad_id),
+                                     timeout=10)
+                assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad_id
+                assert "request_id" in error.value.details() and says in error.value.details()
             return (bad, fits, first, duplicate, beside, rest, again, abort.aborted,
                     after_abort)
 
