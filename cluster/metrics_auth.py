@@ -30,57 +30,17 @@ Imports nothing heavy: ``pdserve --help`` reads the flags below.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import ipaddress
 import logging
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+from pdserve.cluster.bearer_keys import digest, load_keys, matches
 
 logger = logging.getLogger(__name__)
 
 METRICS_KEY_ENV = "PDSERVE_METRICS_API_KEY"
 LOOPBACK_HOST = "127.0.0.1"  # where a routable worker with no key serves its metrics
-
-
-def check_metrics_key(key: str, where: str) -> str:
-    """``key`` itself when it can be sent as ``Authorization: Bearer <key>``: not empty,
-    printable ASCII without spaces.
-
-    Raises:
-        ValueError: naming ``where`` (a flag, variable or file and line), never the key.
-    """
-    if not key:
-        raise ValueError(f"{where}: the metrics API key is empty")
-    if not all("!" <= ch <= "~" for ch in key):
-        raise ValueError(f"{where}: a metrics API key must be printable ASCII without "
-                         "spaces (as sent in 'Authorization: Bearer <key>')")
-    return key
-
-
-def read_metrics_key_file(path: str) -> list[str]:
-    """The keys in the file ``path``, one per non-empty line (surrounding whitespace
-    removed).
-
-    Raises:
-        ValueError: the file cannot be read, is not UTF-8, holds no key, or a line is not
-            a valid key; the message names the path and the line.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
-        raise ValueError(f"--metrics-api-key-file: cannot read {path}: "
-                         f"{exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"--metrics-api-key-file: {path} is not UTF-8 text") from None
-    keys = [check_metrics_key(line.strip(), f"{path}, line {number}")
-            for number, line in enumerate(lines, 1) if line.strip()]
-    if not keys:
-        raise ValueError(f"--metrics-api-key-file: {path} holds no key (one per non-empty "
-                         "line)")
-    return keys
 
 
 def load_metrics_keys(cli_keys: Iterable[str] = (), key_file: str | None = None,
@@ -95,22 +55,7 @@ def load_metrics_keys(cli_keys: Iterable[str] = (), key_file: str | None = None,
         ValueError: a key is empty or invalid, the file is unusable, or the variable is
             set but empty; the message names the flag, file and line, or variable.
     """
-    keys = [check_metrics_key(key, "--metrics-api-key") for key in cli_keys]
-    sources = ["--metrics-api-key"] if keys else []
-    if key_file:
-        keys += read_metrics_key_file(key_file)
-        sources.append("--metrics-api-key-file")
-    if keys:
-        return keys, ", ".join(sources)
-    environ = os.environ if environ is None else environ
-    if METRICS_KEY_ENV in environ:
-        return [check_metrics_key(environ[METRICS_KEY_ENV].strip(), METRICS_KEY_ENV)], \
-            METRICS_KEY_ENV
-    return [], None
-
-
-def _digest(key: bytes) -> bytes:
-    return hashlib.sha256(key).digest()
+    return load_keys(cli_keys, key_file, environ, "--metrics-api-key", (METRICS_KEY_ENV,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +70,7 @@ class MetricsAuth:
     def of(cls, keys: Iterable[str] = (), also: Iterable[bytes] = ()) -> MetricsAuth:
         """Accept each of ``keys`` and each digest in ``also`` (the router's admin keys,
         ``AdminAuth.key_digests``)."""
-        digests = [_digest(key.encode("ascii")) for key in keys]
+        digests = [digest(key.encode("ascii")) for key in keys]
         return cls(tuple(dict.fromkeys([*digests, *also])))
 
     def __bool__(self) -> bool:
@@ -137,11 +82,8 @@ class MetricsAuth:
         scheme, _, token = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip() or not self.key_digests:
             return False
-        presented = _digest(token.strip().encode("utf-8", "surrogateescape"))
-        matched = False
-        for digest in self.key_digests:
-            matched |= hmac.compare_digest(presented, digest)
-        return matched
+        return matches(digest(token.strip().encode("utf-8", "surrogateescape")),
+                       self.key_digests)
 
 
 def is_loopback_host(host: str) -> bool:

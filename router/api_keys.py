@@ -34,11 +34,8 @@ matched.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import ipaddress
 import logging
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -46,6 +43,7 @@ import grpc
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.cluster.auth import unauthenticated_handler
+from pdserve.cluster.bearer_keys import check_key, digest, load_keys, matches
 from pdserve.router.config import (
     DEFAULT_PUBLIC_ENDPOINTS,
     check_public_paths,
@@ -71,43 +69,6 @@ LOOPBACK_ONLY = ("Admin endpoints answer only loopback clients (127.0.0.0/8, ::1
                  "(--admin-api-key).")
 
 
-def check_api_key(key: str) -> str:
-    """``key`` itself, when it can be sent in an HTTP header and in gRPC metadata: not
-    empty, printable ASCII without spaces (as a bearer token is).
-
-    Raises:
-        ValueError: saying what is wrong, never showing the key.
-    """
-    if not key:
-        raise ValueError("the API key is empty")
-    if not all("!" <= ch <= "~" for ch in key):
-        raise ValueError("an API key must be printable ASCII without spaces (as sent in "
-                         "'Authorization: Bearer <key>')")
-    return key
-
-
-def read_api_key_file(path: str) -> list[str]:
-    """The keys in the file ``path``: one per non-empty line, surrounding whitespace
-    removed.
-
-    Raises:
-        ValueError: the file cannot be read, is not UTF-8, holds no key, or a line is not a
-            valid key (``check_api_key``); the message names the path and the line.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8 text") from None
-    keys = [_named(f"{path}, line {number}", check_api_key, line.strip())
-            for number, line in enumerate(lines, 1) if line.strip()]
-    if not keys:
-        raise ValueError(f"{path} holds no API key (one key per non-empty line)")
-    return keys
-
-
 def load_api_keys(cli_keys: Iterable[str] = (), key_file: str | None = None,
                   environ: Mapping[str, str] | None = None) -> tuple[list[str], str | None]:
     """The API keys and where they came from (for the log), e.g.
@@ -124,7 +85,7 @@ def load_api_keys(cli_keys: Iterable[str] = (), key_file: str | None = None,
             with the flag or variable (``PDSERVE_API_KEY: the API key is empty``) and
             names the file and line where there is one.
     """
-    return _load_keys(cli_keys, key_file, environ, "--api-key", ENV_VARS)
+    return load_keys(cli_keys, key_file, environ, "--api-key", ENV_VARS)
 
 
 def load_admin_api_keys(cli_keys: Iterable[str] = (), key_file: str | None = None,
@@ -139,36 +100,7 @@ def load_admin_api_keys(cli_keys: Iterable[str] = (), key_file: str | None = Non
         ValueError: as ``load_api_keys``, naming ``--admin-api-key``,
             ``--admin-api-key-file`` or ``PDSERVE_ADMIN_API_KEY``.
     """
-    return _load_keys(cli_keys, key_file, environ, "--admin-api-key", ADMIN_ENV_VARS)
-
-
-def _load_keys(cli_keys: Iterable[str], key_file: str | None,
-               environ: Mapping[str, str] | None, flag: str,
-               env_vars: tuple[str, ...]) -> tuple[list[str], str | None]:
-    environ = os.environ if environ is None else environ
-    keys = [_named(flag, check_api_key, key) for key in cli_keys]
-    sources = [flag] if keys else []
-    if key_file is not None:
-        keys += _named(f"{flag}-file", read_api_key_file, key_file)
-        sources.append(f"{flag}-file")
-    if keys:
-        return keys, ", ".join(sources)
-    for name in env_vars:
-        if name in environ:
-            return [_named(name, check_api_key, environ[name])], name
-    return [], None
-
-
-def _named(source: str, check, value):
-    """``check(value)``, its ValueError prefixed with ``source``."""
-    try:
-        return check(value)
-    except ValueError as exc:
-        raise ValueError(f"{source}: {exc}") from None
-
-
-def _digest(token: bytes) -> bytes:
-    return hashlib.sha256(token).digest()
+    return load_keys(cli_keys, key_file, environ, "--admin-api-key", ADMIN_ENV_VARS)
 
 
 def _bearer_digest(authorization: list[bytes]) -> bytes | str:
@@ -181,14 +113,7 @@ def _bearer_digest(authorization: list[bytes]) -> bytes | str:
     token = token.strip()
     if len(authorization) > 1 or scheme.lower() != b"bearer" or not token:
         return MALFORMED_KEY
-    return _digest(token)
-
-
-def _matches(token_digest: bytes, digests: tuple[bytes, ...]) -> bool:
-    matched = False
-    for digest in digests:  # NOTE: every key, no early exit: constant time
-        matched |= hmac.compare_digest(token_digest, digest)
-    return matched
+    return digest(token)
 
 
 def is_loopback(host: str | None) -> bool:
@@ -216,13 +141,13 @@ class ApiKeyAuth:
     @classmethod
     def of(cls, keys: Iterable[str],
            public_paths: Iterable[str] = DEFAULT_PUBLIC_ENDPOINTS) -> ApiKeyAuth:
-        """Accept each of ``keys`` (checked with ``check_api_key``).
+        """Accept each of ``keys`` (checked with ``bearer_keys.check_key``).
 
         Raises:
-            ValueError: no key, one that ``check_api_key`` refuses, or an admin path
+            ValueError: no key, one that ``bearer_keys.check_key`` refuses, or an admin path
                 (``is_admin_path``) among ``public_paths``.
         """
-        digests = tuple(_digest(check_api_key(key).encode("ascii")) for key in keys)
+        digests = tuple(digest(check_key(key).encode("ascii")) for key in keys)
         if not digests:
             raise ValueError("ApiKeyAuth needs at least one API key")
         check_public_paths(public_paths)
@@ -240,7 +165,7 @@ class ApiKeyAuth:
         token_digest = _bearer_digest(authorization)
         if isinstance(token_digest, str):
             return token_digest
-        matched = _matches(token_digest, self.key_digests) | _matches(token_digest, also)
+        matched = matches(token_digest, self.key_digests) | matches(token_digest, also)
         return None if matched else INVALID_KEY
 
 
@@ -253,12 +178,12 @@ class AdminAuth:
 
     @classmethod
     def of(cls, keys: Iterable[str] = ()) -> AdminAuth:
-        """Accept each of ``keys`` (checked with ``check_api_key``); none: loopback only.
+        """Accept each of ``keys`` (checked with ``bearer_keys.check_key``); none: loopback only.
 
         Raises:
-            ValueError: a key that ``check_api_key`` refuses.
+            ValueError: a key that ``bearer_keys.check_key`` refuses.
         """
-        return cls(tuple(_digest(check_api_key(key).encode("ascii")) for key in keys))
+        return cls(tuple(digest(check_key(key).encode("ascii")) for key in keys))
 
     @property
     def has_keys(self) -> bool:
@@ -284,8 +209,8 @@ class AdminAuth:
         token_digest = _bearer_digest(authorization)
         if isinstance(token_digest, str):
             return 401, token_digest, "invalid_api_key"
-        is_admin = _matches(token_digest, self.key_digests)
-        is_client = client is not None and _matches(token_digest, client.key_digests)
+        is_admin = matches(token_digest, self.key_digests)
+        is_client = client is not None and matches(token_digest, client.key_digests)
         if is_admin:
             return None
         if is_client:

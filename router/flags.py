@@ -138,17 +138,17 @@ def add_api_auth_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _api_key(value: str) -> str:
-    from pdserve.router.api_keys import check_api_key
+    from pdserve.cluster.bearer_keys import check_key
 
-    return _argument(check_api_key, value)
+    return _argument(check_key, value)
 
 
 def _api_key_file(path: str) -> str:
     # NOTE: read now, and again by api_auth_from_args, so that a bad file stops
     # ``pdserve serve`` before it starts anything
-    from pdserve.router.api_keys import read_api_key_file
+    from pdserve.cluster.bearer_keys import read_key_file
 
-    _argument(read_api_key_file, path)
+    _argument(read_key_file, path)
     return path
 
 

@@ -149,13 +149,13 @@ def test_keys_come_from_flags_else_the_environment(tmp_path):
     assert load_metrics_keys((), None, {METRICS_KEY_ENV: "env-key"}) == (
         ["env-key"], METRICS_KEY_ENV)
     assert load_metrics_keys((), None, {}) == ([], None)
-    with pytest.raises(ValueError, match=f"{METRICS_KEY_ENV}: the metrics API key is empty"):
+    with pytest.raises(ValueError, match=f"{METRICS_KEY_ENV}: the API key is empty"):
         load_metrics_keys((), None, {METRICS_KEY_ENV: ""})  # set but empty: not "no key"
     (tmp_path / "bad").write_text("a key with spaces\n")
     with pytest.raises(ValueError, match="bad, line 1"):
         load_metrics_keys((), str(tmp_path / "bad"), {})
     (tmp_path / "empty").write_text("\n\n")
-    with pytest.raises(ValueError, match="holds no key"):
+    with pytest.raises(ValueError, match="holds no API key"):
         load_metrics_keys((), str(tmp_path / "empty"), {})
 
 
