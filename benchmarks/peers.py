@@ -278,7 +278,8 @@ def auto_dtype() -> str:
 def start_pdserve(args, model: Path, port: int, log: Path) -> Server:
     dtype = [] if args.dtype == auto_dtype() else ["--dtype", args.dtype]
     extra = args.pdserve_args.split()
-    context = [] if "--max-model-len" in extra else ["--max-model-len", str(SERVE_MAX_MODEL_LEN)]
+    context = ([] if any(a.split("=")[0] == "--max-model-len" for a in extra)
+               else ["--max-model-len", str(SERVE_MAX_MODEL_LEN)])
     argv = ["pdserve", "serve", "--model", str(model), "--port", str(port),
             "--grpc-port", str(args.grpc_port), *dtype, *context, *extra]
     return Server("pdserve serve", argv, log)

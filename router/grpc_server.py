@@ -7,11 +7,11 @@ accepted API key where keys are set (``router/api_keys.py``); INVALID_ARGUMENT f
 input (the message names the field and the limit; the bounds are the HTTP API's,
 ``router/limits.py``), also for a request that does not parse (a string field that is not
 UTF-8) and for a ``request_id`` that is longer than 128 characters or holds a character
-outside ``[A-Za-z0-9._:-]`` (in ``Abort`` also an empty one); ALREADY_EXISTS for a ``request_id`` of a request still running
-on this router (ids are unique among running requests; an empty one gets ``grpc-<hex>``);
-NOT_FOUND for an unknown model; UNAVAILABLE when no worker of a needed role is
-live; INTERNAL, saying only "internal error" (the stack goes to the log), for a bug or a
-worker's failure.
+outside ``[A-Za-z0-9._:-]`` (in ``Abort`` also an empty one); ALREADY_EXISTS for a
+``request_id`` of a request still running on this router (ids are unique among running
+requests; an empty one gets ``grpc-<hex>``); NOT_FOUND for an unknown model; UNAVAILABLE
+when no worker of a needed role is live; INTERNAL, saying only "internal error" (the
+stack goes to the log), for a bug or a worker's failure.
 
 A client's side of a connection is bounded as the HTTP API's is (``router/http_server.py``;
 ``GRPCLimits``): its HTTP/2 preface must arrive within the header deadline; one connection
