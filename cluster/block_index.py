@@ -92,6 +92,8 @@ def new_block_index(capacity: int):
     - ``add(slot, packed) -> int`` / ``remove(slot, packed) -> int``: hashes new to /
       removed from the slot;
     - ``remove_slot(slot) -> int``: forget every block of a slot, O(its blocks);
+    - ``replace(slot, packed) -> int``: ``remove_slot`` then ``add`` in one call (no
+      lookup sees the slot in between); the slot's blocks after it;
     - ``lookup(packed) -> numpy int32 [capacity]``: leading blocks held per slot;
     - ``lookup_tokens(token_ids, block_size, root, salt) -> (num_blocks, counts)``: the
       prompt's full blocks and ``lookup`` of its chain (``salt``: bytes), hashing at most

@@ -56,6 +56,9 @@ class LocalPrefixIndex:
         self.retry_interval_s = retry_interval_s
         self.available = False
         self.num_reloads = 0
+        # NOTE: bumped whenever a worker gets or gives back a slot; routers re-read
+        # their workers' slots (slot_of) when it changed, not on a timer
+        self.slots_version = 0
         self._client = PrefixIndex(redis_url, socket_timeout_s=socket_timeout_s + block_s)
         self._index = block_index.new_block_index(capacity)
         self._slots: dict[str, int] = {}
@@ -92,7 +95,8 @@ class LocalPrefixIndex:
         self._client.close()
 
     def slot_of(self, worker_id: str) -> int | None:
-        """The worker's slot, None when it has no blocks indexed."""
+        """The worker's slot, None when it has no blocks indexed. A slot given or freed
+        bumps ``slots_version`` (read it first, then the slots)."""
         return self._slots.get(worker_id)
 
     def lookup_slots(self, packed_hashes: bytes) -> np.ndarray:
@@ -186,6 +190,7 @@ class LocalPrefixIndex:
             if slot is None and self._free:
                 slot = self._slots[worker_id] = self._free.pop()
                 self._ids[slot] = worker_id
+                self.slots_version += 1
             elif slot is None and not self._full_logged:
                 self._full_logged = True
                 logger.warning("prefix index: more than %d workers; %s is not indexed",
@@ -250,12 +255,12 @@ class LocalPrefixIndex:
         self._index.remove_slot(slot)
         self._ids[slot] = None
         self._free.append(slot)
+        self.slots_version += 1
 
     def _replace(self, worker_id: str, hashes) -> None:
         slot = self._slot(worker_id)
         if slot is not None:
-            self._index.remove_slot(slot)
-            self._index.add(slot, b"".join(hashes))
+            self._index.replace(slot, b"".join(hashes))
 
     def _apply(self, fields: dict[bytes, bytes]) -> None:
         """One stream entry: ``w`` worker, ``k`` kind, ``n`` sequence, ``h`` hashes."""

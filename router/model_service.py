@@ -473,6 +473,13 @@ class _IndexSlots:
         index = self.routing.index
         return index.slot_of(worker_id) if isinstance(index, LocalPrefixIndex) else None
 
+    @property
+    def slots_version(self) -> tuple[int, int]:
+        """Changes whenever ``slot_of`` may answer otherwise: the index replaced, or a
+        slot of it given or freed (``LocalPrefixIndex.slots_version``)."""
+        index = self.routing.index
+        return id(index), index.slots_version if isinstance(index, LocalPrefixIndex) else 0
+
 
 def _prefix_index(redis_url: str) -> LocalPrefixIndex | PrefixIndex:
     """The router's in-memory copy of the prefix index (not started), or the Redis client

@@ -20,7 +20,6 @@ workers' ids and placements, feed it loads, ask ``route``.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -163,7 +162,6 @@ _NO_MASK = np.zeros(0, dtype=np.uint8)
 # ``Router.route_decode`` / ``route_prefill`` results other than a position (the native
 # ``RoleView``'s constants): no live worker; live ones, all at their admission caps
 NO_LIVE, ALL_FULL, _SHORT, _NONE_APART = -1, -2, -3, -4
-_SLOT_REREAD_S = 0.05
 _native = None
 
 
@@ -274,7 +272,9 @@ class Router:
     Args:
         settings: ``RouteSettings`` (``RouteSettings.from_config(router_config)``).
         index: a ``LocalPrefixIndex`` (or anything with ``lookup_slots(packed) ->
-            int32 [capacity]`` and ``slot_of(worker_id)``), or None to route by load.
+            int32 [capacity]``, ``slot_of(worker_id)`` and, optionally,
+            ``slots_version``, which changes when a slot is given or freed), or None to
+            route by load.
         root_hash: the chain's ``h_{-1}`` (``engine.block_hash.root_block_hash``).
         prefill, decode: worker id -> placement, per role.
         rotation: the per-role tie counters (``{"prefill": count(), "decode": count()}``)
@@ -303,6 +303,8 @@ class Router:
     def refresh_slots(self) -> None:
         """Re-read each worker's index slot (after workers published for the first time
         or were forgotten). ``decide`` calls it when a lookup names a slot unknown here."""
+        # NOTE: the version before the slots: a slot given meanwhile is re-read next time
+        self._slots_version = getattr(self.index, "slots_version", None)
         known = set()
         for arrays in (self.prefill, self.decode):
             for i, worker_id in enumerate(arrays.ids):
@@ -311,7 +313,6 @@ class Router:
                 if slot is not None:
                     known.add(slot)
         self._known_array = np.array(sorted(known), dtype=np.int64)
-        self._slots_read_at = time.monotonic()
 
     def any_overlap(self, counts: np.ndarray) -> bool:
         """Whether an index lookup per slot gives any of these workers a block (the
@@ -320,11 +321,14 @@ class Router:
 
     def _check_slots(self, counts: np.ndarray) -> int:
         """How many of these workers' slots ``counts`` gives blocks; re-reads the workers'
-        slots first when another slot has some (a worker's first blocks), at most every
-        ``_SLOT_REREAD_S`` (slots of another model's workers stay unknown here)."""
+        slots first when another slot has some (a worker's first blocks) and the index
+        gave or freed a slot since they were read (its ``slots_version``; every time for
+        an index without one): slots of another model's workers stay unknown here and
+        cost no re-read per lookup."""
         self._checked = counts
         known, total = self._census(counts)
-        if known < total and time.monotonic() - self._slots_read_at >= _SLOT_REREAD_S:
+        if known < total and (self._slots_version is None or getattr(
+                self.index, "slots_version", None) != self._slots_version):
             self.refresh_slots()
             known, _ = self._census(counts)
         return known

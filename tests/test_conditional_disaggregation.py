@@ -131,11 +131,11 @@ def test_each_rule_decides_a_real_request(tmp_path):
                     proc.kill()
                 proc.wait(30)
     assert got == expected
-    assert cached == {"follow-up": 96}  # reported from the decode worker's own cache
     assert counts[0] == {"remote": 1, "short_prompt": 1}
     assert counts[1] == {"remote": 1, "short_prompt": 1, "cached_on_decode": 1}
     assert counts[2] == {"remote": 1, "short_prompt": 1, "cached_on_decode": 1,
                          "shared_compute": 1}
+    assert cached == {"follow-up": 96}  # reported from the decode worker's own cache
 
 
 def router_hashes(router: ModelService, prompt: list[int]) -> list[bytes]:

@@ -1,7 +1,7 @@
 """The router's in-memory prefix index (``LocalPrefixIndex``) against a real redis-server:
 it agrees with Redis's own answer, catches up from the snapshot and the stream, drops a
-forgotten worker (which republishes), re-reads a worker after a gap, and survives a Redis
-that restarted empty."""
+forgotten worker (which republishes), re-reads a worker after a gap, survives a Redis
+that restarted empty, and lets a router count a worker's first blocks at once."""
 
 from __future__ import annotations
 
@@ -107,6 +107,29 @@ def test_forgotten_worker_republishes(server, follower):
     finally:
         publisher.close(purge=True)
     assert wait_until(lambda: follower.slot_of("A") is None)  # left cleanly
+
+
+def test_a_router_sees_a_workers_first_blocks_at_once(index, follower):
+    """A decode worker whose first blocks reach the copy just after the router read its
+    workers' slots is credited with them by the next lookup (the router re-read slots
+    at most every 50 ms, and routed such a prompt as if the worker held nothing)."""
+    from pdserve.router.route import Router, RouteSettings
+
+    prompt = list(range(16 * 6 + 6))
+    h = hash_block_chain(prompt, 16, bytes(16))
+    index.update("P", h[:5], ())
+    assert wait_until(lambda: follower.longest_prefix(h, {"P"}) == {"P": 5})
+    for decode_id in ("D0", "D1", "D2"):
+        version = follower.slots_version
+        router = Router(RouteSettings(block_size=16, local_prefill_threshold=16), follower,
+                        bytes(16), {"P": "cpu@h:0"}, {decode_id: "cpu@h:1"})
+        assert router.decode.slots[0] == -1  # no blocks yet: no slot
+        index.update(decode_id, h[:6], ())
+        assert wait_until(lambda d=decode_id: follower.num_blocks(d) == 6, 2.0)
+        assert follower.slots_version > version
+        decision = router.route(prompt)
+        assert (decision.decode_worker_id, decision.prefill_worker_id, decision.reason) == \
+            (decode_id, None, "cached_on_decode")
 
 
 def test_a_gap_re_reads_the_worker(index, server, follower):

@@ -63,9 +63,13 @@ def test_lookup_matches_the_leading_run_of_each_slot(seed):
             gone = rng.sample(universe, rng.randrange(0, 10))
             assert index.remove(slot, block_index.packed(gone)) == len(held[slot] & set(gone))
             held[slot] -= set(gone)
-        else:
+        elif rng.random() < 0.5:
             assert index.remove_slot(slot) == len(held[slot])
             held[slot] = set()
+        else:  # a republished set
+            kept = chain[:n]
+            assert index.replace(slot, block_index.packed(kept)) == len(set(kept))
+            held[slot] = set(kept)
     for chain in chains:
         for length in (0, 1, 7, 20):
             got = index.lookup(block_index.packed(chain[:length]))

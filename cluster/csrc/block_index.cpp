@@ -281,6 +281,16 @@ class BlockIndex {
     return removed;
   }
 
+  // Makes `slot` hold exactly the packed hashes (a worker's whole set, republished) in
+  // one call, so no lookup (each holds the GIL) sees the slot emptied between the two
+  // halves; returns how many it holds now.
+  int64_t replace(int32_t slot, const std::string& packed) {
+    check(slot, packed);
+    remove_slot(slot);
+    add(slot, packed);
+    return slot_counts_[slot];
+  }
+
   // Leading blocks of the packed chain held per slot (int32 [capacity]); a slot's run
   // stops at its first miss.
   py::array_t<int32_t> lookup(const std::string& packed) const {
@@ -459,6 +469,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add", &BlockIndex::add, py::arg("slot"), py::arg("packed"))
       .def("remove", &BlockIndex::remove, py::arg("slot"), py::arg("packed"))
       .def("remove_slot", &BlockIndex::remove_slot, py::arg("slot"))
+      .def("replace", &BlockIndex::replace, py::arg("slot"), py::arg("packed"))
       .def("lookup", &BlockIndex::lookup, py::arg("packed"))
       .def("lookup_tokens", &BlockIndex::lookup_tokens, py::arg("token_ids"),
            py::arg("block_size"), py::arg("root"), py::arg("salt"))
