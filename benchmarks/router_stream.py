@@ -36,6 +36,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from pdserve.engine.demo_model import ensure_demo_model, read_demo_corpus
+from pdserve.engine.generation_config import GenerationDefaults
 from pdserve.engine.request import Logprob
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.router.detokenizer import IncrementalDetokenizer
@@ -113,6 +114,8 @@ class StandInRouter:
         self.step_s = step_s
         self.vocab_size = len(tokenizer)
         self.served_model_name = "demo"
+        self.served_model_names = ("demo",)
+        self.generation_defaults = GenerationDefaults()
         self.max_model_len = 1 << 20
         self.config = SimpleNamespace(model="demo", retry_after_s=1)
 
