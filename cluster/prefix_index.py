@@ -274,9 +274,11 @@ class KVEventPublisher:
 
     ``__call__`` only records the event (thread-safe, no I/O): it updates the worker's set
     of cached hashes and the pending changes, compacted per hash (a hash stored then
-    removed before a flush sends one SREM). A daemon thread flushes the pending changes
-    as they come (one write at a time: what arrives during a write goes in the next), and
-    with nothing to send still writes (an empty update that reads the epoch and the size
+    removed before a flush sends one SREM). A daemon thread sends the pending changes in
+    one write at most every ``flush_interval_s`` (a decode batch fills a block almost
+    every step: one write per step cost the worker, Redis and every router's follower
+    CPU beside the engine; ``flush`` sends at once), and with nothing to send still
+    writes (an empty update that reads the epoch and the size
     of the worker's set) every ``probe_interval_s``, sleeping in between. While Redis is
     down, changes stay pending and the thread retries every ``retry_interval_s``; when a
     write reports a new epoch (Redis restarted empty) or a set whose size is not what the
@@ -286,7 +288,9 @@ class KVEventPublisher:
     Args:
         redis_url: the index's Redis.
         worker_id: this worker's id in the registry.
-        flush_interval_s, probe_interval_s, retry_interval_s, socket_timeout_s: seconds.
+        flush_interval_s: least time between two writes of changes, and the poll while
+            Redis is down, seconds.
+        probe_interval_s, retry_interval_s, socket_timeout_s: seconds.
     """
 
     def __init__(self, redis_url: str, worker_id: str, *, flush_interval_s: float = 0.05,
@@ -305,6 +309,7 @@ class KVEventPublisher:
         self._to_remove: set[bytes] = set()
         self._busy = False
         self._closed = False
+        self._flush_now = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{worker_id}",
                                         daemon=True)
@@ -333,6 +338,7 @@ class KVEventPublisher:
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every change recorded so far is in Redis; False on timeout."""
         with self._cond:
+            self._flush_now = True
             self._cond.notify_all()
             return self._cond.wait_for(
                 lambda: self.available and not (self._to_add or self._to_remove or self._busy),
@@ -353,7 +359,7 @@ class KVEventPublisher:
         self.index.close()
 
     def _run(self) -> None:
-        last_contact_s = float("-inf")
+        last_contact_s = last_write_s = float("-inf")
         while True:
             with self._cond:
                 # NOTE: an event wakes the thread at once; with nothing to send it sleeps
@@ -364,8 +370,12 @@ class KVEventPublisher:
                     last_contact_s + self.probe_interval_s - time.monotonic())
                 self._cond.wait_for(lambda: self._closed or self._to_add or self._to_remove,
                                     wait_s)
+                # NOTE: changes within flush_interval_s of the last write go in one write
+                self._cond.wait_for(lambda: self._closed or self._flush_now,
+                                    last_write_s + self.flush_interval_s - time.monotonic())
                 if self._closed:
                     return
+                self._flush_now = False
                 due = time.monotonic() - last_contact_s >= self.probe_interval_s
                 if not (self._to_add or self._to_remove or due or not self.available):
                     continue
@@ -378,6 +388,8 @@ class KVEventPublisher:
                 self._busy = False
                 if ok:
                     last_contact_s = time.monotonic()
+                    if added or removed:
+                        last_write_s = last_contact_s
                 else:
                     self._requeue(added, removed)
                 self._cond.notify_all()

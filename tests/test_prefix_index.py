@@ -152,6 +152,33 @@ def test_publisher_flushes_compacted_events(index):
     assert index.longest_prefix(h, {"A"}) == {}
 
 
+def test_publisher_writes_a_steady_trickle_of_events_in_few_writes(index, server):
+    """A block stored every 5 ms for 0.6 s (a decode batch fills one almost every step)
+    reaches Redis in about one write per flush_interval_s (0.1 s here), not one each."""
+    from pdserve.cluster.prefix_index import EVENTS_KEY
+
+    h = chain(120)
+    client = redis.Redis.from_url(server.url)
+    publisher = KVEventPublisher(index.redis_url, "T", socket_timeout_s=TIMEOUT_S,
+                                 flush_interval_s=0.1)
+    try:
+        assert wait_until(lambda: publisher.available)
+        first = client.xinfo_stream(EVENTS_KEY)["last-generated-id"] \
+            if client.exists(EVENTS_KEY) else b"0-0"
+        start = time.monotonic()
+        for block in h:
+            publisher(stored(block))
+            time.sleep(0.005)
+        elapsed = time.monotonic() - start
+        assert publisher.flush()
+        entries = [e for _, e in client.xrange(EVENTS_KEY, min=f"({first.decode()}")
+                   if e[b"w"] == b"T"]
+        assert index.longest_prefix(h, {"T"}) == {"T": 120}
+        assert 2 <= len(entries) <= elapsed / 0.1 + 3, (len(entries), elapsed)
+    finally:
+        publisher.close(purge=True)
+
+
 def test_publisher_survives_redis_restart_and_republishes(index, server):
     h = chain(4)
     publisher = KVEventPublisher(server.url, "A", socket_timeout_s=TIMEOUT_S,
