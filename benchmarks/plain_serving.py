@@ -2,7 +2,7 @@
 router, each its own process (``python -m pdserve.<role>``, no Ray: how a GPU machine
 without Ray runs pdserve), driven by ``benchmarks/serving.py``.
 
-The model is W1's (``benchmarks/peers.py``: the ~125M Llama of ``offline_throughput.py``
+The model is W1's (``model_shapes.write_w1``: the ~125M Llama of ``offline_throughput.py``
 with a 32000-id tokenizer, bf16, random weights). Every prompt is prefilled by the prefill
 worker and its KV pulled by the decode worker (``--disaggregation always``). On a GPU
 both workers share GPU 0, each sized to ``--gpu-memory-utilization`` of it; their KV
@@ -21,9 +21,9 @@ import os
 import tempfile
 from pathlib import Path
 
-import peers
 import serving
 import torch
+from model_shapes import write_w1
 from plain_cluster import PlainCluster, pin_self
 
 from pdserve.router.routing_policy import PREFILL_PATH_REASONS
@@ -57,7 +57,7 @@ def split_cpus() -> tuple[set[int], set[int], set[int], set[int]]:
 
 def main() -> None:
     args = parse_args()
-    model = peers.write_model(args.model_dir)
+    model = write_w1(args.model_dir)
     worker_args = ["--dtype", "bfloat16", "--max-model-len", "1024", "--device", args.device]
     if args.device.startswith("cuda"):
         worker_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]

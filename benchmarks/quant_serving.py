@@ -1,6 +1,6 @@
 """W1-shaped served throughput with quantized weights against bf16, in one run: ``pdserve
-serve`` in its default configuration on W1's model (``peers.write_model``: the ~125M Llama
-with a 32000-id tokenizer, bf16), once per scheme (``bf16``, then ``--quantization int8``
+serve`` in its default configuration on W1's model (``model_shapes.write_w1``: the ~125M
+Llama with a 32000-id tokenizer, bf16), once per scheme (``bf16``, then ``--quantization int8``
 and ``int4``), each started fresh, warmed up, and driven by ``benchmarks/serving.py`` with
 W1's shape (32 prompts of ~256 tokens, 128 output tokens each, all at once, at most 32 in
 flight), ``--rounds`` times alternating the schemes. Prints each scheme's best output
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import peers
 import serving
+from model_shapes import write_w1
 
 from pdserve.entrypoints.redis_server import free_port
 
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    model = peers.write_model(args.model_dir)
+    model = write_w1(args.model_dir)
     work = Path(tempfile.mkdtemp(prefix="pdserve-quant-serving-"))
     schemes = args.schemes.split(",")
     runs: dict[str, list[float]] = {s: [] for s in schemes}
