@@ -29,9 +29,21 @@ from pdserve.engine.engine_config import EngineConfig
 ROLES = ("prefill", "decode")
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS has one (``taskset``,
+    a container's cpuset, a SLURM allocation), else every CPU of the machine. A CPU quota
+    without a cpuset (a Kubernetes limit alone) is not seen: give ``--num-threads``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # NOTE: no affinity masks (macOS)
+        return os.cpu_count() or 1
+
+
 def default_num_threads(workers_on_node: int) -> int:
-    """Split this machine's cores evenly between the workers placed on it (at least 1)."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers_on_node))
+    """Split the CPUs this process may use (``available_cpus``; not the machine's count: 8
+    of 64 CPUs under ``taskset`` gave each of 2 workers 32 threads on 8 CPUs) evenly
+    between the workers placed on it (at least 1)."""
+    return max(1, available_cpus() // max(1, workers_on_node))
 
 
 def default_worker_id(role: str) -> str:

@@ -209,3 +209,18 @@ def test_an_engine_built_on_its_own_thread_keeps_its_team_spinning(tiny_checkpoi
                     "waits): nothing to guard")
     built = blocked_while_decoding(tiny_checkpoints["llama"], "build")
     assert built <= 4 * 64 and 3 * built < pool, (built, pool)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs affinity masks and two CPUs")
+def test_default_threads_split_the_cpus_this_process_may_use_not_the_machines():
+    """A worker started under ``taskset`` (one CPU of this machine's) gets one thread,
+    not the machine's count split between the workers."""
+    cpu = min(os.sched_getaffinity(0))
+    code = (f"import os; os.sched_setaffinity(0, {{{cpu}}}); "
+            "from pdserve.cluster.worker_config import available_cpus, default_num_threads; "
+            "print(available_cpus(), default_num_threads(1), default_num_threads(4))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.split() == ["1", "1", "1"]
+    assert os.cpu_count() >= 2
