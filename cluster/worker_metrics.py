@@ -137,6 +137,9 @@ class WorkerCollector(Collector):
                       "transfers.", kv.seconds)
         yield gauge("pdserve:kv_transfers_in_flight", "KV transfers whose payload is moving.",
                     kv.num_in_flight)
+        yield counter("pdserve:kv_connections_refused", "Connections to this worker's KV "
+                      "listeners (its KV store, its pair listeners) dropped for failing the "
+                      "cluster's handshake.", kv.num_refused)
         ownership = runtime.engine.ownership
         yield gauge("pdserve:kv_leases", "Prefilled requests whose blocks wait for their "
                     "decode worker.", ownership.num_leases)

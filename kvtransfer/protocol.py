@@ -340,13 +340,17 @@ class KVTransferCounters:
     """Totals since start (for ``pdserve:`` metrics): transfers that succeeded and
     failed, payload bytes and seconds of the successful ones; and ``num_in_flight``, a
     gauge: transfers whose payload is moving now (claimed by the sender, not yet ended).
-    A transfer stuck on a peer that stopped reading stays in flight until its timeout."""
+    A transfer stuck on a peer that stopped reading stays in flight until its timeout.
+    ``num_refused``: connections to this worker's KV listeners (its KV store, its pair
+    listeners; a decode worker's) dropped for failing the cluster's handshake: a peer
+    without the cluster secret, or one that is not pdserve."""
 
     num_transfers: int = 0
     num_failed: int = 0
     num_bytes: int = 0
     seconds: float = 0.0
     num_in_flight: int = 0
+    num_refused: int = 0
 
 
 class CounterSet:

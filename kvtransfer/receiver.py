@@ -32,6 +32,7 @@ A pull's life (one request, one prefill worker); the receiver moves it through
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import secrets
 import threading
@@ -42,6 +43,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from pdserve.kvtransfer import socket_pair
 from pdserve.kvtransfer.auth import BlockVerifier, PayloadDigest, request_bindings, transfer_key
 from pdserve.kvtransfer.channel import CLOSE_ABORT_WAIT_S, PairGroup
 from pdserve.kvtransfer.payload import (
@@ -203,9 +205,11 @@ class KVReceiver:
         return pull
 
     def counters(self) -> KVTransferCounters:
-        """Totals of pulls that ended (bytes and seconds of the successful ones), and the
-        pulls whose payload is moving now (``num_in_flight``)."""
-        return self._counters.snapshot()
+        """Totals of pulls that ended (bytes and seconds of the successful ones), the
+        pulls whose payload is moving now (``num_in_flight``), and the connections its KV
+        store and this process's pair listeners refused (``num_refused``)."""
+        return dataclasses.replace(self._counters.snapshot(), num_refused=(
+            self._server.rejected + socket_pair.refused_total()))
 
     def close(self) -> None:
         """Fail pulls in flight, abort channels, stop serving the store, free staging

@@ -132,6 +132,7 @@ def test_the_kv_path_refuses_an_attacker_and_caches_nothing_forged(cluster):
     attacker = Attacker(cluster.decode.kv_address, cluster.prefill.worker_id,
                         cluster.decode.worker_id, gloo_ports)
     rejected, pair_refused = store.rejected, socket_pair.refused_total()
+    counted = cluster.decode.receiver.counters().num_refused  # pdserve:kv_connections_refused
     attacker.thread.start()
     deadline = time.monotonic() + 180
     rounds = 0
@@ -152,6 +153,9 @@ def test_the_kv_path_refuses_an_attacker_and_caches_nothing_forged(cluster):
     assert gloo_ports and attacker.forged_connections > 0
     # the pair listener dropped every forged client that reached its handshake
     assert socket_pair.refused_total() - pair_refused >= attacker.rounds
+    # and the decode worker's metric counts both listeners' refusals
+    assert cluster.decode.receiver.counters().num_refused - counted >= \
+        attacker.store_attempts + attacker.rounds
     # every block sent was tagged when prefill wrote it, not on the transfer
     assert cluster.prefill.service.sender.tagger.tagged_on_send == 0
     # nothing forged was cached: every prompt again, from the caches, is the oracle's

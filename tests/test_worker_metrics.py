@@ -122,6 +122,7 @@ def test_kv_transfer_metrics_agree_on_both_sides(scraped):
         assert value(samples[role], "pdserve:kv_transfers_total", result="failed") == 0
         assert value(samples[role], "pdserve:kv_transfers_in_flight") == 0
         assert value(samples[role], "pdserve:kv_transfer_seconds_total") > 0
+        assert value(samples[role], "pdserve:kv_connections_refused_total") == 0
     assert value(samples["decode"], "pdserve:kv_transfers_total", result="ok") >= 1
     # every lease ended (pulled or released), as the prefill worker's Health says too
     assert value(samples["prefill"], "pdserve:kv_leases") == leases == 0
