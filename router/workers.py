@@ -385,8 +385,9 @@ class WorkerPool:
     async def poll_health(self) -> None:
         """Ask every worker for its load (``health_timeout_s`` each, concurrently)."""
         handles = [w for role in self.workers.values() for w in role.values()]
+        # NOTE: no slot re-read here: a lookup that credits a slot unknown to the routing
+        # arrays re-reads them when the index gave one since (Router._check_slots)
         await asyncio.gather(*(self._poll(w) for w in handles))
-        self.router.refresh_slots()  # NOTE: slots of workers that published since
         if self.metrics is not None:
             for role, known in self.workers.items():
                 self.metrics.record_pool_size(role, sum(w.healthy for w in known.values()),

@@ -223,4 +223,3 @@ def test_default_threads_split_the_cpus_this_process_may_use_not_the_machines():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=True)
     assert done.stdout.split() == ["1", "1", "1"]
-    assert os.cpu_count() >= 2

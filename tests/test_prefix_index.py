@@ -174,7 +174,7 @@ def test_publisher_writes_a_steady_trickle_of_events_in_few_writes(index, server
         entries = [e for _, e in client.xrange(EVENTS_KEY, min=f"({first.decode()}")
                    if e[b"w"] == b"T"]
         assert index.longest_prefix(h, {"T"}) == {"T": 120}
-        assert 2 <= len(entries) <= elapsed / 0.1 + 3, (len(entries), elapsed)
+        assert len(entries) <= elapsed / 0.1 + 3, (len(entries), elapsed)
     finally:
         publisher.close(purge=True)
 

@@ -125,7 +125,7 @@ def test_a_router_sees_a_workers_first_blocks_at_once(index, follower):
                         bytes(16), {"P": "cpu@h:0"}, {decode_id: "cpu@h:1"})
         assert router.decode.slots[0] == -1  # no blocks yet: no slot
         index.update(decode_id, h[:6], ())
-        assert wait_until(lambda d=decode_id: follower.num_blocks(d) == 6, 2.0)
+        assert wait_until(lambda d=decode_id: follower.num_blocks(d) == 6)
         assert follower.slots_version > version
         decision = router.route(prompt)
         assert (decision.decode_worker_id, decision.prefill_worker_id, decision.reason) == \
