@@ -43,14 +43,15 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "PDSERVE_CPU_KERNELS"
 _SOURCES = ("cpu_attention.cpp", "cpu_store_kv.cpp", "cpu_prefill_attention.cpp",
             "cpu_layers.cpp", "cpu_block_copy.cpp", "cpu_gemm.cpp", "cpu_gemm_avx512.cpp",
-            "cpu_gemm_quant.cpp", "cpu_gemm_quant_amx.cpp", "cpu_sampling.cpp", "cpu_kv_quant.cpp",
+            "cpu_gemm_quant.cpp", "cpu_gemm_quant_amx.cpp", "cpu_gemm_quant_bf16.cpp",
+            "cpu_sampling.cpp", "cpu_kv_quant.cpp",
             "cpu_decode_quant.cpp", "cpu_prefill_quant.cpp", "cpu_moe.cpp")
 _OPS = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "store_kv_quant",
         "paged_decode_attention_quant", "paged_prefill_attention_quant", "rms_norm",
         "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax_rows",
         "gather_block_rows", "scatter_block_rows", "pack_linear_weight", "linear_packed",
         "linear_panel_width", "sample_rows", "filter_rows", "pack_quant_weight", "linear_quant",
-        "moe_grouped")
+        "moe_grouped", "set_linear_quant_bf16")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # NOTE: the longest another process's build may hold the folder before load gives up (a
 # first build takes minutes on two busy cores)

@@ -19,6 +19,8 @@
 // AMX, bf16 x of 16 rows or more takes AMX's tile multiplies instead (cpu_gemm_quant_amx.cpp):
 // at 1024 rows the FMA tiles ran at ~150 GFLOP/s on a 2-core Xeon, oneDNN's bf16 linear on
 // AMX at ~800.
+// Elsewhere, bf16 x of 5 rows or more on an AMD CPU with AVX512-BF16 takes vdpbf16ps on the
+// raw integers (cpu_gemm_quant_bf16.cpp), twice the multiply-adds of an FMA per instruction.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -395,6 +397,7 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& packed, const at:
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   if (linear_quant_amx(w, x, bias, y)) return y;
+  if (linear_quant_bf16(w, x, bias, y)) return y;
   // x as fp32 rows, padded so that rows a multiple of 1 KiB apart do not alias in L1
   at::Tensor a = at::empty({m, k + 16}, x.options().dtype(at::kFloat));
   at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
@@ -425,4 +428,5 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("linear_quant(Tensor x, Tensor packed, Tensor scales, Tensor? mins, Tensor? bias, "
         "int bits, int group_size, int out_features) -> Tensor");
   m.impl("linear_quant", c10::DispatchKey::CPU, &linear_quant);
+  m.def("set_linear_quant_bf16(int mode) -> ()", &set_linear_quant_bf16_mode);
 }

@@ -100,4 +100,14 @@ inline void load_group(const QuantPanels& w, const void* base, int64_t p, int64_
 bool linear_quant_amx(const QuantPanels& w, const at::Tensor& x,
                       const std::optional<at::Tensor>& bias, at::Tensor& y);
 
+// y [M, N] = x [M, K] W^T + bias by vdpbf16ps on the raw integers (cpu_gemm_quant_bf16.cpp)
+// when it serves this call (bf16 x of at least 5 rows, a build with AVX512-BF16, and the
+// mode: an AMD CPU by default): true once y is written; false, y untouched, otherwise.
+bool linear_quant_bf16(const QuantPanels& w, const at::Tensor& x,
+                       const std::optional<at::Tensor>& bias, at::Tensor& y);
+
+// Whether linear_quant_bf16 serves the calls it can: -1 where the CPU is AMD's (the
+// default), 0 never, 1 always (tests and benchmarks compare both paths on one CPU).
+void set_linear_quant_bf16_mode(int64_t mode);
+
 }  // namespace pdserve::quant

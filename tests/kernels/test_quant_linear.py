@@ -112,6 +112,45 @@ def test_cpu_kernel_equals_the_reference(case, dtype, scale_dtype):
         torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=1e-2)
 
 
+# rows of x >= 5 (the bf16 path's), K past one 256-wide slice, groups split by a slice
+BF16_CASES = [case for case in CASES if case[4] >= 5] + [(8, 48, 64, 32, 5, False),
+    (8, 33, 600, None, 8, False), (8, 64, 2048, None, 11, False), (4, 40, 96, 32, 64, False),
+    (8, 96, 320, 32, 65, True)]
+
+
+@CPU_KERNELS
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_bf16_path_equals_the_reference_and_the_fma_tiles(case, scale_dtype):
+    """bf16 x of 5 rows or more: vdpbf16ps on the raw integers (exact products, fp32 sums)
+    against the fp32 reference, within the output's own bf16 rounding, and against the FMA
+    tiles; forced on and off, so it runs on any CPU (where the build has no AVX512-BF16,
+    both calls take the FMA tiles)."""
+    bits, n, k, group, m, with_min = case
+    w = make_weight(bits, n, k, group, with_min, scale_dtype)
+    x, bias = randn(m, k, seed=3).bfloat16(), randn(n, seed=4).bfloat16()
+    packed = ql.pack_for_cpu(w)
+    try:
+        for b in (bias, None):
+            ql.set_cpu_bf16_path(1)
+            fast = ql.linear_quant_cpu(x, packed, w.bits, w.group_size, n, b)
+            ql.set_cpu_bf16_path(0)
+            tiles = ql.linear_quant_cpu(x, packed, w.bits, w.group_size, n, b)
+            expected = ql.linear_quant_ref(x.float(), w, None if b is None else b.float())
+            assert fast.dtype == torch.bfloat16
+            bf16_step = 2.0 ** -7 * expected.abs() + 1e-6 * k ** 0.5  # one bf16 step each
+            assert ((fast.float() - expected).abs() <= bf16_step).all()
+            assert ((fast.float() - tiles.float()).abs() <= bf16_step).all()
+    finally:
+        ql.set_cpu_bf16_path(-1)
+
+
+@CPU_KERNELS
+def test_bf16_path_mode_is_checked():
+    with pytest.raises(RuntimeError, match="mode must be -1, 0 or 1"):
+        ql.set_cpu_bf16_path(2)
+
+
 @CPU_KERNELS
 def test_cpu_kernel_names_a_bad_argument():
     w = ql.quantize_rtn(randn(8, 64), 8, 32)
