@@ -190,12 +190,13 @@ def pack_for_cpu(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return packed, scales, (mins if mins is not None and mins.numel() else None)
 
 
-def set_cpu_bf16_path(mode: int) -> None:
+def set_cpu_bf16_path(mode: int) -> bool:
     """Which CPU calls ``linear_quant_cpu`` serves by vdpbf16ps on the raw integers
     (``kernels/csrc/cpu_gemm_quant_bf16.cpp``: bf16 ``x`` of at least 5 rows, a build with
     AVX512-BF16) instead of its fp32 FMA tiles: ``-1`` where the CPU is AMD's (the default;
-    measured there), ``0`` none, ``1`` all it can (tests and ``benchmarks/quant_decode.py``
-    compare both paths on one CPU). Process-wide.
+    measured there), ``0`` none, ``1`` all it can (tests and ``benchmarks/cpu_quant_linear.py``
+    compare both paths on one CPU). Process-wide. Returns whether this build has the path
+    (without AVX512-BF16 every call takes the FMA tiles, whatever ``mode`` says).
 
     Raises:
         RuntimeError: the C++ CPU kernels are not built here, or ``mode`` is not -1, 0 or 1.
@@ -204,7 +205,7 @@ def set_cpu_bf16_path(mode: int) -> None:
 
     if not cpu_ext.load():
         raise RuntimeError("set_cpu_bf16_path: needs the C++ CPU kernels (pdserve.kernels.cpu_ext)")
-    torch.ops.pdserve_cpu.set_linear_quant_bf16(mode)
+    return bool(torch.ops.pdserve_cpu.set_linear_quant_bf16(mode))
 
 
 def linear_quant_cpu(x: torch.Tensor, packed: tuple, bits: int, group_size: int,

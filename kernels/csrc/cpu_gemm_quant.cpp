@@ -428,5 +428,5 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("linear_quant(Tensor x, Tensor packed, Tensor scales, Tensor? mins, Tensor? bias, "
         "int bits, int group_size, int out_features) -> Tensor");
   m.impl("linear_quant", c10::DispatchKey::CPU, &linear_quant);
-  m.def("set_linear_quant_bf16(int mode) -> ()", &set_linear_quant_bf16_mode);
+  m.def("set_linear_quant_bf16(int mode) -> bool", &set_linear_quant_bf16_mode);
 }

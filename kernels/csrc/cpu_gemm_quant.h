@@ -108,6 +108,7 @@ bool linear_quant_bf16(const QuantPanels& w, const at::Tensor& x,
 
 // Whether linear_quant_bf16 serves the calls it can: -1 where the CPU is AMD's (the
 // default), 0 never, 1 always (tests and benchmarks compare both paths on one CPU).
-void set_linear_quant_bf16_mode(int64_t mode);
+// Returns whether this build has the path at all (AVX512-BF16).
+bool set_linear_quant_bf16_mode(int64_t mode);
 
 }  // namespace pdserve::quant

@@ -37,10 +37,15 @@ namespace {
 std::atomic<int> g_mode{-1};  // -1: where the CPU is AMD's; 0: never; 1: always (tests)
 }  // namespace
 
-void set_linear_quant_bf16_mode(int64_t mode) {
+bool set_linear_quant_bf16_mode(int64_t mode) {
   TORCH_CHECK(mode >= -1 && mode <= 1, "set_linear_quant_bf16: mode must be -1, 0 or 1, got ",
               mode);
   g_mode.store(static_cast<int>(mode));
+#if defined(PDSERVE_QUANT_AVX512) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
 }
 
 #if defined(PDSERVE_QUANT_AVX512) && defined(__AVX512BF16__)

@@ -1,0 +1,97 @@
+"""CPU quantized linears (W8A16, W4A16) against the bf16 linear they replace, in one run.
+
+For each linear shape of W1's model and of Llama-3.2-1B's (``--shapes``), each weight
+format (int8, int4: ``quantize_rtn`` in groups of 32, fp16 scales) and each row count of x
+(``--rows``; bf16 x), the same call is timed three ways, in turns:
+
+- ``bf16``: oneDNN's packed bf16 linear (``mkldnn._linear_pointwise`` on
+  ``_reorder_linear_weight``), what a bf16 checkpoint's linears run on an AMD CPU and on
+  Intel's with AMX (``engine/models/layers.py``);
+- ``tiles``: ``linear_quant_cpu`` on its fp32 FMA tiles (``set_cpu_bf16_path(0)``);
+- ``vdpbf16ps``: ``linear_quant_cpu`` on the raw integers widened to bf16
+  (``set_cpu_bf16_path(1)``: ``kernels/csrc/cpu_gemm_quant_bf16.cpp``, needs AVX512-BF16;
+  elsewhere it falls back to the tiles, and the table says so).
+
+Printed per row: the median microseconds of ``--iters`` calls of each (the weight stays in
+cache between calls: this times the kernels' arithmetic, not DRAM), the ratio tiles /
+vdpbf16ps (the bf16 path's speed-up) and bf16 / vdpbf16ps (the quantized linear's speed
+against the bf16 one; above 1 is faster). The default path on this CPU is named at the
+top.
+
+    python benchmarks/cpu_quant_linear.py [--rows 1 4 5 8 32 256] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pdserve.kernels import cpu_ext
+from pdserve.kernels import quant_linear as ql
+
+SHAPES = {  # (out_features, in_features) of each distinct linear
+    "w1": [(1536, 768), (768, 768), (4096, 768), (768, 2048), (32000, 768)],
+    "llama-3.2-1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
+}
+
+
+def median_us(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["w1"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 5, 8, 32, 256])
+    parser.add_argument("--bits", nargs="+", type=int, choices=[8, 4], default=[8, 4])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if not cpu_ext.load():
+        raise SystemExit("the C++ CPU kernels did not build here")
+    torch.set_num_threads(args.threads)
+    has_bf16_path = ql.set_cpu_bf16_path(-1)
+    print(f"threads {args.threads}; vdpbf16ps path built: {has_bf16_path} (if False, the "
+          "vdpbf16ps column times the tiles again); default: AMD CPUs, 5 rows or more")
+    print(f"{'shape':<16}{'bits':>5}{'rows':>6}{'bf16 us':>10}{'tiles us':>10}"
+          f"{'vdpbf16ps us':>14}{'tiles/vdp':>11}{'bf16/vdp':>10}")
+    try:
+        for name in args.shapes:
+            for n, k in SHAPES[name]:
+                weight = torch.randn(n, k) * 0.02
+                dense = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), None)
+                for bits in args.bits:
+                    qw = ql.quantize_rtn(weight, bits, 32, torch.float16)
+                    packed = ql.pack_for_cpu(qw)
+                    for m in args.rows:
+                        x = torch.randn(m, k).bfloat16()
+                        times = {}
+                        for path in ("bf16", "tiles", "vdpbf16ps"):
+                            if path == "bf16":
+                                fn = (lambda: torch.ops.mkldnn._linear_pointwise(
+                                    x, dense, None, "none", [], ""))
+                            else:
+                                ql.set_cpu_bf16_path(0 if path == "tiles" else 1)
+                                fn = (lambda: ql.linear_quant_cpu(x, packed, bits, 32, n))
+                            times[path] = median_us(fn, args.iters)
+                        vdp = times["vdpbf16ps"]
+                        print(f"{f'{n}x{k}':<16}{bits:>5}{m:>6}{times['bf16']:>10.1f}"
+                              f"{times['tiles']:>10.1f}{vdp:>14.1f}"
+                              f"{times['tiles'] / vdp:>11.2f}{times['bf16'] / vdp:>10.2f}",
+                              flush=True)
+    finally:
+        ql.set_cpu_bf16_path(-1)
+
+
+if __name__ == "__main__":
+    main()
