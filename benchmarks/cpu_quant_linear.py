@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -76,14 +77,13 @@ def main() -> None:
                     for m in args.rows:
                         x = torch.randn(m, k).bfloat16()
                         times = {}
-                        for path in ("bf16", "tiles", "vdpbf16ps"):
-                            if path == "bf16":
-                                fn = (lambda: torch.ops.mkldnn._linear_pointwise(
-                                    x, dense, None, "none", [], ""))
-                            else:
-                                ql.set_cpu_bf16_path(0 if path == "tiles" else 1)
-                                fn = (lambda: ql.linear_quant_cpu(x, packed, bits, 32, n))
-                            times[path] = median_us(fn, args.iters)
+                        times["bf16"] = median_us(partial(
+                            torch.ops.mkldnn._linear_pointwise, x, dense, None, "none", [],
+                            ""), args.iters)
+                        for path, mode in (("tiles", 0), ("vdpbf16ps", 1)):
+                            ql.set_cpu_bf16_path(mode)
+                            times[path] = median_us(partial(
+                                ql.linear_quant_cpu, x, packed, bits, 32, n), args.iters)
                         vdp = times["vdpbf16ps"]
                         print(f"{f'{n}x{k}':<16}{bits:>5}{m:>6}{times['bf16']:>10.1f}"
                               f"{times['tiles']:>10.1f}{vdp:>14.1f}"
