@@ -1,6 +1,7 @@
 // The packed quantized weight of cpu_gemm_quant.cpp (its layout is described there) and
-// what both of its paths need to read it: the FMA tiles (cpu_gemm_quant.cpp) and AMX's tile
-// multiplies (cpu_gemm_quant_amx.cpp). Built on first use by pdserve/kernels/cpu_ext.py.
+// what its paths need to read it: the FMA tiles (cpu_gemm_quant.cpp), AMX's tile multiplies
+// (cpu_gemm_quant_amx.cpp) and vdpbf16ps (cpu_gemm_quant_bf16.cpp). Built on first use by
+// pdserve/kernels/cpu_ext.py.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -76,6 +77,25 @@ inline void dequant4(const uint8_t* row, __m512 s0, __m512 s1, __m512& e0, __m51
   e1 = _mm512_mul_ps(widen(_mm256_extracti128_si256(lo, 1)), s1);
   o0 = _mm512_mul_ps(widen(_mm256_castsi256_si128(hi)), s0);
   o1 = _mm512_mul_ps(widen(_mm256_extracti128_si256(hi, 1)), s1);
+}
+
+// The same values as fp32, not scaled: int8's 32 of one k, int4's of a pair of k's.
+inline void raw8(const uint8_t* row, __m512& w0, __m512& w1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+  w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+}
+
+inline void raw4(const uint8_t* row, __m512& e0, __m512& e1, __m512& o0, __m512& o1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(v, nib);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+  auto widen = [](__m128i x) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x)); };
+  e0 = widen(_mm256_castsi256_si128(lo));
+  e1 = widen(_mm256_extracti128_si256(lo, 1));
+  o0 = widen(_mm256_castsi256_si128(hi));
+  o1 = widen(_mm256_extracti128_si256(hi, 1));
 }
 
 // Group g's 32 scales (or mins) of panel p as two fp32 vectors.

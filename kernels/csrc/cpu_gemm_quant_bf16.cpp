@@ -78,24 +78,10 @@ void widen_slice(const QuantPanels& w, int64_t p, int64_t k0, int64_t kc, uint32
     const int64_t k = k0 + 2 * kp;
     __m512 e0, e1, o0, o1;  // k and k + 1, features 0-15 and 16-31
     if (w.bits == 8) {
-      const __m256i ve = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel));
-      const __m256i vo =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (k + 1) * kPanel));
-      auto widen = [](__m128i x) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)); };
-      e0 = widen(_mm256_castsi256_si128(ve));
-      e1 = widen(_mm256_extracti128_si256(ve, 1));
-      o0 = widen(_mm256_castsi256_si128(vo));
-      o1 = widen(_mm256_extracti128_si256(vo, 1));
+      raw8(panel + k * kPanel, e0, e1);
+      raw8(panel + (k + 1) * kPanel, o0, o1);
     } else {  // a byte holds k (low nibble) and k + 1 (high) of one feature
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k / 2 * kPanel));
-      const __m256i nib = _mm256_set1_epi8(0x0F);
-      const __m256i lo = _mm256_and_si256(v, nib);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-      auto widen = [](__m128i x) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x)); };
-      e0 = widen(_mm256_castsi256_si128(lo));
-      e1 = widen(_mm256_extracti128_si256(lo, 1));
-      o0 = widen(_mm256_castsi256_si128(hi));
-      o1 = widen(_mm256_extracti128_si256(hi, 1));
+      raw4(panel + k / 2 * kPanel, e0, e1, o0, o1);
     }
     _mm512_store_si512(out + kp * kPanel, pair_bf16(e0, o0));
     _mm512_store_si512(out + kp * kPanel + 16, pair_bf16(e1, o1));
