@@ -27,7 +27,6 @@ from conftest import random_prompts
 from disagg_client import TEST_AUTH, decode_stub, health, prefill_stub, start_worker_process
 from inproc_cluster import uvicorn_server
 
-from pdserve.cluster import event_loop
 from pdserve.engine.demo_model import make_demo_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.entrypoints.redis_server import RedisServer
@@ -58,7 +57,7 @@ def cluster(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fanout")
     model = make_demo_model(folder / "demo")
     procs = []
-    loop = event_loop.new_event_loop()  # NOTE: the router's and workers' own loop
+    loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     with RedisServer() as redis:
