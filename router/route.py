@@ -321,14 +321,20 @@ class Router:
 
     def _check_slots(self, counts: np.ndarray) -> int:
         """How many of these workers' slots ``counts`` gives blocks; re-reads the workers'
-        slots first when another slot has some (a worker's first blocks) and the index
-        gave or freed a slot since they were read (its ``slots_version``; every time for
-        an index without one): slots of another model's workers stay unknown here and
-        cost no re-read per lookup."""
+        slots first when the index gave or freed a slot since they were read (its
+        ``slots_version``): a worker's first blocks, or slots given anew in another order
+        (Redis restarted, the workers republished), where every slot a lookup credits is
+        still one known here but may belong to another worker. An index without a version
+        is re-read when another slot has blocks; slots of another model's workers then
+        stay unknown and cost no re-read per lookup."""
         self._checked = counts
+        version = getattr(self.index, "slots_version", None)
+        if version is not None:
+            if version != self._slots_version:
+                self.refresh_slots()
+            return self._census(counts)[0]
         known, total = self._census(counts)
-        if known < total and (self._slots_version is None or getattr(
-                self.index, "slots_version", None) != self._slots_version):
+        if known < total:
             self.refresh_slots()
             known, _ = self._census(counts)
         return known

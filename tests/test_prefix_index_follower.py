@@ -160,3 +160,33 @@ def test_redis_restart_reloads(server, follower):
         assert follower.num_reloads >= 2
     finally:
         publisher.close()
+
+
+def test_a_router_follows_slots_given_anew_after_redis_restarted(index, server, follower):
+    """Redis restarted empty: the copy drops every worker, and the workers' republished
+    sets take their slots again in another order (here A takes B's old slot). The router
+    re-reads the slots although every slot a lookup credits is one it knew (it re-read
+    them only for a slot unknown to it, and routed A's prompt to B, with no cached
+    tokens: test_serve's Redis-outage test)."""
+    from pdserve.router.route import Router, RouteSettings
+
+    held_by_a = list(range(16 * 6 + 6))
+    h_a = hash_block_chain(held_by_a, 16, bytes(16))
+    h_b = hash_block_chain(list(range(5000, 5000 + 16 * 6)), 16, bytes(16))
+    for worker_id, hashes in (("A", h_a[:6]), ("B", h_b)):
+        index.update(worker_id, hashes, ())
+        assert wait_until(lambda w=worker_id: follower.num_blocks(w) == 6)
+    router = Router(RouteSettings(block_size=16, local_prefill_threshold=16), follower,
+                    bytes(16), {"P": "cpu@h:0"}, {"A": "cpu@h:1", "B": "cpu@h:2"})
+    before = {w: follower.slot_of(w) for w in "AB"}
+    assert router.route(held_by_a).decode_worker_id == "A"
+    server.stop()
+    assert wait_until(lambda: not follower.available)
+    server.restart()  # empty
+    assert wait_until(lambda: follower.available and follower.slot_of("A") is None)
+    for worker_id, hashes in (("A", h_a[:6]), ("B", h_b)):  # freed A's, then B's: A gets B's
+        index.update(worker_id, hashes, ())
+        assert wait_until(lambda w=worker_id: follower.num_blocks(w) == 6)
+    assert {w: follower.slot_of(w) for w in "AB"} != before
+    decision = router.route(held_by_a)
+    assert (decision.decode_worker_id, decision.reason) == ("A", "cached_on_decode")
