@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pdserve.cluster import event_loop
 from pdserve.cluster.worker_config import WorkerConfig, add_worker_args, worker_config_from_args
 from pdserve.engine.args import add_engine_args
 
@@ -87,7 +88,7 @@ def run_worker(role: str, make_worker: WorkerFactory, argv: list[str] | None = N
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = worker_config_from_args(role, args)
-        asyncio.run(serve(config, make_worker, args.ready_file))
+        event_loop.run(serve(config, make_worker, args.ready_file))
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve {role} worker: error: {exc}", file=sys.stderr)
         return 2

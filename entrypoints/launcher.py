@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from pdserve.cluster import event_loop
 from pdserve.cluster.metrics_auth import is_loopback_host
 from pdserve.cluster.worker_config import WorkerConfig, default_num_threads
 
@@ -88,7 +89,7 @@ class WorkerActor:
         # A new incarnation (first start or a Ray restart) gets its own worker id.
         config = dataclasses.replace(config, worker_id=f"{config.worker_id}-{os.getpid()}")
         config = _on_this_node(config)
-        self.loop = asyncio.new_event_loop()
+        self.loop = event_loop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                        name="worker-loop")
         self.thread.start()

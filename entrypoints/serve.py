@@ -30,7 +30,6 @@ signals the whole foreground process group: pdserve alone decides when they stop
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import os
@@ -43,6 +42,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+from pdserve.cluster import event_loop
 from pdserve.cluster.auth import (
     cluster_auth_from_args,
     redact_url,
@@ -325,9 +325,9 @@ class _ServeRun:
                         scaler=scalers,
                         background=background, http_timeouts=self.http_timeouts)
         try:
-            asyncio.run(run_router(ServedModels(routers), app, args.host, http_sock, grpc_sock,
-                                   f"(Redis {redact_url(redis_url)})", self._on_serving,
-                                   grpc_limits=self.grpc_limits))
+            event_loop.run(run_router(ServedModels(routers), app, args.host, http_sock,
+                                      grpc_sock, f"(Redis {redact_url(redis_url)})",
+                                      self._on_serving, grpc_limits=self.grpc_limits))
         except KeyboardInterrupt:
             if not self.announced:
                 raise

@@ -16,11 +16,11 @@ Bearer <key>`` for a key in ``keys.txt``, and operators an admin key (``pdserve 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import copy
 import logging
 import sys
 
+from pdserve.cluster import event_loop
 from pdserve.cluster.auth import (
     add_cluster_auth_args,
     cluster_auth_from_args,
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     log_exposure(args.host, api_auth, admin_auth, ports)
     app = build_app(router, api_auth=api_auth, admin_auth=admin_auth,
                     http_timeouts=http_timeouts)
-    asyncio.run(run_router(router, app, args.host, http_sock, grpc_sock or None,
-                           grpc_limits=grpc_limits, log_level=args.log_level))
+    event_loop.run(run_router(router, app, args.host, http_sock, grpc_sock or None,
+                              grpc_limits=grpc_limits, log_level=args.log_level))
 
 
 if __name__ == "__main__":

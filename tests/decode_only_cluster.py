@@ -15,6 +15,7 @@ from pathlib import Path
 import openai
 from inproc_cluster import uvicorn_server
 
+from pdserve.cluster import event_loop
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
 from pdserve.engine import EngineConfig
@@ -48,7 +49,7 @@ def decode_only_cluster(model: Path | str, max_model_len: int, *, engine: dict |
     ``RouterConfig`` fields (the model's path is both's ``model``)."""
     config = EngineConfig(str(model), max_model_len=max_model_len, load_progress=False,
                           **{"dtype": "float32", **(engine or {})})
-    loop = asyncio.new_event_loop()
+    loop = event_loop.new_event_loop()  # NOTE: the router's and workers' own loop
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
 

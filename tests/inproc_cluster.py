@@ -16,6 +16,7 @@ from typing import Any
 
 import openai
 
+from pdserve.cluster import event_loop
 from pdserve.cluster.auth import ClusterAuth
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
@@ -91,7 +92,7 @@ def in_process_cluster(folder: Path, max_model_len: int, *, model: Path | None =
     engine = EngineConfig(str(model), dtype="float32", max_model_len=max_model_len,
                           load_progress=False, num_gpu_blocks_override=num_gpu_blocks,
                           num_threads=1)
-    loop = asyncio.new_event_loop()
+    loop = event_loop.new_event_loop()  # NOTE: the router's and workers' own loop
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
 

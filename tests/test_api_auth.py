@@ -32,6 +32,7 @@ import httpx
 import pytest
 from disagg_client import TEST_AUTH, TEST_SECRET
 
+from pdserve.cluster import event_loop
 from pdserve.cluster.auth import SECRET_ENV
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.cluster.worker_config import WorkerConfig
@@ -173,7 +174,7 @@ def cluster(tmp_path_factory):
     admin_file.write_text(f"{ADMIN_KEY}\n")
     engine = EngineConfig(str(model), dtype="float32", max_model_len=MAX_MODEL_LEN,
                           load_progress=False, num_gpu_blocks_override=64, num_threads=1)
-    loop = asyncio.new_event_loop()
+    loop = event_loop.new_event_loop()  # NOTE: the router's and workers' own loop
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
 

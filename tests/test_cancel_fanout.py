@@ -27,6 +27,7 @@ from conftest import random_prompts
 from disagg_client import TEST_AUTH, decode_stub, health, prefill_stub, start_worker_process
 from inproc_cluster import uvicorn_server
 
+from pdserve.cluster import event_loop
 from pdserve.engine.demo_model import make_demo_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.entrypoints.redis_server import RedisServer
@@ -57,7 +58,7 @@ def cluster(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fanout")
     model = make_demo_model(folder / "demo")
     procs = []
-    loop = asyncio.new_event_loop()
+    loop = event_loop.new_event_loop()  # NOTE: the router's and workers' own loop
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     with RedisServer() as redis:

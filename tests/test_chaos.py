@@ -39,6 +39,7 @@ from conftest import stop_cluster
 from disagg_client import TEST_AUTH
 from disagg_client import channel as worker_channel
 
+from pdserve.cluster import event_loop
 from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import LLM, EngineConfig, SamplingParams
@@ -132,7 +133,7 @@ async def serve_http(router: ModelService, port: int):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model = str(make_demo_model(tmp_path_factory.mktemp("chaos") / "demo"))
-    loop = asyncio.new_event_loop()
+    loop = event_loop.new_event_loop()  # NOTE: the router's and workers' own loop
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     redis = RedisServer()
