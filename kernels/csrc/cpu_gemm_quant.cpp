@@ -128,9 +128,13 @@ void tile(const QuantPanels& w, const TileArgs& t) {
 // per group, in separate sums for even and odd k, and scaled once where the segment of the
 // group ends. That takes the two multiplies per k off the dequantizing and splits the one
 // FMA dependency chain per row into two, which at m = 1 bound the loop (a chain of 4-cycle
-// FMAs); the panel is prefetched kPrefetch bytes ahead, as the rows leave the loop little
-// time between loads for the hardware prefetcher to keep up.
-constexpr int64_t kPrefetch = 1024;
+// FMAs); the panel is prefetched into L2 kPrefetch bytes ahead, as the rows leave the loop
+// little time between loads for the hardware prefetcher to keep up. At one row that distance
+// is what bounds the loop, which reads from memory: on a 2-core AMD Zen 5, 1 KiB ahead into
+// L1 read ~30 GB/s of int8 weights (Llama-3.2-1B's linears, 2 threads), 16 KiB ahead into L2
+// with each thread on runs of consecutive panels (run below) ~41-47 GB/s, and int4 ~25 ->
+// ~31-35 GB/s (benchmarks/README.md, "Decode at batch 1 on Llama-3.2-1B's shape").
+constexpr int64_t kPrefetch = 16384;
 
 template <int kRows>
 void tile_small(const QuantPanels& w, const TileArgs& t) {
@@ -148,7 +152,7 @@ void tile_small(const QuantPanels& w, const TileArgs& t) {
     if (w.bits == 8) {
       for (; k + 1 < end; k += 2) {
         const uint8_t* row = panel + k * kPanel;
-        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T1);
         __m512 e0, e1, o0, o1;
         raw8(row, e0, e1);
         raw8(row + kPanel, o0, o1);
@@ -173,7 +177,7 @@ void tile_small(const QuantPanels& w, const TileArgs& t) {
     } else {
       for (; k < end; k += 2) {
         const uint8_t* row = panel + k / 2 * kPanel;
-        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T1);
         __m512 e0, e1, o0, o1;
         raw4(row, e0, e1, o0, o1);
         for (int r = 0; r < kRows; ++r) {
@@ -289,13 +293,19 @@ template <typename Out>
 void run(const QuantPanels& w, const float* a, int64_t lda, const float* xsum, int64_t m,
          const float* bias, Out* y, int64_t n) {
   const int64_t blocks = (m + kBlockM - 1) / kBlockM, items = blocks * w.panels;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  // NOTE: runs of consecutive panels, so that the prefetch running ahead of a panel's end
+  // reads the next panel this thread takes, not one another thread has (four runs a thread
+  // leave the atomic counter its balancing when a thread is preempted)
+  const int64_t run = std::max<int64_t>(1, items / (threads * 4));
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t block = i / w.panels, p = i % w.panels, r0 = block * kBlockM;
-      run_item(w, a + r0 * lda, lda, xsum ? xsum + r0 * w.groups : nullptr,
-               std::min(kBlockM, m - r0), p, bias, y + r0 * n, n);
-    }
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i0; (i0 = next.fetch_add(run, std::memory_order_relaxed)) < items;)
+      for (int64_t i = i0; i < std::min(items, i0 + run); ++i) {
+        const int64_t block = i / w.panels, p = i % w.panels, r0 = block * kBlockM;
+        run_item(w, a + r0 * lda, lda, xsum ? xsum + r0 * w.groups : nullptr,
+                 std::min(kBlockM, m - r0), p, bias, y + r0 * n, n);
+      }
   });
 }
 

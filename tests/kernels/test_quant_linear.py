@@ -85,7 +85,9 @@ def test_gguf_blocks_are_repacked_without_loss(kind):
 # (bits, out_features, in_features, group (None: per channel), rows of x, min for int8)
 CASES = [(8, 33, 96, None, 1, False), (8, 70, 128, 32, 13, False), (8, 40, 64, 16, 9, True),
          (4, 33, 64, 32, 1, False), (4, 100, 256, 128, 20, False), (4, 65, 512, 32, 70, False),
-         (8, 64, 2048, None, 3, False), (4, 64, 2048, 32, 8, False)]
+         (8, 64, 2048, None, 3, False), (4, 64, 2048, 32, 8, False),
+         # 33 panels: threads take runs of consecutive panels, the last run a short one
+         (8, 1051, 256, 32, 1, False), (4, 1051, 256, 32, 2, False)]
 
 
 def make_weight(bits, n, k, group, with_min, scale_dtype):
