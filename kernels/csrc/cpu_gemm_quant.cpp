@@ -34,7 +34,6 @@
 #include "cpu_gemm_quant.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -49,6 +48,7 @@ using namespace pdserve::quant;  // the packed weight: cpu_gemm_quant.h
 
 constexpr int kTileRows = 8;         // rows of x per register tile
 constexpr int64_t kBlockM = 64;      // rows of x per work item
+constexpr int kSmallRows = 4;        // tiles of at most this many rows take tile_small
 
 // Per row of x and group: the sum of the row's values in the group (for the mins).
 void group_sums(const float* a, int64_t lda, int64_t m, const QuantPanels& w, float* out) {
@@ -132,7 +132,7 @@ void tile(const QuantPanels& w, const TileArgs& t) {
 // little time between loads for the hardware prefetcher to keep up. At one row that distance
 // is what bounds the loop, which reads from memory: on a 2-core AMD Zen 5, 1 KiB ahead into
 // L1 read ~30 GB/s of int8 weights (Llama-3.2-1B's linears, 2 threads), 16 KiB ahead into L2
-// with each thread on runs of consecutive panels (see run below) ~41-47 GB/s, and int4 ~25 ->
+// with each thread on runs of consecutive panels (stream_run_len) ~41-47 GB/s, and int4 ~25 ->
 // ~31-35 GB/s (benchmarks/README.md, "Decode at batch 1 on Llama-3.2-1B's shape").
 constexpr int64_t kPrefetch = 16384;
 
@@ -212,8 +212,6 @@ void tile_small(const QuantPanels& w, const TileArgs& t) {
   }
 }
 
-constexpr int kSmallRows = 4;  // tiles of at most this many rows take tile_small
-
 template <int kRows = kTileRows>
 void tile_rows(const QuantPanels& w, const TileArgs& t) {
   if constexpr (kRows > 0) {
@@ -288,25 +286,16 @@ void run_item(const QuantPanels& w, const float* a, int64_t lda, const float* xs
       out[r * n + n0 + j] = Elem<Out>::narrow(acc[r * kPanel + j] + (bias ? bias[n0 + j] : 0.0f));
 }
 
-// Work items (row block, panel) from one atomic counter on torch's intra-op threads, in runs
-// of consecutive items.
+// Work items (row block, panel) on torch's intra-op threads (for_each_item): in runs of
+// neighbouring panels where tile_small streams the weight, one at a time otherwise.
 template <typename Out>
 void run(const QuantPanels& w, const float* a, int64_t lda, const float* xsum, int64_t m,
          const float* bias, Out* y, int64_t n) {
-  const int64_t blocks = (m + kBlockM - 1) / kBlockM, items = blocks * w.panels;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
-  // NOTE: runs of consecutive panels, so that the prefetch running ahead of a panel's end
-  // reads the next panel this thread takes, not one another thread has (four runs a thread
-  // leave the atomic counter its balancing when a thread is preempted)
-  const int64_t run_len = std::max<int64_t>(1, items / (threads * 4));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t i0; (i0 = next.fetch_add(run_len, std::memory_order_relaxed)) < items;)
-      for (int64_t i = i0; i < std::min(items, i0 + run_len); ++i) {
-        const int64_t block = i / w.panels, p = i % w.panels, r0 = block * kBlockM;
-        run_item(w, a + r0 * lda, lda, xsum ? xsum + r0 * w.groups : nullptr,
-                 std::min(kBlockM, m - r0), p, bias, y + r0 * n, n);
-      }
+  const int64_t items = (m + kBlockM - 1) / kBlockM * w.panels;
+  for_each_item(items, m <= kSmallRows ? stream_run_len(items) : 1, [&](int64_t i) {
+    const int64_t block = i / w.panels, p = i % w.panels, r0 = block * kBlockM;
+    run_item(w, a + r0 * lda, lda, xsum ? xsum + r0 * w.groups : nullptr,
+             std::min(kBlockM, m - r0), p, bias, y + r0 * n, n);
   });
 }
 

@@ -4,9 +4,12 @@
 // pdserve/kernels/cpu_ext.py.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -43,6 +46,29 @@ struct QuantPanels {
     return group >= fit ? fit - fit % 2 : fit / group * group;
   }
 };
+
+// fn(i) for every work item i in [0, items) on torch's intra-op threads, which take runs of
+// run_len consecutive items from one atomic counter (a preempted thread's share is still
+// taken by the others). Items are (row block, panel) in that order, so a run is neighbouring
+// panels in memory. run_len 1 balances best; memory-bound calls want longer runs
+// (stream_run_len).
+template <typename Fn>
+void for_each_item(int64_t items, int64_t run_len, const Fn& fn) {
+  if (items <= 0) return;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+    for (int64_t i0; (i0 = next.fetch_add(run_len, std::memory_order_relaxed)) < items;)
+      for (int64_t i = i0, end = std::min(items, i0 + run_len); i < end; ++i) fn(i);
+  });
+}
+
+// Runs for a call that streams its weight from memory (x of 1-4 rows): about four a thread,
+// so that the prefetch running past one panel's end reads the next panel this thread takes,
+// not one another thread has (cpu_gemm_quant.cpp, kPrefetch).
+inline int64_t stream_run_len(int64_t items) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  return std::max<int64_t>(1, items / (std::max<int64_t>(threads, 1) * 4));
+}
 
 // 32 scales (or mins) of group g of panel p, as fp32, into out.
 inline void load_group(const QuantPanels& w, const void* base, int64_t p, int64_t g, float* out) {

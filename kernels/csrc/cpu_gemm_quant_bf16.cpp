@@ -192,14 +192,10 @@ bool linear_quant_bf16(const QuantPanels& w, const at::Tensor& x,
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
   const float* b = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
   auto* out = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows, items = blocks * w.panels;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t block = i / w.panels, p = i % w.panels, r0 = block * kBlockRows;
-      run_item(w, xb + r0 * ldx, ldx, xsum.empty() ? nullptr : xsum.data() + r0 * w.groups,
-               std::min(kBlockRows, m - r0), p, b, out + r0 * n, n);
-    }
+  for_each_item((m + kBlockRows - 1) / kBlockRows * w.panels, 1, [&](int64_t i) {
+    const int64_t block = i / w.panels, p = i % w.panels, r0 = block * kBlockRows;
+    run_item(w, xb + r0 * ldx, ldx, xsum.empty() ? nullptr : xsum.data() + r0 * w.groups,
+             std::min(kBlockRows, m - r0), p, b, out + r0 * n, n);
   });
   return true;
 }
