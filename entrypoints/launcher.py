@@ -228,6 +228,50 @@ def _worker_niceness() -> int:
     return value
 
 
+RAY_START_ATTEMPTS = 2  # a local Ray whose node did not come up is started once more
+_RAY_NODE_TIMED_OUT = "timed out during startup"  # Ray's message (its wait is fixed: 30 s)
+
+
+def _init_ray(ray, local: bool, **kwargs) -> None:
+    """``ray.init(**kwargs)``; a local Ray whose node did not register within Ray's fixed
+    wait (30 s: on a loaded machine, or when its raylet died while starting) is started
+    again, up to ``RAY_START_ATTEMPTS`` in all. The failed start's processes are Ray's
+    reaper's to stop when this process exits.
+
+    Raises:
+        Exception: what ``ray.init`` raised, past the last attempt or when not a local
+            node's start-up timeout.
+    """
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            # NOTE: a copy each time: ray.init adds its own keys to _system_config
+            ray.init(**{key: dict(value) if isinstance(value, dict) else value
+                        for key, value in kwargs.items()})
+            return
+        except Exception as exc:
+            if not local or _RAY_NODE_TIMED_OUT not in str(exc) or \
+                    attempt == RAY_START_ATTEMPTS:
+                raise
+            logger.warning("Ray's node did not start (attempt %d of %d: %s); its raylet "
+                           "said: %s; starting Ray again", attempt, RAY_START_ATTEMPTS,
+                           exc, _raylet_errors() or "nothing")
+            ray.shutdown()
+
+
+def _raylet_errors(limit: int = 2000) -> str:
+    """The end of the latest local Ray session's ``raylet.err`` (at most ``limit``
+    characters), to say why a node did not start; empty when there is none."""
+    try:
+        from ray._common.utils import get_default_ray_temp_dir
+
+        path = os.path.join(get_default_ray_temp_dir(), "session_latest", "logs",
+                            "raylet.err")
+        with open(path, errors="replace") as file:
+            return file.read()[-limit:].strip()
+    except (ImportError, OSError):
+        return ""
+
+
 class RayLauncher:
     """Joins a Ray cluster (``ray_address``) or starts a local one, and runs worker actors.
 
@@ -274,10 +318,10 @@ class RayLauncher:
             # NOTE: "local", not None: None would join a cluster named by RAY_ADDRESS or
             # by the last `ray start` on this machine, with whatever listeners it has
             with _without_head_exporters(local and not loopback):
-                ray.init(address=ray_address or "local", num_cpus=num_cpus,
-                         include_dashboard=dashboard if local else False,
-                         ignore_reinit_error=True, log_to_driver=False,
-                         configure_logging=False, **init_kwargs)
+                _init_ray(ray, local, address=ray_address or "local", num_cpus=num_cpus,
+                          include_dashboard=dashboard if local else False,
+                          ignore_reinit_error=True, log_to_driver=False,
+                          configure_logging=False, **init_kwargs)
         self.actors: list = []
         self.certificate_authority = None  # a ClusterCA: each new actor gets its own cert
         self._names: dict = {}  # actor handle -> its first worker id ("prefill-0")

@@ -118,6 +118,18 @@ else:  # NOTE: wait_for runs the write in a task of its own: a little more per m
         await asyncio.wait_for(context.write(message), timeout_s)
 
 
+@dataclass(eq=False)
+class _Running:
+    """A running ``Generate``: the queue its handler reads, the task that fills it (which
+    ``Abort`` cancels), and whether its last chunk (or its error) is queued already: then
+    the request has ended, though its handler may still be sending, and ``Abort`` finds
+    nothing to stop."""
+
+    chunks: asyncio.Queue
+    pump: asyncio.Task | None = None
+    ended: bool = False
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Serves ``pdserve.v1.Router`` over ``router``, or several routers (``ServedModels``, one
     per model; a request's ``model`` picks one, the first when it names none)."""
@@ -127,8 +139,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.routers = router if isinstance(router, ServedModels) else ServedModels([router])
         self.limits = limits or GRPCLimits()
         self.metrics = metrics or GRPCServerMetrics()
-        # request id -> (the task running it, the queue its Generate reads)
-        self._running: dict[str, tuple[asyncio.Task, asyncio.Queue]] = {}
+        self._running: dict[str, _Running] = {}  # request id -> its Generate
 
     async def Generate(self, request, context):
         if isinstance(request, UndecodableRequest):
@@ -152,14 +163,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # NOTE: the request runs in a task of its own, which Abort cancels (its clean-up
         # frees the request on its workers); cancelling this handler's task instead could
         # land inside grpc's send and reset the stream
-        chunks: asyncio.Queue = asyncio.Queue()
-        pump = asyncio.create_task(self._pump(router, generate_request, chunks))
-        self._running[request_id] = (pump, chunks)
+        running = _Running(asyncio.Queue())
+        running.pump = asyncio.create_task(self._pump(router, generate_request, running))
+        self._running[request_id] = running
         num_cached = num_tokens = 0
         prompt = len(generate_request.prompt_token_ids)
         try:
             while True:
-                chunk = await chunks.get()
+                chunk = await running.chunks.get()
                 if chunk is _END:
                     return
                 if chunk is _ABORTED:  # ends cleanly, as vLLM's abort does
@@ -182,8 +193,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     response.usage.CopyFrom(_usage(prompt, num_tokens, num_cached))
                 await self._send(context, response)
         finally:
-            self._running.pop(request_id, None)
-            pump.cancel()  # the client left (or it ended): nothing keeps running
+            if self._running.get(request_id) is running:  # not Abort's, nor a later one's
+                del self._running[request_id]
+            running.pump.cancel()  # the client left (or it ended): nothing keeps running
 
     async def _send(self, context, response) -> None:
         """Hand ``response`` to the client; past ``limits.send_timeout_s`` (it took none
@@ -198,16 +210,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                 "(--response-send-timeout-s)")
 
     async def _pump(self, router: ModelService, request: GenerateRequest,
-                    chunks: asyncio.Queue) -> None:
+                    running: _Running) -> None:
         """Run ``request`` on ``router``, handing its chunks (then ``_END``, or the
-        exception that ended it) to ``chunks``."""
+        exception that ended it) to ``running.chunks``; ``running.ended`` from the last."""
         try:
             async with contextlib.aclosing(router.generate(request)) as stream:
                 async for chunk in stream:
-                    chunks.put_nowait(chunk)
-            chunks.put_nowait(_END)
+                    running.chunks.put_nowait(chunk)
+                    running.ended = bool(chunk.finish_reason)
+            running.chunks.put_nowait(_END)
         except Exception as exc:  # noqa: BLE001 - handed to the handler
-            chunks.put_nowait(exc)
+            running.chunks.put_nowait(exc)
+        running.ended = True
 
     async def Abort(self, request, context):
         """Abort the running ``Generate`` whose id is ``request_id``; ``aborted`` says
@@ -220,12 +234,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             check_field("request_id", check_request_id, request.request_id)
         except (RequestError, ValueError) as exc:
             await context.abort(*_status(exc))
-        entry = self._running.pop(request.request_id, None)
-        if entry is not None:
-            pump, chunks = entry
-            pump.cancel()  # closing the stream aborts the request on its workers
-            chunks.put_nowait(_ABORTED)
-        return router_pb2.RouterAbortResponse(aborted=entry is not None)
+        running = self._running.get(request.request_id)
+        if running is None or running.ended:  # its last chunk is on its way already
+            return router_pb2.RouterAbortResponse(aborted=False)
+        del self._running[request.request_id]
+        running.pump.cancel()  # closing the stream aborts the request on its workers
+        running.chunks.put_nowait(_ABORTED)
+        return router_pb2.RouterAbortResponse(aborted=True)
 
     async def Health(self, request, context):
         """The worst status of the models, and their workers added up."""
