@@ -23,7 +23,6 @@ loopback. Clients are httpx (SSE) and the router's gRPC stub. Every loop is boun
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import re
@@ -38,9 +37,9 @@ import pytest
 from conftest import stop_cluster
 from disagg_client import TEST_AUTH
 from disagg_client import channel as worker_channel
+from router_clients import grpc_abort, grpc_generate, sse
 
 from pdserve.cluster import event_loop
-from pdserve.cluster.wire import sampling_params_to_proto
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import LLM, EngineConfig, SamplingParams
 from pdserve.engine.demo_model import make_demo_model
@@ -51,7 +50,6 @@ from pdserve.proto import (
     common_pb2,
     decode_pb2_grpc,
     prefill_pb2_grpc,
-    router_pb2,
     router_pb2_grpc,
 )
 from pdserve.router.config import RouterConfig
@@ -219,61 +217,13 @@ async def wait_clean(cluster: Cluster, timeout_s: float) -> list[common_pb2.Heal
         await asyncio.sleep(0.25)
 
 
-# ---- clients ---------------------------------------------------------------------------
-
-
-async def sse(http: httpx.AsyncClient, body: dict, max_events: int | None = None
-              ) -> tuple[int, dict[int, str], dict[int, str | None], dict | None]:
-    """POST a streaming completion; read at most ``max_events`` chunks (then close the
-    connection, as a client that leaves). Returns (status, text per choice, finish reason
-    per choice, usage)."""
-    texts: dict[int, str] = {}
-    finishes: dict[int, str | None] = {}
-    usage = None
-    async with http.stream("POST", "/v1/completions", json=body) as reply:
-        if reply.status_code != 200:
-            await reply.aread()
-            return reply.status_code, {}, {}, None
-        events = 0
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            usage = chunk.get("usage") or usage
-            for choice in chunk["choices"]:
-                texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
-                finishes[choice["index"]] = choice["finish_reason"]
-            events += 1
-            if max_events is not None and events >= max_events:
-                return 200, texts, finishes, usage  # leaving closes the stream mid-way
-    return 200, texts, finishes, usage
-
-
-async def grpc_generate(stub, request_id: str, prompt: list[int], params: SamplingParams,
-                        abort_after: int | None = None) -> tuple[list[int], str, bool | None]:
-    """Stream a generation through the router's gRPC API; with ``abort_after``, call
-    ``Abort`` once that many messages came. Returns (token ids, finish reason, what
-    ``Abort`` answered: None when not called)."""
-    call = stub.Generate(router_pb2.GenerateRequest(
-        request_id=request_id, token_ids=router_pb2.TokenIds(ids=prompt),
-        sampling_params=sampling_params_to_proto(params)), timeout=120)
-    tokens, finish, messages, aborted = [], "", 0, None
-    async for message in call:
-        tokens += list(message.token_ids)
-        finish = message.finish_reason or finish
-        messages += 1
-        if messages == abort_after:
-            reply = await stub.Abort(router_pb2.RouterAbortRequest(request_id=request_id),
-                                     timeout=10)
-            aborted = reply.aborted
-    return tokens, finish, aborted
-
-
 # ---- the tests --------------------------------------------------------------------------
 
 
 GREEDY = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 8, 16)]
+# NOTE: long (SENTENCES[:5] are 16-18 tokens), so that Abort, sent 1-3 messages in,
+# usually finds it running; a client that lags may still see its end (then it is whole)
+ABORTED = SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN - 40, ignore_eos=True)
 CANCEL_KINDS = ("before_first_token", "during_pull", "mid_stream", "n_fanout", "grpc_abort")
 
 
@@ -292,11 +242,7 @@ def test_cancel_at_random_points_leaves_no_block_held(cluster):
                      for s in range(len(SENTENCES)) for p in GREEDY}
     expected_ids = {(s, p.max_tokens): cluster.expected_tokens(long_prompts[s], p)
                     for s in range(len(long_prompts)) for p in GREEDY}
-    # NOTE: as long as the model length allows, so that Abort, sent 1-3 messages in,
-    # usually finds it running; the client may still lag its end (asserted then whole)
-    LONG = SamplingParams(temperature=0.0, ignore_eos=True,
-                          max_tokens=MAX_MODEL_LEN - max(map(len, long_prompts)))
-    expected_long = [cluster.expected_tokens(p, LONG) for p in long_prompts]
+    expected_long = [cluster.expected_tokens(p, ABORTED) for p in long_prompts]
     outcomes: dict[str, int] = {}
     wrong = []
 
@@ -330,16 +276,10 @@ def test_cancel_at_random_points_leaves_no_block_held(cluster):
             await sse(http, {**body, "n": 3, "max_tokens": 40}, max_events=1)
         else:  # grpc_abort
             s %= len(long_prompts)
-            tokens, finish, aborted = await grpc_generate(
-                stub, f"a{i}", long_prompts[s], LONG, abort_after=rng.randint(1, 3))
-            if aborted:  # it stops where it was, on the greedy path so far
-                ok = finish == "abort" and tokens == expected_long[s][:len(tokens)] and \
-                    len(tokens) < LONG.max_tokens
-            else:  # the router had sent it all before Abort came (the client lags): whole
-                ok = (tokens, finish) == (expected_long[s], "length")
-                kind = "grpc_abort_after_the_end"
-            if not ok:
-                wrong.append((i, kind, tokens, finish, aborted))
+            kind, bad = await grpc_abort(stub, f"a{i}", long_prompts[s], ABORTED,
+                                         expected_long[s], rng.randint(1, 3))
+            if bad:
+                wrong.append((i, kind, *bad))
         outcomes[kind] = outcomes.get(kind, 0) + 1
 
     async def main():
