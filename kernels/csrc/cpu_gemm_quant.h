@@ -113,15 +113,16 @@ inline void raw8(const uint8_t* row, __m512& w0, __m512& w1) {
 }
 
 inline void raw4(const uint8_t* row, __m512& e0, __m512& e1, __m512& o0, __m512& o1) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(v, nib);
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-  auto widen = [](__m128i x) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x)); };
-  e0 = widen(_mm256_castsi256_si128(lo));
-  e1 = widen(_mm256_extracti128_si256(lo, 1));
-  o0 = widen(_mm256_castsi256_si128(hi));
-  o1 = widen(_mm256_extracti128_si256(hi, 1));
+  // NOTE: each 16 bytes widened to 32-bit lanes straight from memory, then the nibbles
+  // split there: two shuffles for the 64 values, not six (the tile's bound at one row)
+  const __m512i nib = _mm512_set1_epi32(0x0F);
+  const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+  const __m512i v1 =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+  e0 = _mm512_cvtepi32_ps(_mm512_and_si512(v0, nib));
+  e1 = _mm512_cvtepi32_ps(_mm512_and_si512(v1, nib));
+  o0 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4));
+  o1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v1, 4));
 }
 
 // Group g's 32 scales (or mins) of panel p as two fp32 vectors.
