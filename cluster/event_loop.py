@@ -14,24 +14,21 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+try:
+    import uvloop
+except ImportError:  # NOTE: an optional dependency (pyproject: not on Windows)
+    uvloop = None
+
 T = TypeVar("T")
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """A new event loop (not set as the thread's current one): uvloop's where installed."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+    return asyncio.new_event_loop() if uvloop is None else uvloop.new_event_loop()
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` to its end on a new event loop, as ``asyncio.run`` does (the loop's
     async generators and default executor are shut down, then it is closed): uvloop's
     where installed. Returns ``main``'s result and raises what it raises."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
+    return asyncio.run(main) if uvloop is None else uvloop.run(main)
