@@ -36,8 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "one, instead of the tokenizer's")
     parser.add_argument("--dtype", default=d("dtype"),
                         choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
-                        help="weights and KV cache dtype; auto: the checkpoint's, except "
-                        "float32 on an x86 CPU without AVX-512 (no bf16/fp16 arithmetic)")
+                        help="weights and KV cache dtype; auto: the checkpoint's (bfloat16 "
+                        "for a GGUF file), except float32 on an x86 CPU without AVX-512 "
+                        "(no bf16/fp16 arithmetic)")
     parser.add_argument("--quantization", "-q", default=d("quantization"),
                         choices=QUANTIZATION_CHOICES,
                         help="weight quantization (vLLM's flag): int8 (as GGUF Q8_0) or int4 "

@@ -130,8 +130,13 @@ class GGUFFile:
         if missing:
             raise UnsupportedModelError(f"{self.path.name} lacks the metadata key {missing[0]}")
         self._refuse_unsupported_metadata()
+        # NOTE: a GGUF file has no dtype of its own (its linears are quantized blocks, its
+        # norms F32 by llama.cpp's convention), so it names the one `--dtype auto` computes
+        # in: bfloat16, as vLLM takes half precision for a float32 config (and on an x86
+        # CPU without AVX-512, cpu_compute_dtype makes that float32 again). transformers
+        # computes a GGUF file in float32: `--dtype float32` gives its numbers.
         config: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                  "hidden_act": "silu"}
+                                  "hidden_act": "silu", "dtype": "bfloat16"}
         for key, name in GGUF_LLAMA_CONFIG.items():
             value = self._field(f"llama.{key}")
             if value is not None:

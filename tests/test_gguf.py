@@ -12,7 +12,7 @@ from gguf_files import TINY_GGUF, write_tiny_gguf
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.config import ModelConfig, UnsupportedModelError
+from pdserve.engine.config import ModelConfig, UnsupportedModelError, cpu_compute_dtype
 from pdserve.engine.gguf_source import SUPPORTED_TENSOR_TYPES, GGUFFile
 from pdserve.engine.model_source import open_model
 
@@ -58,9 +58,23 @@ def test_config_from_metadata(tmp_path):
         "LlamaForCausalLM", 256, 2, 4, 2, 64, 512, 320, 512)
     assert config.tie_word_embeddings and config.rope_theta == 10000.0
     assert config.rms_norm_eps == pytest.approx(1e-5)
-    assert config.dtype is torch.float32  # --dtype auto: transformers' float32
+    assert config.dtype is torch.bfloat16  # --dtype auto: vLLM's half precision
     assert not ModelConfig.from_pretrained(write_tiny_gguf(tmp_path / "untied.gguf")
                                            ).tie_word_embeddings
+
+
+def test_dtype_auto_computes_a_gguf_file_in_bfloat16(tmp_path):
+    """A GGUF file has no dtype of its own: ``--dtype auto`` takes vLLM's half precision
+    for it, weights and KV cache (float32 on an x86 CPU without AVX-512)."""
+    llm = LLM(str(write_tiny_gguf(tmp_path / "tiny.gguf", "Q8_0")), max_model_len=128,
+              load_progress=False)
+    dtype = cpu_compute_dtype(torch.bfloat16)
+    assert llm.engine.model_config.dtype is dtype
+    assert llm.engine.model_runner.model.model.norm.weight.dtype is dtype
+    assert llm.engine.model_runner.kv_cache.dtype is dtype
+    output = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4,
+                                                      ignore_eos=True))[0]
+    assert len(output.outputs[0].token_ids) == 4
 
 
 def test_a_folder_holding_one_gguf_file_is_that_file(tmp_path):

@@ -41,7 +41,9 @@ def gguf():
 
 @pytest.fixture(scope="module")
 def served(gguf):
-    with decode_only_cluster(gguf, 2048, engine={"served_model_name": NAME},
+    # NOTE: float32, transformers' dtype for a GGUF file, so that its replies are the
+    # oracle token for token (`--dtype auto` computes the file in bfloat16)
+    with decode_only_cluster(gguf, 2048, engine={"served_model_name": NAME, "dtype": "float32"},
                              router={"served_model_name": NAME}) as s:
         yield s
 
