@@ -63,7 +63,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     has_bf16_path = ql.set_cpu_bf16_path(-1)
     print(f"threads {args.threads}; vdpbf16ps path built: {has_bf16_path} (if False, the "
-          "vdpbf16ps column times the tiles again); default: AMD CPUs, 5 rows or more")
+          "vdpbf16ps column times the tiles again); default: AMD CPUs, 5 rows or more, int4 at any")
     print(f"{'shape':<16}{'bits':>5}{'rows':>6}{'bf16 us':>10}{'tiles us':>10}"
           f"{'vdpbf16ps us':>14}{'tiles/vdp':>11}{'bf16/vdp':>10}")
     try:

@@ -20,7 +20,8 @@
 // at 1024 rows the FMA tiles ran at ~150 GFLOP/s on a 2-core Xeon, oneDNN's bf16 linear on
 // AMX at ~800.
 // Elsewhere, bf16 x of 5 rows or more on an AMD CPU with AVX512-BF16 takes vdpbf16ps on the
-// raw integers (cpu_gemm_quant_bf16.cpp), twice the multiply-adds of an FMA per instruction.
+// raw integers (cpu_gemm_quant_bf16.cpp), twice the multiply-adds of an FMA per instruction,
+// and so does bf16 x of 1-4 rows times an int4 weight (fewer instructions per value).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -128,13 +129,7 @@ void tile(const QuantPanels& w, const TileArgs& t) {
 // per group, in separate sums for even and odd k, and scaled once where the segment of the
 // group ends. That takes the two multiplies per k off the dequantizing and splits the one
 // FMA dependency chain per row into two, which at m = 1 bound the loop (a chain of 4-cycle
-// FMAs); the panel is prefetched into L2 kPrefetch bytes ahead, as the rows leave the loop
-// little time between loads for the hardware prefetcher to keep up. At one row that distance
-// is what bounds the loop, which reads from memory: on a 2-core AMD Zen 5, 1 KiB ahead into
-// L1 read ~30 GB/s of int8 weights (Llama-3.2-1B's linears, 2 threads), 16 KiB ahead into L2
-// with each thread on runs of consecutive panels (stream_run_len) ~41-47 GB/s, and int4 ~25 ->
-// ~31-35 GB/s (benchmarks/README.md, "Decode at batch 1 on Llama-3.2-1B's shape").
-constexpr int64_t kPrefetch = 16384;
+// FMAs); the panel is prefetched into L2 kPrefetch bytes ahead (cpu_gemm_quant.h).
 
 template <int kRows>
 void tile_small(const QuantPanels& w, const TileArgs& t) {

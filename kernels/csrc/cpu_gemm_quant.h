@@ -70,6 +70,15 @@ inline int64_t stream_run_len(int64_t items) {
   return std::max<int64_t>(1, items / (std::max<int64_t>(threads, 1) * 4));
 }
 
+// How far ahead (bytes) a call that streams its weight (x of 1-4 rows) prefetches the panel
+// into L2: its rows leave the loop little time between loads for the hardware prefetcher to
+// keep up, and at one row that distance is what bounds the loop. On a 2-core AMD Zen 5,
+// 1 KiB ahead into L1 read ~30 GB/s of int8 weights (Llama-3.2-1B's linears, 2 threads),
+// 16 KiB ahead into L2 with each thread on runs of consecutive panels (stream_run_len)
+// ~41-47 GB/s, and int4 ~25 -> ~31-35 GB/s (benchmarks/README.md, "Decode at batch 1 on
+// Llama-3.2-1B's shape").
+constexpr int64_t kPrefetch = 16384;
+
 // 32 scales (or mins) of group g of panel p, as fp32, into out.
 inline void load_group(const QuantPanels& w, const void* base, int64_t p, int64_t g, float* out) {
   const int64_t at = (p * w.groups + g) * kPanel;
@@ -148,7 +157,8 @@ bool linear_quant_amx(const QuantPanels& w, const at::Tensor& x,
                       const std::optional<at::Tensor>& bias, at::Tensor& y);
 
 // y [M, N] = x [M, K] W^T + bias by vdpbf16ps on the raw integers (cpu_gemm_quant_bf16.cpp)
-// when it serves this call (bf16 x of at least 5 rows, a build with AVX512-BF16, and the
+// when it serves this call (bf16 x of at least 5 rows, or of 1-4 times an int4 weight, a
+// build with AVX512-BF16, and the
 // mode: an AMD CPU by default): true once y is written; false, y untouched, otherwise.
 bool linear_quant_bf16(const QuantPanels& w, const at::Tensor& x,
                        const std::optional<at::Tensor>& bias, at::Tensor& y);

@@ -1,6 +1,7 @@
-// Weight-only quantized linear layers for bf16 x of several rows on AVX512-BF16 (AMD Zen 4
-// and later, Intel Cooper Lake and later): cpu_gemm_quant.cpp's weight, its raw integers
-// widened to bf16 pairs once per slice of K and multiplied by vdpbf16ps. Built on first use
+// Weight-only quantized linear layers for bf16 x of several rows (int4: of any) on
+// AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake and later): cpu_gemm_quant.cpp's
+// weight, its raw integers widened to bf16 pairs once per slice of K (int4 at 1-4 rows: as
+// they stream in) and multiplied by vdpbf16ps. Built on first use
 // by pdserve/kernels/cpu_ext.py.
 //
 // Exact up to fp32 rounding, as the FMA tiles: an int8 or int4 value has at most 8
@@ -16,7 +17,9 @@
 // linears at 0.55-0.6x the speed of oneDNN's bf16 linear on the FMA tiles. On a 2-core Zen 5,
 // W1's and Llama-3.2-1B's linears: 1.14-1.44x the FMA tiles at 5-7 rows, 1.4-2.5x at 8 to
 // 1024 rows (1.0-2.3x oneDNN's bf16 linear at 8-64 rows, 0.72-0.96x at 256-1024). At 1-4
-// rows the FMA tiles (tile_small) are as fast or faster, and are kept.
+// rows the FMA tiles (tile_small) are as fast or faster for int8, and are kept; int4 there
+// takes tile4_stream (below): one row of [1024, 1024] in L2 read 28.5-28.8 GB/s of int4 on
+// one thread of a Zen 5 against the FMA tile's 21.5-21.7, 41.9-42.1 on two against 32.4-32.7.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -52,7 +55,7 @@ bool set_linear_quant_bf16_mode(int64_t mode) {
 
 namespace {
 
-constexpr int64_t kMinRows = 5;     // fewer rows take tile_small (cpu_gemm_quant.cpp), as fast there
+constexpr int64_t kMinRows = 5;     // fewer rows: int8 takes tile_small (cpu_gemm_quant.cpp)
 constexpr int kTileRows = 8;        // rows per register tile: 16 zmm of sums
 constexpr int64_t kBlockRows = 64;  // rows per work item
 constexpr int64_t kSliceK = 256;    // K per widened slice: 256 x 32 bf16 = 16 KiB, in L1
@@ -152,6 +155,112 @@ float group_sum(const uint16_t* x, int64_t n) {
   return s;
 }
 
+// int4 at 1-4 rows, where the call streams its weight and the FMA tiles are bound by their
+// instruction count (tile_small: ~16 per 64 values): a byte holds one feature's k (low
+// nibble) and k + 1 (high), so 16 bytes widened to 32-bit lanes, the high nibble shifted
+// into the upper half, give 16 features' pairs of indices, and one vpermw on a table of
+// the 16 values as bf16 turns them into vdpbf16ps's pairs: 5 instructions per 32 values,
+// the multiply-add included.
+inline __m512i nibble_table() {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = static_cast<float>(i & 15);  // NOTE: vpermw reads 5 bits; bit 4 is noise
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    t[i] = static_cast<uint16_t>(bits >> 16);  // exact: at most 4 significant bits
+  }
+  return _mm512_load_si512(t);
+}
+
+// 16 features' (k, k + 1) values of one row of a panel's pairs (16 bytes) as bf16 pairs.
+inline __m512bh nibble_pairs(const uint8_t* bytes, __m512i table) {
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+#ifdef __AVX512VBMI__
+  // each lane's byte 0 from bit 0 of the byte (the low nibble), byte 2 from bit 4 (the high)
+  const __m512i at = _mm512_set1_epi64(0x2424202004040000);
+  return (__m512bh)_mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(at, d), table);
+#else
+  return (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)), table);
+#endif
+}
+
+// Rows [0, kRows) of x (bf16, ldx apart) times int4 panel p, all of K, into acc (rows x
+// 32): per group, the raw products summed in two sets of sums (alternate pairs of k, two
+// dependency chains per feature vector), then scaled; the min as in tile.
+template <int kRows>
+void tile4_stream(const QuantPanels& w, int64_t p, const uint16_t* x, int64_t ldx,
+                  const float* xsum, float* acc) {
+  const __m512i table = nibble_table();
+  const uint8_t* panel = w.q + p * w.panel_bytes();
+  __m512 sum[kRows][2];
+  for (int r = 0; r < kRows; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
+  auto pair = [&](int64_t k, __m512 (&part)[kRows][2]) {
+    const uint8_t* row = panel + k / 2 * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T1);
+    const __m512bh w0 = nibble_pairs(row, table), w1 = nibble_pairs(row + 16, table);
+    for (int r = 0; r < kRows; ++r) {
+      uint32_t xp;
+      std::memcpy(&xp, x + r * ldx + k, sizeof(xp));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp));
+      part[r][0] = _mm512_dpbf16_ps(part[r][0], xb, w0);
+      part[r][1] = _mm512_dpbf16_ps(part[r][1], xb, w1);
+    }
+  };
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 ev[kRows][2], od[kRows][2];
+    for (int r = 0; r < kRows; ++r) ev[r][0] = ev[r][1] = od[r][0] = od[r][1] = _mm512_setzero_ps();
+    const int64_t end = (g + 1) * w.group;
+    int64_t k = g * w.group;
+    for (; k + 2 < end; k += 4) {
+      pair(k, ev);
+      pair(k + 2, od);
+    }
+    if (k < end) pair(k, ev);  // a group of an odd number of pairs
+    __m512 s0, s1;
+    load_group(w, w.scale, p, g, s0, s1);
+    for (int r = 0; r < kRows; ++r) {
+      sum[r][0] = _mm512_fmadd_ps(_mm512_add_ps(ev[r][0], od[r][0]), s0, sum[r][0]);
+      sum[r][1] = _mm512_fmadd_ps(_mm512_add_ps(ev[r][1], od[r][1]), s1, sum[r][1]);
+    }
+    if (w.min != nullptr) {
+      __m512 m0, m1;
+      load_group(w, w.min, p, g, m0, m1);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 xs = _mm512_set1_ps(xsum[r * w.groups + g]);
+        sum[r][0] = _mm512_fmadd_ps(xs, m0, sum[r][0]);
+        sum[r][1] = _mm512_fmadd_ps(xs, m1, sum[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    _mm512_storeu_ps(acc + r * kPanel, sum[r][0]);
+    _mm512_storeu_ps(acc + r * kPanel + 16, sum[r][1]);
+  }
+}
+
+// acc (m x 32 fp32, this panel's) plus the bias into y's columns [32p, 32p + cols), as bf16.
+void store_panel(const float* acc, int64_t m, int64_t p, const float* bias, uint16_t* y,
+                 int64_t n) {
+  const int64_t n0 = p * kPanel, cols = std::min(kPanel, n - n0);
+  using E = pdserve::Elem<c10::BFloat16>;
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < cols; ++j)
+      y[r * n + n0 + j] = E::narrow(acc[r * kPanel + j] + (bias ? bias[n0 + j] : 0.0f));
+}
+
+// Rows [0, m < kMinRows) of x times int4 panel p into y's columns [32p, 32p + cols).
+void run_item4_stream(const QuantPanels& w, const uint16_t* x, int64_t ldx, const float* xsum,
+                      int64_t m, int64_t p, const float* bias, uint16_t* y, int64_t n) {
+  alignas(64) float acc[(kMinRows - 1) * kPanel];
+  switch (m) {
+    case 1: tile4_stream<1>(w, p, x, ldx, xsum, acc); break;
+    case 2: tile4_stream<2>(w, p, x, ldx, xsum, acc); break;
+    case 3: tile4_stream<3>(w, p, x, ldx, xsum, acc); break;
+    default: tile4_stream<4>(w, p, x, ldx, xsum, acc); break;
+  }
+  store_panel(acc, m, p, bias, y, n);
+}
+
 // Rows [0, m) of x times panel p into y's columns [32p, 32p + cols).
 void run_item(const QuantPanels& w, const uint16_t* x, int64_t ldx, const float* xsum,
               int64_t m, int64_t p, const float* bias, uint16_t* y, int64_t n) {
@@ -165,11 +274,7 @@ void run_item(const QuantPanels& w, const uint16_t* x, int64_t ldx, const float*
       tile_rows(std::min<int64_t>(kTileRows, m - r0), w, p, x + r0 * ldx, ldx,
                 xsum ? xsum + r0 * w.groups : nullptr, k0, kc, slice, acc + r0 * kPanel);
   }
-  const int64_t n0 = p * kPanel, cols = std::min(kPanel, n - n0);
-  using E = pdserve::Elem<c10::BFloat16>;
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t j = 0; j < cols; ++j)
-      y[r * n + n0 + j] = E::narrow(acc[r * kPanel + j] + (bias ? bias[n0 + j] : 0.0f));
+  store_panel(acc, m, p, bias, y, n);
 }
 
 }  // namespace
@@ -177,7 +282,8 @@ void run_item(const QuantPanels& w, const uint16_t* x, int64_t ldx, const float*
 bool linear_quant_bf16(const QuantPanels& w, const at::Tensor& x,
                        const std::optional<at::Tensor>& bias, at::Tensor& y) {
   const int64_t m = x.size(0), n = y.size(1);
-  if (x.scalar_type() != at::kBFloat16 || m < kMinRows || !enabled()) return false;
+  const bool stream4 = m < kMinRows && w.bits == 4;  // int4 at 1-4 rows: tile4_stream
+  if (x.scalar_type() != at::kBFloat16 || (m < kMinRows && !stream4) || !enabled()) return false;
   at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const auto* xb = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
   const int64_t ldx = xc.stride(0);
@@ -192,6 +298,12 @@ bool linear_quant_bf16(const QuantPanels& w, const at::Tensor& x,
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
   const float* b = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
   auto* out = reinterpret_cast<uint16_t*>(y.data_ptr());
+  if (stream4) {
+    for_each_item(w.panels, stream_run_len(w.panels), [&](int64_t p) {
+      run_item4_stream(w, xb, ldx, xsum.empty() ? nullptr : xsum.data(), m, p, b, out, n);
+    });
+    return true;
+  }
   for_each_item((m + kBlockRows - 1) / kBlockRows * w.panels, 1, [&](int64_t i) {
     const int64_t block = i / w.panels, p = i % w.panels, r0 = block * kBlockRows;
     run_item(w, xb + r0 * ldx, ldx, xsum.empty() ? nullptr : xsum.data() + r0 * w.groups,

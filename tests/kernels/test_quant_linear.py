@@ -114,19 +114,21 @@ def test_cpu_kernel_equals_the_reference(case, dtype, scale_dtype):
         torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=1e-2)
 
 
-# rows of x >= 5 (the bf16 path's), K past one 256-wide slice, groups split by a slice
-BF16_CASES = [case for case in CASES if case[4] >= 5] + [(8, 48, 64, 32, 5, False),
-    (8, 33, 600, None, 8, False), (8, 64, 2048, None, 11, False), (4, 40, 96, 32, 64, False),
-    (8, 96, 320, 32, 65, True)]
+# rows of x >= 5 (the bf16 path's), K past one 256-wide slice, groups split by a slice;
+# int4 at 1-4 rows too (its streaming tile), groups of an odd number of pairs among them
+BF16_CASES = [case for case in CASES if case[4] >= 5 or case[0] == 4] + [
+    (8, 48, 64, 32, 5, False), (8, 33, 600, None, 8, False), (8, 64, 2048, None, 11, False),
+    (4, 40, 96, 32, 64, False), (8, 96, 320, 32, 65, True), (4, 100, 256, 128, 1, False),
+    (4, 47, 96, 6, 3, False), (4, 64, 2048, 32, 4, False)]
 
 
 @CPU_KERNELS
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", BF16_CASES)
 def test_bf16_path_equals_the_reference_and_the_fma_tiles(case, scale_dtype):
-    """bf16 x of 5 rows or more: vdpbf16ps on the raw integers (exact products, fp32 sums)
-    against the fp32 reference, within the output's own bf16 rounding, and against the FMA
-    tiles; forced on and off, so it runs on any CPU (where the build has no AVX512-BF16,
+    """bf16 x of 5 rows or more, or int4 at any: vdpbf16ps on the raw integers (exact
+    products, fp32 sums) against the fp32 reference, within the output's own bf16
+    rounding, and against the FMA tiles; forced on and off, so it runs on any CPU (where the build has no AVX512-BF16,
     both calls take the FMA tiles)."""
     bits, n, k, group, m, with_min = case
     w = make_weight(bits, n, k, group, with_min, scale_dtype)
