@@ -159,8 +159,8 @@ float group_sum(const uint16_t* x, int64_t n) {
 // instruction count (tile_small: ~16 per 64 values): a byte holds one feature's k (low
 // nibble) and k + 1 (high), so 16 bytes widened to 32-bit lanes, the high nibble shifted
 // into the upper half, give 16 features' pairs of indices, and one vpermw on a table of
-// the 16 values as bf16 turns them into vdpbf16ps's pairs: 5 instructions per 32 values,
-// the multiply-add included.
+// the 16 values as bf16 turns them into vdpbf16ps's pairs: 4 instructions per 32 values
+// (5 without VBMI), the multiply-add included.
 inline __m512i nibble_table() {
   alignas(64) uint16_t t[32];
   for (int i = 0; i < 32; ++i) {
