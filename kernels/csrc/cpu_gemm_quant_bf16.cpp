@@ -194,28 +194,33 @@ void tile4_stream(const QuantPanels& w, int64_t p, const uint16_t* x, int64_t ld
   const uint8_t* panel = w.q + p * w.panel_bytes();
   __m512 sum[kRows][2];
   for (int r = 0; r < kRows; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
-  auto pair = [&](int64_t k, __m512 (&part)[kRows][2]) {
-    const uint8_t* row = panel + k / 2 * kPanel;
-    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T1);
+  // one pair of k's: its 32 bytes (16 features each half), x's pair at k of each row
+  auto pair = [&](const uint8_t* row, const uint16_t* xk, __m512 (&part)[kRows][2]) {
     const __m512bh w0 = nibble_pairs(row, table), w1 = nibble_pairs(row + 16, table);
     for (int r = 0; r < kRows; ++r) {
       uint32_t xp;
-      std::memcpy(&xp, x + r * ldx + k, sizeof(xp));
+      std::memcpy(&xp, xk + r * ldx, sizeof(xp));
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp));
       part[r][0] = _mm512_dpbf16_ps(part[r][0], xb, w0);
       part[r][1] = _mm512_dpbf16_ps(part[r][1], xb, w1);
     }
   };
+  const uint8_t* row = panel;  // the pair of k's at k, 32 bytes a pair
+  const uint16_t* xk = x;
   for (int64_t g = 0; g < w.groups; ++g) {
     __m512 ev[kRows][2], od[kRows][2];
     for (int r = 0; r < kRows; ++r) ev[r][0] = ev[r][1] = od[r][0] = od[r][1] = _mm512_setzero_ps();
-    const int64_t end = (g + 1) * w.group;
-    int64_t k = g * w.group;
-    for (; k + 2 < end; k += 4) {
-      pair(k, ev);
-      pair(k + 2, od);
+    int64_t pairs = w.group / 2;
+    for (; pairs >= 2; pairs -= 2, row += 2 * kPanel, xk += 4) {  // a cache line
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T1);
+      pair(row, xk, ev);
+      pair(row + kPanel, xk + 2, od);
     }
-    if (k < end) pair(k, ev);  // a group of an odd number of pairs
+    if (pairs) {  // a group of an odd number of pairs
+      pair(row, xk, ev);
+      row += kPanel;
+      xk += 2;
+    }
     __m512 s0, s1;
     load_group(w, w.scale, p, g, s0, s1);
     for (int r = 0; r < kRows; ++r) {
