@@ -16,6 +16,7 @@ While Redis is unreachable, or before the first load, lookups raise
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -47,6 +48,8 @@ class LocalPrefixIndex:
         RuntimeError, OSError, ImportError: the native extension could not be built.
     """
 
+    _instances = itertools.count()
+
     def __init__(self, redis_url: str, *, capacity: int = DEFAULT_CAPACITY,
                  block_s: float = 0.5, retry_interval_s: float = 0.5,
                  socket_timeout_s: float = 0.5, start: bool = True) -> None:
@@ -57,8 +60,10 @@ class LocalPrefixIndex:
         self.available = False
         self.num_reloads = 0
         # NOTE: bumped whenever a worker gets or gives back a slot; routers re-read
-        # their workers' slots (slot_of) when it changed, not on a timer
+        # their workers' slots (slot_of) when it changed, not on a timer. The instance
+        # number tells two indexes apart where id() may not (a freed one's address reused)
         self.slots_version = 0
+        self.instance = next(LocalPrefixIndex._instances)
         self._client = PrefixIndex(redis_url, socket_timeout_s=socket_timeout_s + block_s)
         self._index = block_index.new_block_index(capacity)
         self._slots: dict[str, int] = {}

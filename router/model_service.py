@@ -474,11 +474,15 @@ class _IndexSlots:
         return index.slot_of(worker_id) if isinstance(index, LocalPrefixIndex) else None
 
     @property
-    def slots_version(self) -> tuple[int, int]:
-        """Changes whenever ``slot_of`` may answer otherwise: the index replaced, or a
-        slot of it given or freed (``LocalPrefixIndex.slots_version``)."""
+    def slots_version(self) -> tuple:
+        """Changes whenever ``slot_of`` may answer otherwise: the index replaced by another
+        in-memory one (``LocalPrefixIndex.instance``: an id() may be a freed index's) or
+        by the Redis one, or a slot of it given or freed (``slots_version``). Redis
+        indexes answer no slot, so one replacing another changes nothing."""
         index = self.routing.index
-        return id(index), index.slots_version if isinstance(index, LocalPrefixIndex) else 0
+        if isinstance(index, LocalPrefixIndex):
+            return "local", index.instance, index.slots_version
+        return ("redis",)
 
 
 def _prefix_index(redis_url: str) -> LocalPrefixIndex | PrefixIndex:

@@ -190,3 +190,28 @@ def test_a_router_follows_slots_given_anew_after_redis_restarted(index, server, 
     assert {w: follower.slot_of(w) for w in "AB"} != before
     decision = router.route(held_by_a)
     assert (decision.decode_worker_id, decision.reason) == ("A", "cached_on_decode")
+
+
+def test_a_replaced_index_changes_the_slots_version_even_at_a_reused_address(server):
+    """The routing arrays re-read slots when the index is replaced: in-memory indexes at
+    the same slots_version differ by their instance number, also where a new one takes
+    a freed one's address (CPython reuses it, so an id() repeats within a few tries);
+    the Redis index differs from them all."""
+    import gc
+    from types import SimpleNamespace
+
+    from pdserve.router.model_service import _IndexSlots
+
+    routing = SimpleNamespace(index=None)
+    slots = _IndexSlots(routing)
+    url = f"redis://127.0.0.1:{server.port}/0"
+    seen = set()
+    for _ in range(20):
+        routing.index = LocalPrefixIndex(url, start=False)
+        assert slots.slots_version not in seen
+        seen.add(slots.slots_version)
+        routing.index.close()
+        routing.index = None  # NOTE: freed, so that the next one may take its address
+        gc.collect()
+    routing.index = PrefixIndex(url)
+    assert slots.slots_version not in seen and slots.slot_of("D0") is None
