@@ -158,8 +158,8 @@ bool linear_quant_amx(const QuantPanels& w, const at::Tensor& x,
 
 // y [M, N] = x [M, K] W^T + bias by vdpbf16ps on the raw integers (cpu_gemm_quant_bf16.cpp)
 // when it serves this call (bf16 x of at least 5 rows, or of 1-4 times an int4 weight, a
-// build with AVX512-BF16, and the
-// mode: an AMD CPU by default): true once y is written; false, y untouched, otherwise.
+// build with AVX512-BF16, and the mode: an AMD CPU by default): true once y is written;
+// false, y untouched, otherwise.
 bool linear_quant_bf16(const QuantPanels& w, const at::Tensor& x,
                        const std::optional<at::Tensor>& bias, at::Tensor& y);
 

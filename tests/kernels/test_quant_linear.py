@@ -128,8 +128,8 @@ BF16_CASES = [case for case in CASES if case[4] >= 5 or case[0] == 4] + [
 def test_bf16_path_equals_the_reference_and_the_fma_tiles(case, scale_dtype):
     """bf16 x of 5 rows or more, or int4 at any: vdpbf16ps on the raw integers (exact
     products, fp32 sums) against the fp32 reference, within the output's own bf16
-    rounding, and against the FMA tiles; forced on and off, so it runs on any CPU (where the build has no AVX512-BF16,
-    both calls take the FMA tiles)."""
+    rounding, and against the FMA tiles; forced on and off, so it runs on any CPU (where
+    the build has no AVX512-BF16, both calls take the FMA tiles)."""
     bits, n, k, group, m, with_min = case
     w = make_weight(bits, n, k, group, with_min, scale_dtype)
     x, bias = randn(m, k, seed=3).bfloat16(), randn(n, seed=4).bfloat16()
