@@ -195,8 +195,9 @@ def set_cpu_bf16_path(mode: int) -> bool:
     (``kernels/csrc/cpu_gemm_quant_bf16.cpp``: bf16 ``x`` of at least 5 rows, or of 1-4
     rows times an int4 weight, a build with AVX512-BF16) instead of its fp32 FMA tiles:
     ``-1`` where the CPU is AMD's (the default; measured there), ``0`` none, ``1`` all it
-    can (tests and ``benchmarks/cpu_quant_linear.py`` compare both paths on one CPU). Process-wide. Returns whether this build has the path
-    (without AVX512-BF16 every call takes the FMA tiles, whatever ``mode`` says).
+    can (tests and ``benchmarks/cpu_quant_linear.py`` compare both paths on one CPU).
+    Process-wide. Returns whether this build has the path (without AVX512-BF16 every call
+    takes the FMA tiles, whatever ``mode`` says).
 
     Raises:
         RuntimeError: the C++ CPU kernels are not built here, or ``mode`` is not -1, 0 or 1.
