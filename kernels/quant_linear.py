@@ -218,7 +218,9 @@ def linear_quant_cpu(x: torch.Tensor, packed: tuple, bits: int, group_size: int,
     Raises:
         RuntimeError: a shape or dtype the kernel does not take (it names it).
     """
+    if x.dim() == 2:  # NOTE: a model's [T, hidden]: no reshape and view, ~2 us a call less
+        return torch.ops.pdserve_cpu.linear_quant(x, *packed, bias, bits, group_size,
+                                                  out_features)
     rows = x.reshape(-1, x.shape[-1])
-    y = torch.ops.pdserve_cpu.linear_quant(rows, packed[0], packed[1], packed[2], bias, bits,
-                                           group_size, out_features)
+    y = torch.ops.pdserve_cpu.linear_quant(rows, *packed, bias, bits, group_size, out_features)
     return y.view(*x.shape[:-1], out_features)

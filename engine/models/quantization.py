@@ -90,9 +90,6 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._cpu is not None:
-            if x.dim() == 2:  # NOTE: the model's [T, hidden]: the op itself, ~2 us a call less
-                return torch.ops.pdserve_cpu.linear_quant(
-                    x, *self._cpu, self.bias, self.bits, self.group_size, self.out_features)
             return linear_quant_cpu(x, self._cpu, self.bits, self.group_size, self.out_features,
                                     self.bias)
         if x.is_cuda:
