@@ -159,6 +159,16 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", pack(weight), persistent=False)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
+    def rows_kernel(self):
+        """This layer's kernel bound to its weight: ``f(x [T, in_features]) ->
+        [T, out_features]``, ``forward``'s values without the module call
+        (``engine/models/cpu_decode.py``)."""
+        weight, bias, n = self.packed_weight, self.bias, self.out_features
+        if not self.own_kernel:
+            return self.forward
+        op = torch.ops.pdserve_cpu.linear_packed.default
+        return lambda x: op(x, weight, bias, n)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.own_kernel:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",

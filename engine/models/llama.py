@@ -118,6 +118,9 @@ class LlamaForCausalLM(nn.Module):
                                  bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # the layers as one chain of CPU kernels for decode steps (cpu_decode.py), set by
+        # loader.load_model once the weights are final
+        self.cpu_decode = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, kv_scales: torch.Tensor | None = None
@@ -130,6 +133,9 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
         local_rope = (self.local_rotary_emb.cos_sin(positions, x.dtype)
                       if self.local_rotary_emb is not None else rope)
+        if self.cpu_decode is not None and self.cpu_decode.applies(x, kv_cache, meta, kv_scales):
+            x, residual = self.cpu_decode(x, rope, local_rope, kv_cache, meta)
+            return self.model.norm(x, residual)[0]
         windows = self.config.layer_windows or (None,) * len(self.model.layers)
         residual = None
         layer_scales = kv_scales if kv_scales is not None else (None,) * len(windows)

@@ -12,6 +12,7 @@ import torch
 
 from pdserve.engine.config import ModelConfig, UnsupportedModelError
 from pdserve.engine.model_source import ModelSource, open_model
+from pdserve.engine.models.cpu_decode import CpuDecodeLayers
 from pdserve.engine.models.layers import RotaryEmbedding, pack_linears_for_cpu
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.moe import MoEBlock
@@ -137,6 +138,7 @@ def load_model(config: ModelConfig, device: torch.device, progress: bool = True,
             quantize_linears(model, config.quantization, device)
     if device.type == "cpu":
         pack_linears_for_cpu(model)
+        model.cpu_decode = CpuDecodeLayers.build(model)
     return model.eval()
 
 

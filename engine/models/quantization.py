@@ -98,6 +98,16 @@ class QuantizedLinear(nn.Module):
             return linear_quant_triton(x, self.weight, self.bias)
         return linear_quant_ref(x, self.weight, self.bias)
 
+    def rows_kernel(self):
+        """This layer's kernel bound to its weight: ``f(x [T, in_features]) ->
+        [T, out_features]``, ``forward``'s values without the module call
+        (``engine/models/cpu_decode.py``); ``forward`` itself off the CPU kernel."""
+        if self._cpu is None:
+            return self.forward
+        op, packed, bias = torch.ops.pdserve_cpu.linear_quant.default, self._cpu, self.bias
+        bits, group, n = self.bits, self.group_size, self.out_features
+        return lambda x: op(x, *packed, bias, bits, group, n)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bits={self.bits}, group_size={self.group_size}")
