@@ -1,14 +1,15 @@
 """The CPU decode chain (``engine/models/cpu_decode.py``): on the steps it takes, the
 decoder layers' output is the modules' bit for bit, through ``LLM`` with float and
 quantized weights, biases, tied embeddings, a sliding window shorter than the prompts,
-and chunked prefill between decode steps; the layers and steps it does not cover go
-through the modules."""
+Qwen3's q/k norms, and chunked prefill between decode steps; the layers and steps it does
+not cover go through the modules."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompts, write_tiny_checkpoint
+import transformers
+from conftest import ARCHITECTURES, TINY, random_prompts
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.models.cpu_decode import CpuDecodeLayers
@@ -25,7 +26,23 @@ CASES = {
     "llama31-int4": ("llama31", "bfloat16", "int4", {}),
     "qwen2-int8-bias-tied": ("qwen2", "bfloat16", "int8", {}),
     "mistral-window": ("mistral", "bfloat16", None, {"sliding_window": 8}),
+    "qwen3-qk-norms": ("qwen3", "bfloat16", None, {}),
 }
+
+
+def _checkpoint(path, arch: str, **overrides):
+    """A tiny random checkpoint of ``arch`` whose norm weights differ from one another
+    (transformers starts them all at 1, where mixing two up would go unseen)."""
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    config = getattr(transformers, config_cls)(**{**TINY, **extra, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "norm" in name:
+                weight.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
 
 
 class _Counting:
@@ -60,7 +77,7 @@ def _generate(path, dtype, quantization, chain: bool, **engine_args):
 @pytest.mark.parametrize("case", list(CASES))
 def test_chain_equals_the_modules(case, tmp_path):
     arch, dtype, quantization, overrides = CASES[case]
-    path = write_tiny_checkpoint(tmp_path / arch, arch, **overrides)
+    path = _checkpoint(tmp_path / arch, arch, **overrides)
     # chunks of 16 tokens: the 40-token prompt's prefill chunks share steps with decodes
     chained, calls = _generate(path, dtype, quantization, True, max_num_batched_tokens=16)
     plain, _ = _generate(path, dtype, quantization, False, max_num_batched_tokens=16)
@@ -70,10 +87,14 @@ def test_chain_equals_the_modules(case, tmp_path):
     assert calls >= PARAMS.max_tokens - 1
 
 
-def test_layers_it_does_not_cover_run_through_the_modules(tiny_checkpoints):
-    # Qwen3's q/k norms
-    llm = LLM(str(tiny_checkpoints["qwen3"]), max_model_len=128, load_progress=False)
+def test_layers_it_does_not_cover_run_through_the_modules(tmp_path):
+    # Gemma 2's sandwich norms and its own RMSNorm
+    config = transformers.Gemma2Config(**TINY, head_dim=16)
+    torch.manual_seed(0)
+    transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
+    llm = LLM(str(tmp_path / "gemma2"), max_model_len=128, load_progress=False)
     assert llm.engine.model_runner.model.cpu_decode is None
+    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
 def test_a_quantized_kv_cache_runs_through_the_modules(tiny_checkpoints):

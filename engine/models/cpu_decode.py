@@ -13,8 +13,8 @@ them directly.
 It runs the kernels the modules would, in their order, on the same tensors, so its output
 is the modules' bit for bit (``tests/test_cpu_decode.py``). The kernels check their own
 arguments in C++ (shapes, dtypes, strides, slot and block ranges) and raise RuntimeError
-naming the bad one. Layers it does not cover (Gemma's sandwich norms, q/k norms, a
-mixture of experts, tensor parallelism, GeGLU, a norm weight outside the compute dtype)
+naming the bad one. Layers it does not cover (Gemma's sandwich norms and norm, a mixture
+of experts, tensor parallelism, GeGLU, a norm weight outside the compute dtype)
 make ``build`` return None, and the modules run as before; so do steps it does not cover
 (a prompt chunk in the batch, a quantized KV cache, LongRoPE positions).
 """
@@ -47,6 +47,7 @@ class _Layer:
     down: Linear
     sliding_window: int  # 0: full attention
     local_rope: bool  # the local RoPE table (a sliding layer of a model that has one)
+    qk_norms: tuple[RMSNorm, RMSNorm] | None  # Qwen3's per-head norms of q and k
 
 
 class CpuDecodeLayers:
@@ -87,9 +88,10 @@ class CpuDecodeLayers:
         layers = []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            qk_norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, *(qk_norms or ()))
             if (type(layer) is not DecoderLayer or type(attn) is not Attention
-                    or type(mlp) is not MLP or attn.qk_norm or mlp.act_and_mul is not silu_and_mul
+                    or type(mlp) is not MLP or mlp.act_and_mul is not silu_and_mul
                     or any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms)):
                 return None
             layers.append(_Layer(
@@ -97,7 +99,8 @@ class CpuDecodeLayers:
                 _rows_kernel(attn.qkv_proj), _rows_kernel(attn.o_proj),
                 _rows_kernel(mlp.gate_up_proj), _rows_kernel(mlp.down_proj),
                 attn.sliding_window or 0,
-                attn.sliding_window is not None and model.local_rotary_emb is not None))
+                attn.sliding_window is not None and model.local_rotary_emb is not None,
+                qk_norms))
         if not layers:
             return None
         first = decoder.layers[0]
@@ -136,6 +139,8 @@ class CpuDecodeLayers:
             q = q.view(tokens, heads, head_dim)
             k = k.view(tokens, kv_heads, head_dim)
             v = v.view(tokens, kv_heads, head_dim)
+            if layer.qk_norms is not None:  # as RMSNorm.forward on [T, heads, D]
+                q, k = (_norm_heads(rms_norm, t, norm) for t, norm in zip((q, k), layer.qk_norms))
             rotary(q, k, *(local_rope if layer.local_rope else rope))
             key_cache, value_cache = cache[0], cache[1]
             store_kv(k, v, key_cache, value_cache, slots)
@@ -149,6 +154,15 @@ class CpuDecodeLayers:
             act(x, gate_up)
             x = layer.down(x)
         return x, residual
+
+
+def _norm_heads(rms_norm, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """``norm`` over the last dim of ``x [T, heads, D]`` (a view of the fused projection)
+    -> a new ``[T, heads, D]``, by the kernel ``RMSNorm.forward`` calls."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape, dtype=rows.dtype)
+    rms_norm(out, rows, norm.weight, norm.eps)
+    return out.view(x.shape)
 
 
 def _rows_kernel(linear: torch.nn.Module) -> Linear:
