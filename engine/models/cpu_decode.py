@@ -109,8 +109,8 @@ class CpuDecodeLayers:
     def applies(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 kv_scales: torch.Tensor | None) -> bool:
         """Whether the step is a pure decode step of the compute dtype, on a float KV
-        cache of that dtype whose blocks are each packed (``kv_cache_layout``), without LongRoPE
-        positions."""
+        cache of that dtype whose blocks are each packed (``kv_cache_layout``), without
+        LongRoPE positions."""
         return (meta.num_decode_tokens == x.shape[0] > 0 and kv_scales is None
                 and meta.rope_long is None and x.dtype == self.dtype
                 and kv_cache.dtype == self.dtype

@@ -8,6 +8,7 @@ the same places), so outputs agree with transformers to rounding.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -159,7 +160,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", pack(weight), persistent=False)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
-    def rows_kernel(self):
+    def rows_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """This layer's kernel bound to its weight: ``f(x [T, in_features]) ->
         [T, out_features]``, ``forward``'s values without the module call
         (``engine/models/cpu_decode.py``)."""

@@ -12,6 +12,8 @@ which: a ``QuantizedLinear`` takes and returns what an ``nn.Linear`` does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -98,7 +100,7 @@ class QuantizedLinear(nn.Module):
             return linear_quant_triton(x, self.weight, self.bias)
         return linear_quant_ref(x, self.weight, self.bias)
 
-    def rows_kernel(self):
+    def rows_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """This layer's kernel bound to its weight: ``f(x [T, in_features]) ->
         [T, out_features]``, ``forward``'s values without the module call
         (``engine/models/cpu_decode.py``); ``forward`` itself off the CPU kernel."""
