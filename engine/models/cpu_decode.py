@@ -29,6 +29,7 @@ import torch
 from pdserve.engine.models.blocks import MLP, Attention, AttentionMetadata
 from pdserve.engine.models.layers import RMSNorm
 from pdserve.kernels import cpu_ext
+from pdserve.kernels.layers import rms_norm as rms_norm_rows
 from pdserve.kernels.layers import silu_and_mul
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -139,8 +140,8 @@ class CpuDecodeLayers:
             q = q.view(tokens, heads, head_dim)
             k = k.view(tokens, kv_heads, head_dim)
             v = v.view(tokens, kv_heads, head_dim)
-            if layer.qk_norms is not None:  # as RMSNorm.forward on [T, heads, D]
-                q, k = (_norm_heads(rms_norm, t, norm) for t, norm in zip((q, k), layer.qk_norms))
+            if layer.qk_norms is not None:  # RMSNorm.forward's kernel on [T, heads, D]
+                q, k = (_norm_heads(t, norm) for t, norm in zip((q, k), layer.qk_norms))
             rotary(q, k, *(local_rope if layer.local_rope else rope))
             key_cache, value_cache = cache[0], cache[1]
             store_kv(k, v, key_cache, value_cache, slots)
@@ -156,13 +157,11 @@ class CpuDecodeLayers:
         return x, residual
 
 
-def _norm_heads(rms_norm, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+def _norm_heads(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
     """``norm`` over the last dim of ``x [T, heads, D]`` (a view of the fused projection)
-    -> a new ``[T, heads, D]``, by the kernel ``RMSNorm.forward`` calls."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.empty(rows.shape, dtype=rows.dtype)
-    rms_norm(out, rows, norm.weight, norm.eps)
-    return out.view(x.shape)
+    -> a new ``[T, heads, D]``, as ``RMSNorm.forward`` computes it, without its module
+    call."""
+    return rms_norm_rows(x.reshape(-1, x.shape[-1]), norm.weight, norm.eps).view(x.shape)
 
 
 def _rows_kernel(linear: torch.nn.Module) -> Linear:

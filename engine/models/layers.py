@@ -164,9 +164,9 @@ class PackedLinear(nn.Module):
         """This layer's kernel bound to its weight: ``f(x [T, in_features]) ->
         [T, out_features]``, ``forward``'s values without the module call
         (``engine/models/cpu_decode.py``)."""
-        weight, bias, n = self.packed_weight, self.bias, self.out_features
         if not self.own_kernel:
             return self.forward
+        weight, bias, n = self.packed_weight, self.bias, self.out_features
         op = torch.ops.pdserve_cpu.linear_packed.default
         return lambda x: op(x, weight, bias, n)
 

@@ -64,7 +64,7 @@ void for_each_item(int64_t items, int64_t run_len, const Fn& fn) {
 
 // Runs for a call that streams its weight from memory (x of 1-4 rows): one a thread, so
 // that the prefetch running past one panel's end reads the next panel this thread takes,
-// not one another thread has (cpu_gemm_quant.cpp, kPrefetch), and each thread starts
+// not one another thread has (kPrefetch, below), and each thread starts
 // streaming cold once a call. Four runs a thread (dynamic balance) cost that start four
 // times: on a 2-core Zen 5, W1's linears (768 and 2048 wide, 0.3-1.6 MB each in int4) read
 // 34-38 GB/s of int4 and 35-45 of int8 that way, 38-46 and 42-54 with one run a thread
