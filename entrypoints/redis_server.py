@@ -11,15 +11,26 @@ the command line where ``ps`` shows it; ``url`` carries it):
 The server runs in its own session (process group): a terminal's Ctrl-C, which signals
 the whole foreground group, reaches only its owner, which then stops it (``close``).
 Tests stop and restart it on the same port to play a Redis outage.
+
+An owner that dies without closing it (``kill -9``, the OOM killer) takes it along: beside
+each server runs a watchdog (a small Python process of its own session) that holds the
+read end of a pipe whose write end only the owner holds. When the owner's process ends,
+however it ends, the pipe reports end of file, and the watchdog stops the server
+(SIGTERM, SIGKILL after 10 s) and removes its working directory (the config file with the
+password). ``stop`` tells the watchdog first, so a server stopped on purpose is not
+signalled again. A child the owner forks without exec (``os.fork``) shares the write end
+and keeps the server up until it too has exited.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +44,45 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 logger = logging.getLogger(__name__)
+
+# argv: the pipe's read end, the server's pid, its working directory. The owner writes a
+# byte before it stops the server; end of file without one means the owner died (module
+# docstring). The server is known by its pid and its start time (Linux's /proc; redis-server
+# retitles its command line), read when the watchdog starts, so a pid taken since by
+# another process is never signalled.
+_WATCHDOG = """\
+import os, shutil, signal, sys, time
+fd, pid, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+def identity():
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return None if fields[0] == b"Z" else fields[19]
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return b"?"
+        except OSError:
+            return None
+started = identity()
+try:
+    told = os.read(fd, 1)
+except OSError:
+    told = b""
+if told:
+    sys.exit(0)
+for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 2.0)):
+    if started is None or identity() != started:
+        break
+    os.kill(pid, sig)
+    deadline = time.monotonic() + wait_s
+    while identity() == started and time.monotonic() < deadline:
+        time.sleep(0.05)
+shutil.rmtree(workdir, ignore_errors=True)
+"""
 
 
 def redis_server_binary() -> str:
@@ -90,6 +140,8 @@ class RedisServer:
         self.binary = binary or redis_server_binary()
         self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
         self._proc: subprocess.Popen | None = None
+        self._watchdog: subprocess.Popen | None = None
+        self._watch_fd: int | None = None  # the pipe's write end (module docstring)
         try:
             self.start()
         except BaseException:  # NOTE: KeyboardInterrupt too: nobody else can close it
@@ -132,6 +184,7 @@ class RedisServer:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL after ``timeout_s``); no-op if stopped."""
         proc, self._proc = self._proc, None
+        self._release_watchdog()
         if proc is None or proc.poll() is not None:
             return
         proc.terminate()
@@ -167,6 +220,7 @@ class RedisServer:
         args = [self.binary, str(conf)]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       start_new_session=True)
+        self._start_watchdog()
         client = redis.Redis(host=self.host, port=self.port, password=self.password or None,
                              socket_timeout=1.0, socket_connect_timeout=1.0)
         deadline = time.monotonic() + self.start_timeout_s
@@ -180,6 +234,38 @@ class RedisServer:
         finally:
             client.close()
         logger.debug("redis-server %s serving %s", self.binary, self.url)
+
+    def _start_watchdog(self) -> None:
+        """Start the watchdog of the server just spawned (module docstring)."""
+        read_fd, write_fd = os.pipe()  # NOTE: neither end is inherited across exec
+        try:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(read_fd), str(self._proc.pid),
+                 self._dir.name], pass_fds=(read_fd,), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        except BaseException:
+            os.close(write_fd)
+            raise
+        finally:
+            os.close(read_fd)
+        self._watch_fd = write_fd
+
+    def _release_watchdog(self) -> None:
+        """Tell the watchdog the server is stopped on purpose, and let it exit."""
+        fd, self._watch_fd = self._watch_fd, None
+        watchdog, self._watchdog = self._watchdog, None
+        if fd is not None:
+            try:
+                os.write(fd, b"q")
+            except OSError:  # NOTE: it died already: nothing listens
+                pass
+            os.close(fd)
+        if watchdog is not None:
+            try:
+                watchdog.wait(5.0)
+            except subprocess.TimeoutExpired:
+                watchdog.kill()
+                watchdog.wait(5.0)
 
     def _port_busy(self) -> bool:
         with socket.socket() as sock:
