@@ -8,6 +8,7 @@ import time
 
 import pytest
 import redis
+from polling import wait_until
 
 from pdserve.cluster.prefix_index import (
     EPOCH_KEY,
@@ -47,15 +48,6 @@ def stored(*hashes: bytes) -> KVEvent:
 
 def removed(*hashes: bytes) -> KVEvent:
     return KVEvent(KVEventKind.REMOVED, tuple(hashes))
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_publish_lookup_and_removal(index):

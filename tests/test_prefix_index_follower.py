@@ -6,8 +6,8 @@ that restarted empty, and lets a router count a worker's first blocks at once.""
 from __future__ import annotations
 
 import random
-import time
 
+import polling
 import pytest
 import redis
 
@@ -54,16 +54,8 @@ def chain(num_blocks: int, offset: int = 0) -> list[bytes]:
 
 
 def wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if predicate():
-                return True
-        except PrefixIndexUnavailable:
-            pass
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
+    """``polling.wait_until``, an unreachable index counting as not yet."""
+    return polling.wait_until(predicate, timeout_s, ignore=(PrefixIndexUnavailable,))
 
 
 def test_agrees_with_redis_on_random_events(index, server):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from polling import wait_until
 
 from pdserve.entrypoints.redis_server import RedisServer
 
@@ -36,15 +37,6 @@ def running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(b")", 1)[1].split()[0] != b"Z"
-
-
-def wait_until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_a_killed_owner_takes_its_server_and_directory_along():

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import redis
+from polling import wait_until
 
 from pdserve.cluster.registry import (
     WORKERS_KEY,
@@ -51,15 +52,6 @@ def record(worker_id: str, role: str) -> WorkerRecord:
 
 def live_ids(registry: WorkerRegistry, role: str | None = None) -> list[str]:
     return [r.worker_id for r in registry.list_live(role)]
-
-
-def wait_until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def test_redis_server_restarts_empty_on_the_same_port(server):
