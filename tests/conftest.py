@@ -28,14 +28,21 @@ ARCHITECTURES = {
 
 
 def write_tiny_checkpoint(path: Path, arch: str, dtype: torch.dtype = torch.float32,
-                          seed: int = 0, **overrides) -> Path:
-    """Write a tiny random checkpoint of ``arch`` with transformers' ``save_pretrained``."""
+                          seed: int = 0, random_norms: bool = False, **overrides) -> Path:
+    """Write a tiny random checkpoint of ``arch`` with transformers' ``save_pretrained``.
+    ``random_norms``: every norm weight drawn from [0.5, 1.5) (transformers starts them all
+    at 1, where a test could not tell two norms apart)."""
     import transformers
 
     config_cls, model_cls, extra = ARCHITECTURES[arch]
     config = getattr(transformers, config_cls)(**{**TINY, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(dtype).eval()
+    if random_norms:
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if "norm" in name:
+                    weight.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return path
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import ARCHITECTURES, TINY, random_prompts
+from conftest import TINY, random_prompts, write_tiny_checkpoint
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.models.cpu_decode import CpuDecodeLayers
@@ -28,21 +28,6 @@ CASES = {
     "mistral-window": ("mistral", "bfloat16", None, {"sliding_window": 8}),
     "qwen3-qk-norms": ("qwen3", "bfloat16", None, {}),
 }
-
-
-def _checkpoint(path, arch: str, **overrides):
-    """A tiny random checkpoint of ``arch`` whose norm weights differ from one another
-    (transformers starts them all at 1, where mixing two up would go unseen)."""
-    config_cls, model_cls, extra = ARCHITECTURES[arch]
-    config = getattr(transformers, config_cls)(**{**TINY, **extra, **overrides})
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if "norm" in name:
-                weight.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
-    return path
 
 
 class _Counting:
@@ -77,7 +62,7 @@ def _generate(path, dtype, quantization, chain: bool, **engine_args):
 @pytest.mark.parametrize("case", list(CASES))
 def test_chain_equals_the_modules(case, tmp_path):
     arch, dtype, quantization, overrides = CASES[case]
-    path = _checkpoint(tmp_path / arch, arch, **overrides)
+    path = write_tiny_checkpoint(tmp_path / arch, arch, random_norms=True, **overrides)
     # chunks of 16 tokens: the 40-token prompt's prefill chunks share steps with decodes
     chained, calls = _generate(path, dtype, quantization, True, max_num_batched_tokens=16)
     plain, _ = _generate(path, dtype, quantization, False, max_num_batched_tokens=16)
