@@ -5,16 +5,21 @@ without loss: every value a block stores is kept, and ``dequantize`` of the resu
 | GGUF type | block | becomes | bits per weight (GGUF -> pdserve) |
 | --- | --- | --- | --- |
 | Q8_0 | 32 int8, fp16 d | int8, group 32, fp16 scale d | 8.5 -> 8.5 |
-| Q4_0 | 32 x 4 bit, fp16 d, x = d (q - 8) | int4, group 32, fp16 scale d, min -8d | 4.5 -> 5 |
+| Q4_0 | 32 x 4 bit, fp16 d, x = d (q - 8) | int4, group 32, fp16 scale d, min -8d | 4.5 -> 4.5 |
 | Q4_1 | 32 x 4 bit, fp16 d and m | int4, group 32, fp16 scale d and min m | 5 -> 5 |
-| Q4_K | 256: 8 x 32 x 4 bit, 6-bit scales and mins | int4, group 32, fp32 scale d sc, min -dmin m | 4.5 -> 6 |
-| Q5_K | 256: 8 x 32 x 5 bit, 6-bit scales and mins | int8, group 32, fp32 scale and min | 5.5 -> 10 |
-| Q6_K | 256: 16 x 16 x 6 bit, int8 scales | int8 (q - 32), group 16, fp32 scale d sc | 6.56 -> 10 |
+| Q4_K | 256: 8 x 32 x 4 bit, 6-bit scales and mins | int4, group 32, scale d sc, min -dmin m | 4.5 -> 4.75 |
+| Q5_K | 256: 8 x 32 x 5 bit, 6-bit scales and mins | int8, group 32, scale d sc, min -dmin m | 5.5 -> 8.75 |
+| Q6_K | 256: 16 x 16 x 6 bit, int8 scales | int8 (q - 32), group 16, scale d sc | 6.56 -> 8.63 |
 
-The K-quants' scales become fp32 because ``d * sc`` (an fp16 times a 6- or 8-bit integer)
-does not fit fp16; Q5_K and Q6_K values take a byte each, since pdserve's kernels read 8-
-and 4-bit values only. So a K-quant file takes more memory (and bandwidth) in pdserve than
-in llama.cpp, by the last column's ratio, and computes the same numbers.
+The last column is what the CPU kernel keeps. Q4_0's min (-8 d) is not stored there: the
+kernel computes it from the scale (5 bits a weight on other devices, which store it). The K-quants keep their two levels of scales
+(``ScaleCodes``): each group's integer ``sc`` (and ``m``) as an int8, each super-block's
+``d`` (and ``-dmin``) as an fp32, multiplied in the kernel (exact in fp32); on other
+devices the scales are fp32 per group (``d * sc`` does not fit fp16), 1 bit a weight more
+for Q6_K's groups of 16, 2 for Q4_K's and Q5_K's scale and min. Q5_K and Q6_K values take
+a byte each, since pdserve's kernels read 8- and 4-bit values only. So a K-quant file takes
+more memory (and bandwidth) in pdserve than in llama.cpp, by the last column's ratio, and
+computes the same numbers.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pdserve.kernels.quant_linear import QuantWeight, pack_int4
+from pdserve.kernels.quant_linear import QuantWeight, ScaleCodes, pack_int4
 
 QK_K = 256
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -48,39 +53,47 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
+# Each decoder: a block array [n, block bytes] -> (values [n, block values], scales and mins
+# [n, groups a block] fp32 (mins None), group size, and for the K-quants their two levels:
+# (scale codes [n, groups a block], d [n, 1], min codes or None, -dmin [n, 1] or None)).
+
+
 def _q8_0(b: np.ndarray):
-    return b[:, 2:].view(np.int8), _f16(b[:, :2])[:, None], None, 32
+    return b[:, 2:].view(np.int8), _f16(b[:, :2])[:, None], None, 32, None
 
 
 def _q4_0(b: np.ndarray):
     d = _f16(b[:, :2])[:, None]
-    return _nibbles(b[:, 2:], 16), d, -8 * d, 32
+    return _nibbles(b[:, 2:], 16), d, -8 * d, 32, None
 
 
 def _q4_1(b: np.ndarray):
-    return _nibbles(b[:, 4:], 16), _f16(b[:, :2])[:, None], _f16(b[:, 2:4])[:, None], 32
+    return (_nibbles(b[:, 4:], 16), _f16(b[:, :2])[:, None], _f16(b[:, 2:4])[:, None], 32,
+            None)
 
 
 def _k_common(b: np.ndarray):
+    """Q4_K/Q5_K's scales and mins ``[n, 8]`` fp32, and their two levels (the comment
+    above the decoders)."""
     d, dmin = _f16(b[:, :2])[:, None], _f16(b[:, 2:4])[:, None]
     sc, mn = _k_scale_min(b[:, 4:16])
-    return d * sc, -(dmin * mn)
+    return d * sc, -(dmin * mn), (sc, d, mn, -dmin)
 
 
 def _q4_k(b: np.ndarray):
-    scale, minimum = _k_common(b)
+    scale, minimum, codes = _k_common(b)
     qs = b[:, 16:144].reshape(-1, 4, 32)  # 4 chunks of 64 values: 2 sub-blocks each
     q = _nibbles(qs, 32).reshape(-1, QK_K)
-    return q, scale, minimum, 32
+    return q, scale, minimum, 32, codes
 
 
 def _q5_k(b: np.ndarray):
-    scale, minimum = _k_common(b)
+    scale, minimum, codes = _k_common(b)
     qh = b[:, 16:48]  # bit j of qh[i] is the 5th bit of value i of sub-block j
     ql = _nibbles(b[:, 48:176].reshape(-1, 4, 32), 32).reshape(-1, 8, 32)
     high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, 8, 32]
     q = (ql | (high << 4)).reshape(-1, QK_K).astype(np.int8)
-    return q, scale, minimum, 32
+    return q, scale, minimum, 32, codes
 
 
 def _q6_k(b: np.ndarray):
@@ -90,7 +103,8 @@ def _q6_k(b: np.ndarray):
                                                                                  None]
     q = ((ql | ((qh & 0x03) << 4)).astype(np.int16) - 32).reshape(-1, QK_K).astype(np.int8)
     scales = b[:, 192:208].view(np.int8).astype(np.float32)  # [n, 16]
-    return q, _f16(b[:, 208:210])[:, None] * scales, None, 16
+    d = _f16(b[:, 208:210])[:, None]
+    return q, d * scales, None, 16, (scales, d, None, None)
 
 
 _DECODERS = {"Q8_0": (34, 32, _q8_0), "Q4_0": (18, 32, _q4_0), "Q4_1": (20, 32, _q4_1),
@@ -115,20 +129,27 @@ def quant_weight(data: np.ndarray, kind: str, out_features: int,
     if in_features % block_values or raw.size != blocks * block_bytes:
         raise ValueError(f"{kind}: {raw.size} bytes do not hold [{out_features}, "
                          f"{in_features}] in blocks of {block_values}")
-    q, scale, minimum, group = decode(raw.reshape(blocks, block_bytes))
+    q, scale, minimum, group, levels = decode(raw.reshape(blocks, block_bytes))
     n, groups = out_features, in_features // group
     q = torch.from_numpy(np.ascontiguousarray(q)).reshape(n, in_features)
     dtype = torch.float16 if kind in _FP16_SCALES else torch.float32
 
-    def per_group(x):
+    def per_group(x, width=groups, as_type=dtype):
         return None if x is None else torch.from_numpy(
-            np.ascontiguousarray(x, np.float32)).reshape(n, groups).to(dtype)
+            np.ascontiguousarray(x, np.float32)).reshape(n, width).to(as_type)
 
+    codes = [None, None]
+    if levels is not None:  # a K-quant: its integers per group, its factors per block
+        for i, (c, factor) in enumerate(zip(levels[::2], levels[1::2])):
+            if c is not None:
+                codes[i] = ScaleCodes(per_group(c, as_type=torch.int8),
+                                      per_group(factor, in_features // block_values,
+                                                torch.float32), block_values)
     if q.dtype == torch.uint8:  # 4-bit values
         return QuantWeight(pack_int4(q), per_group(scale), per_group(minimum), 4, group,
-                           in_features)
+                           in_features, *codes)
     return QuantWeight(q.to(torch.int8), per_group(scale), per_group(minimum), 8, group,
-                       in_features)
+                       in_features, *codes)
 
 
 def permute_rows(w: QuantWeight, reorder) -> QuantWeight:
@@ -136,4 +157,6 @@ def permute_rows(w: QuantWeight, reorder) -> QuantWeight:
     ``gguf_source.unpermute_rows``) applied to the rows of its values, scales and mins."""
     return QuantWeight(reorder(w.q), reorder(w.scale),
                        None if w.min is None else reorder(w.min), w.bits, w.group_size,
-                       w.in_features)
+                       w.in_features,
+                       None if w.scale_codes is None else w.scale_codes.rows(reorder),
+                       None if w.min_codes is None else w.min_codes.rows(reorder))

@@ -50,7 +50,8 @@ _OPS = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "store_
         "paged_decode_attention_quant", "paged_prefill_attention_quant", "rms_norm",
         "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "argmax_rows",
         "gather_block_rows", "scatter_block_rows", "pack_linear_weight", "linear_packed",
-        "linear_panel_width", "sample_rows", "filter_rows", "pack_quant_weight", "linear_quant",
+        "linear_panel_width", "sample_rows", "filter_rows", "pack_quant_weight",
+        "pack_quant_groups", "linear_quant",
         "moe_grouped", "set_linear_quant_bf16")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # NOTE: the longest another process's build may hold the folder before load gives up (a

@@ -17,6 +17,14 @@ without loss:
 ``scale`` and ``min`` are ``[N, K // group_size]``, fp32 or fp16. Activations and outputs
 stay in the model's dtype (bf16, fp16 or fp32); products are summed in fp32.
 
+GGUF's K-quants scale in two levels: an fp16 per super-block of 256 weights times a 6- or
+8-bit integer per group. A weight from one may carry that factoring (``ScaleCodes``) beside
+its fp32 scales and mins; the CPU kernel then keeps the int8 codes and one fp32 per
+super-block instead of an fp32 per group (Q4_K: 4.75 bits a weight instead of 6; Q6_K:
+8.63 instead of 10), and computes the same products. Nor does it keep the mins of a
+symmetric int4 weight (``min == -8 * scale``, GGUF Q4_0's): it computes them (4.5 bits a
+weight with fp16 scales, not 5).
+
 ``linear_quant`` dispatches: CPU tensors to the C++ kernel (``kernels/csrc/
 cpu_gemm_quant.cpp``, on a layout packed once at load by ``pack_for_cpu``), CUDA tensors to
 the Triton kernel (``kernels/quant_linear_triton.py``), others to ``linear_quant_ref``.
@@ -31,9 +39,34 @@ import torch
 QMAX = {8: 127, 4: 7}  # symmetric round-to-nearest: q in [-QMAX - 1, QMAX]
 
 
+@dataclass(frozen=True)
+class ScaleCodes:
+    """Two-level scales (or mins) ``values [N, G]`` as ``codes * super``, exactly: ``codes``
+    int8 ``[N, G]`` (a group's integer), ``super`` fp32 ``[N, K // super_group]`` (its
+    super-block's factor, ``super_group`` weights along K, a multiple of the group size).
+    GGUF's K-quants: ``values[n, g] == codes[n, g] * super[n, g * group_size //
+    super_group]`` in fp32 (an fp16 times an integer of at most 8 bits is exact there)."""
+
+    codes: torch.Tensor
+    super: torch.Tensor
+    super_group: int
+
+    def expand(self, group_size: int) -> torch.Tensor:
+        """The values ``[N, G]`` fp32."""
+        ratio = self.super_group // group_size
+        return self.codes.float() * self.super.repeat_interleave(ratio, dim=1)
+
+    def rows(self, reorder) -> ScaleCodes:
+        """``reorder`` (a function of a ``[rows, ...]`` tensor) applied to both parts."""
+        return ScaleCodes(reorder(self.codes), reorder(self.super), self.super_group)
+
+
 @dataclass
 class QuantWeight:
-    """A quantized ``[out_features, in_features]`` weight (module docstring)."""
+    """A quantized ``[out_features, in_features]`` weight (module docstring); ``scale_codes``
+    and ``min_codes``: ``scale``'s and ``min``'s two-level factoring where the source has
+    one (``ScaleCodes``; the CPU kernel keeps that, every other path ``scale`` and
+    ``min``)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -41,6 +74,8 @@ class QuantWeight:
     bits: int
     group_size: int
     in_features: int
+    scale_codes: ScaleCodes | None = None
+    min_codes: ScaleCodes | None = None
 
     def __post_init__(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group_size
@@ -58,20 +93,41 @@ class QuantWeight:
                 raise ValueError(f"{name}: expected shape {(n, k // g)}, got {tuple(t.shape)}")
         if self.bits == 4 and self.min is None:
             raise ValueError("a 4-bit weight needs its min (unsigned values)")
+        for name, codes, of in (("scale_codes", self.scale_codes, self.scale),
+                                ("min_codes", self.min_codes, self.min)):
+            if codes is None:
+                continue
+            sg = codes.super_group
+            if of is None or sg % g or k % sg or codes.codes.dtype != torch.int8 \
+                    or tuple(codes.codes.shape) != (n, k // g) \
+                    or codes.super.dtype != torch.float32 \
+                    or tuple(codes.super.shape) != (n, k // sg):
+                raise ValueError(f"{name}: expected int8 codes {(n, k // g)} and fp32 super "
+                                 f"{(n, k // sg)} of super_group {sg} (a multiple of "
+                                 f"group_size {g} dividing {k}) beside its values")
+        if self.min_codes is not None and self.scale_codes is None:
+            raise ValueError("min_codes needs scale_codes (the kernel takes both or scales "
+                             "alone)")
 
     @property
     def out_features(self) -> int:
         return self.q.shape[0]
 
     def to(self, device: torch.device | str) -> QuantWeight:
+        """On ``device``, with the fp32/fp16 scales and mins only (the codes serve the CPU
+        kernel's packing)."""
         return QuantWeight(self.q.to(device), self.scale.to(device),
                            None if self.min is None else self.min.to(device), self.bits,
                            self.group_size, self.in_features)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the quantized weight with its scales and mins."""
-        tensors = [self.q, self.scale] + ([] if self.min is None else [self.min])
+        """Bytes of the quantized weight with its scales and mins (as codes and
+        super-block factors where it has them)."""
+        tensors = [self.q]
+        for values, codes in ((self.scale, self.scale_codes), (self.min, self.min_codes)):
+            tensors += [] if values is None else [values] if codes is None else [
+                codes.codes, codes.super]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -93,10 +149,22 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
     # NOTE: fp16 scales widen to fp32 without loss where the parts' dtypes differ
     dtype = first.scale.dtype if all(p.scale.dtype == first.scale.dtype for p in parts) \
         else torch.float32
+
+    def codes(field: str) -> ScaleCodes | None:  # kept where every part has them alike
+        found = [getattr(p, field) for p in parts]
+        if any(c is None or c.super_group != found[0].super_group for c in found):
+            return None
+        return ScaleCodes(torch.cat([c.codes for c in found]),
+                          torch.cat([c.super for c in found]), found[0].super_group)
+
+    scale_codes = codes("scale_codes")
+    min_codes = codes("min_codes") if scale_codes is not None else None
+    if first.min is not None and min_codes is None:
+        scale_codes = None  # NOTE: the kernel takes codes for both or for neither
     return QuantWeight(torch.cat([p.q for p in parts]),
                        torch.cat([p.scale.to(dtype) for p in parts]),
                        None if first.min is None else torch.cat([p.min.to(dtype) for p in parts]),
-                       first.bits, first.group_size, first.in_features)
+                       first.bits, first.group_size, first.in_features, scale_codes, min_codes)
 
 
 def unpack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -173,10 +241,13 @@ def linear_quant_ref(x: torch.Tensor, w: QuantWeight,
     return y.to(x.dtype)
 
 
-def pack_for_cpu(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``w`` in the C++ kernel's layout (``kernels/csrc/cpu_gemm_quant.cpp``): panels of
-    32 output features ``[P, K * bits / 8, 32]`` uint8 and their groups' scales and mins
-    ``[P, groups, 32]`` (mins None when ``w`` has none).
+def pack_for_cpu(w: QuantWeight) -> tuple[torch.Tensor, ...]:
+    """``w`` in the C++ kernel's layout (``kernels/csrc/cpu_gemm_quant.cpp``): ``(packed,
+    scales, mins, scale_super, min_super)``: panels of 32 output features ``[P, K * bits /
+    8, 32]`` uint8 and their groups' scales and mins ``[P, groups, 32]``, fp32/fp16, or
+    int8 codes with their super-blocks' fp32 factors ``[P, K // super_group, 32]``
+    (``ScaleCodes``); None for what ``w`` has not. A symmetric int4 weight (``min == -8 *
+    scale`` exactly, GGUF Q4_0's) is packed without its mins, which the kernel computes.
 
     Raises:
         RuntimeError: the C++ CPU kernels are not built here.
@@ -185,9 +256,17 @@ def pack_for_cpu(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
     if not cpu_ext.load():
         raise RuntimeError("pack_for_cpu: needs the C++ CPU kernels (pdserve.kernels.cpu_ext)")
-    packed, scales, mins = torch.ops.pdserve_cpu.pack_quant_weight(
-        w.q, w.scale, w.min, w.bits, w.group_size)
-    return packed, scales, (mins if mins is not None and mins.numel() else None)
+    ops = torch.ops.pdserve_cpu
+    scale, minimum, supers = w.scale, w.min, (None, None)
+    if w.scale_codes is not None:
+        scale = w.scale_codes.codes
+        minimum = None if w.min_codes is None else w.min_codes.codes
+        supers = (ops.pack_quant_groups(w.scale_codes.super),
+                  None if w.min_codes is None else ops.pack_quant_groups(w.min_codes.super))
+    elif w.bits == 4 and w.min is not None and torch.equal(w.min.float(), -8 * w.scale.float()):
+        minimum = None
+    packed, scales, mins = ops.pack_quant_weight(w.q, scale, minimum, w.bits, w.group_size)
+    return packed, scales, (mins if mins is not None and mins.numel() else None), *supers
 
 
 def set_cpu_bf16_path(mode: int) -> bool:

@@ -85,10 +85,13 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bits, self.group_size = weight.bits, weight.group_size
         self.bias = None if bias is None else bias.detach().to(device)
-        self.nbytes = weight.nbytes
         # NOTE: on the CPU only the kernel's packed copy is kept
         self._cpu = pack_for_cpu(weight) if device.type == "cpu" and cpu_ext.load() else None
         self.weight = weight.to(device) if self._cpu is None else None
+        # bytes of the weight as this layer holds it (the packed copy's scales may be
+        # two-level codes, and a symmetric int4 one keeps no mins: ``pack_for_cpu``)
+        self.nbytes = self.weight.nbytes if self._cpu is None else sum(
+            t.numel() * t.element_size() for t in self._cpu if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._cpu is not None:

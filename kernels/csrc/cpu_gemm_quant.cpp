@@ -86,7 +86,7 @@ void tile(const QuantPanels& w, const TileArgs& t) {
   for (int64_t k = t.k0; k < t.k0 + t.kc;) {
     const int64_t g = k / w.group, end = std::min(t.k0 + t.kc, (g + 1) * w.group);
     __m512 s0, s1;
-    load_group(w, w.scale, t.p, g, s0, s1);
+    load_scales(w, t.p, g, s0, s1);
     if (w.bits == 8) {
       for (; k < end; ++k) {
         __m512 w0, w1;
@@ -109,9 +109,9 @@ void tile(const QuantPanels& w, const TileArgs& t) {
         }
       }
     }
-    if (w.min != nullptr && end == (g + 1) * w.group) {  // NOTE: once, where the group ends
+    if (w.has_min() && end == (g + 1) * w.group) {  // NOTE: once, where the group ends
       __m512 m0, m1;
-      load_group(w, w.min, t.p, g, m0, m1);
+      load_mins(w, t.p, g, m0, m1);
       for (int r = 0; r < kRows; ++r) {
         const __m512 xs = _mm512_set1_ps(t.xsum[r * w.groups + g]);
         acc[r][0] = _mm512_fmadd_ps(xs, m0, acc[r][0]);
@@ -186,14 +186,14 @@ void tile_small(const QuantPanels& w, const TileArgs& t) {
       }
     }
     __m512 s0, s1;
-    load_group(w, w.scale, t.p, g, s0, s1);
+    load_scales(w, t.p, g, s0, s1);
     for (int r = 0; r < kRows; ++r) {
       acc[r][0] = _mm512_fmadd_ps(_mm512_add_ps(ev[r][0], od[r][0]), s0, acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(_mm512_add_ps(ev[r][1], od[r][1]), s1, acc[r][1]);
     }
-    if (w.min != nullptr && end == (g + 1) * w.group) {  // NOTE: once, where the group ends
+    if (w.has_min() && end == (g + 1) * w.group) {  // NOTE: once, where the group ends
       __m512 m0, m1;
-      load_group(w, w.min, t.p, g, m0, m1);
+      load_mins(w, t.p, g, m0, m1);
       for (int r = 0; r < kRows; ++r) {
         const __m512 xs = _mm512_set1_ps(t.xsum[r * w.groups + g]);
         acc[r][0] = _mm512_fmadd_ps(xs, m0, acc[r][0]);
@@ -226,7 +226,7 @@ void tile_rows(const QuantPanels& w, const TileArgs& t) {
   alignas(64) float s[kPanel], mn[kPanel], v[kPanel];
   for (int64_t k = t.k0; k < t.k0 + t.kc;) {
     const int64_t g = k / w.group, end = std::min(t.k0 + t.kc, (g + 1) * w.group);
-    load_group(w, w.scale, t.p, g, s);
+    load_scales(w, t.p, g, s);
     for (; k < end; ++k) {
       if (w.bits == 8) {
         const auto* q = reinterpret_cast<const int8_t*>(panel + k * kPanel);
@@ -245,8 +245,8 @@ void tile_rows(const QuantPanels& w, const TileArgs& t) {
         for (int j = 0; j < kPanel; ++j) acc[j] += x * v[j];
       }
     }
-    if (w.min != nullptr && end == (g + 1) * w.group) {
-      load_group(w, w.min, t.p, g, mn);
+    if (w.has_min() && end == (g + 1) * w.group) {
+      load_mins(w, t.p, g, mn);
       for (int64_t r = 0; r < t.rows; ++r) {
         const float xs = t.xsum[r * w.groups + g];
         float* acc = t.acc + r * kPanel;
@@ -294,11 +294,24 @@ void run(const QuantPanels& w, const float* a, int64_t lda, const float* xsum, i
   });
 }
 
-bool is_scale_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf; }
+bool is_scale_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kChar;
+}
+
+// t [N, X] -> [P, X, 32], panel p's rows side by side, the rows past N zero.
+at::Tensor pack_quant_groups(const at::Tensor& t) {
+  TORCH_CHECK(t.dim() == 2 && t.device().is_cpu(),
+              "pack_quant_groups: expected a 2-D CPU tensor, got ", t.sizes());
+  const int64_t n = t.size(0), panels = (n + kPanel - 1) / kPanel;
+  at::Tensor out = at::zeros({panels * kPanel, t.size(1)}, t.options());
+  out.narrow(0, 0, n).copy_(t);
+  return out.view({panels, kPanel, t.size(1)}).transpose(1, 2).contiguous();
+}
 
 // q [N, K] int8 or [N, K / 2] uint8 (int4, two per byte), scale and min [N, K / group]
-// -> (panels [P, K * bits / 8, 32] uint8, scales [P, groups, 32], mins or an empty tensor),
-// the features past N zero (scale 0).
+// (fp32, fp16, or int8 codes of two-level scales) -> (panels [P, K * bits / 8, 32] uint8,
+// scales [P, groups, 32], mins or an empty tensor), the features past N zero (scale 0). A
+// 4-bit weight without mins is a symmetric one stored as q + 8 (min = -8 * scale).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_quant_weight(
     const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& min,
     int64_t bits, int64_t group) {
@@ -313,22 +326,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_quant_weight(
   const int64_t groups = k / group, panels = (n + kPanel - 1) / kPanel, row = k * bits / 8;
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == n && scale.size(1) == groups &&
                   is_scale_dtype(scale.scalar_type()),
-              "pack_quant_weight: scale must be fp32/fp16 [", n, ", ", groups, "], got ",
+              "pack_quant_weight: scale must be fp32/fp16/int8 [", n, ", ", groups, "], got ",
               scale.sizes(), " ", scale.scalar_type());
   const bool has_min = min.has_value() && min->defined();
-  TORCH_CHECK(bits == 8 || has_min, "pack_quant_weight: a 4-bit weight needs its min");
-  TORCH_CHECK(!has_min || (min->sizes() == scale.sizes() &&
-                           min->scalar_type() == scale.scalar_type()),
-              "pack_quant_weight: min must match scale's shape and dtype");
+  TORCH_CHECK(!has_min || (min->sizes() == scale.sizes() && is_scale_dtype(min->scalar_type()) &&
+                           (min->scalar_type() == at::kChar) == (scale.scalar_type() == at::kChar)),
+              "pack_quant_weight: min must match scale's shape and kind (both int8 codes or "
+              "both fp32/fp16)");
   TORCH_CHECK(!has_min || group <= 1024,
               "pack_quant_weight: a weight with mins needs group_size <= 1024, got ", group);
   at::Tensor qc = q.contiguous();
   at::Tensor packed = at::zeros({panels, row, kPanel}, q.options().dtype(at::kByte));
-  auto pack_groups = [&](const at::Tensor& t) {
-    at::Tensor out = at::zeros({panels * kPanel, groups}, t.options());
-    out.narrow(0, 0, n).copy_(t);
-    return out.view({panels, kPanel, groups}).transpose(1, 2).contiguous();
-  };
   const auto* src = reinterpret_cast<const uint8_t*>(qc.const_data_ptr());
   auto* dst = packed.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -337,12 +345,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_quant_weight(
         for (int64_t i = 0; i < row; ++i)
           dst[(p * row + i) * kPanel + j] = src[(p * kPanel + j) * row + i];
   });
-  return {packed, pack_groups(scale), has_min ? pack_groups(*min) : at::Tensor()};
+  return {packed, pack_quant_groups(scale), has_min ? pack_quant_groups(*min) : at::Tensor()};
 }
 
-// y [M, N] = x [M, K] W^T + bias, x and y bf16, fp16 or fp32; W packed by pack_quant_weight.
+bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined() && t->numel() > 0; }
+
+// Checks codes' super-block scales (packed [P, groups / ratio, 32] fp32) and returns them.
+const float* super_scales(const std::optional<at::Tensor>& super, const at::Tensor& codes,
+                          const char* name, int64_t& ratio) {
+  TORCH_CHECK(given(super), "linear_quant: int8 ", name, " need their ", name, "_super");
+  TORCH_CHECK(super->dim() == 3 && super->size(0) == codes.size(0) && super->size(2) == kPanel &&
+                  super->scalar_type() == at::kFloat && super->is_contiguous() &&
+                  super->size(1) > 0 && codes.size(1) % super->size(1) == 0,
+              "linear_quant: ", name, "_super must come from pack_quant_groups, got ",
+              super->sizes());
+  TORCH_CHECK(ratio == 0 || ratio == codes.size(1) / super->size(1),
+              "linear_quant: scale_super and min_super must have the same super-blocks");
+  ratio = codes.size(1) / super->size(1);
+  return super->const_data_ptr<float>();
+}
+
+// y [M, N] = x [M, K] W^T + bias, x and y bf16, fp16 or fp32; W packed by pack_quant_weight
+// (int8 scale or min codes with their super-block scales packed by pack_quant_groups).
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins,
+                        const std::optional<at::Tensor>& scale_super,
+                        const std::optional<at::Tensor>& min_super,
                         const std::optional<at::Tensor>& bias, int64_t bits, int64_t group,
                         int64_t out_features) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
@@ -357,13 +385,23 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& packed, const at:
                   scales.size(1) == k / group && scales.is_contiguous() &&
                   is_scale_dtype(scales.scalar_type()),
               "linear_quant: scales must come from pack_quant_weight with group_size ", group);
-  const bool has_min = mins.has_value() && mins->defined() && mins->numel() > 0;
+  const bool has_min = given(mins);
   TORCH_CHECK(!has_min || (mins->sizes() == scales.sizes() && mins->is_contiguous() &&
                            mins->scalar_type() == scales.scalar_type()),
               "linear_quant: mins must match the scales");
-  const QuantPanels w{packed.data_ptr<uint8_t>(), scales.const_data_ptr(),
-                      has_min ? mins->const_data_ptr() : nullptr,
-                      scales.scalar_type() == at::kHalf, bits, k, group, k / group, panels};
+  QuantPanels w{packed.data_ptr<uint8_t>(), scales.const_data_ptr(),
+                has_min ? mins->const_data_ptr() : nullptr,
+                scales.scalar_type() == at::kHalf, bits, k, group, k / group, panels};
+  int64_t ratio = 0;
+  if (scales.scalar_type() == at::kChar) {
+    w.scale_super = super_scales(scale_super, scales, "scales", ratio);
+    if (has_min) w.min_super = super_scales(min_super, *mins, "mins", ratio);
+    w.super_ratio = ratio;
+  } else {
+    TORCH_CHECK(!given(scale_super) && !given(min_super),
+                "linear_quant: scale_super and min_super go with int8 scale codes only");
+  }
+  w.sym4 = bits == 4 && !has_min;
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_quant: bias must be [", n, "]");
@@ -383,12 +421,12 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& packed, const at:
       load_as_float(src + r * xc.stride(0), a.data_ptr<float>() + r * a.stride(0), k);
   });
   at::Tensor xsum;
-  if (has_min) {
+  if (w.has_min()) {
     xsum = at::empty({m, k / group}, a.options());
     group_sums(a.const_data_ptr<float>(), a.stride(0), m, w, xsum.data_ptr<float>());
   }
   const float* b = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
-  const float* xs = has_min ? xsum.const_data_ptr<float>() : nullptr;
+  const float* xs = w.has_min() ? xsum.const_data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_quant", [&] {
     run(w, a.const_data_ptr<float>(), a.stride(0), xs, m, b, y.data_ptr<scalar_t>(), n);
   });
@@ -401,8 +439,11 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("pack_quant_weight(Tensor q, Tensor scale, Tensor? min, int bits, int group_size) "
         "-> (Tensor, Tensor, Tensor)");
   m.impl("pack_quant_weight", c10::DispatchKey::CPU, &pack_quant_weight);
-  m.def("linear_quant(Tensor x, Tensor packed, Tensor scales, Tensor? mins, Tensor? bias, "
-        "int bits, int group_size, int out_features) -> Tensor");
+  m.def("pack_quant_groups(Tensor t) -> Tensor");
+  m.impl("pack_quant_groups", c10::DispatchKey::CPU, &pack_quant_groups);
+  m.def("linear_quant(Tensor x, Tensor packed, Tensor scales, Tensor? mins, "
+        "Tensor? scale_super, Tensor? min_super, Tensor? bias, int bits, int group_size, "
+        "int out_features) -> Tensor");
   m.impl("linear_quant", c10::DispatchKey::CPU, &linear_quant);
   m.def("set_linear_quant_bf16(int mode) -> bool", &set_linear_quant_bf16_mode);
 }

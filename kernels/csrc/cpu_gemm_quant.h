@@ -34,11 +34,20 @@ constexpr int64_t kSliceBytes = 16384;  // a slice of a panel's values, in L1
 // What one call needs to know of the packed weight.
 struct QuantPanels {
   const uint8_t* q;        // [panels, K * bits / 8, 32]
-  const void* scale;       // [panels, groups, 32], fp32 or fp16
+  const void* scale;       // [panels, groups, 32]: fp32, fp16, or int8 codes (scale_super)
   const void* min;         // same, or null
   bool half_scales;
   int64_t bits, k, group, groups, panels;
+  // Two-level scales (GGUF's K-quants): the scale of group g is its int8 code times
+  // scale_super [panels, groups / super_ratio, 32] fp32 of its super-block, and the same
+  // for mins with min_super; null where scale (min) holds the scales themselves.
+  const float* scale_super = nullptr;
+  const float* min_super = nullptr;
+  int64_t super_ratio = 1;  // groups per super-block
+  // A symmetric int4 weight stored as q + 8 (GGUF Q4_0) keeps no mins: min = -8 * scale.
+  bool sym4 = false;
 
+  bool has_min() const { return min != nullptr || sym4; }
   int64_t panel_bytes() const { return k * bits / 8 * kPanel; }
   // K per slice: whole groups within kSliceBytes, or one part of a group larger than that.
   int64_t slice_k() const {
@@ -83,15 +92,31 @@ inline int64_t stream_run_len(int64_t items) {
 // Llama-3.2-1B's shape").
 constexpr int64_t kPrefetch = 16384;
 
-// 32 scales (or mins) of group g of panel p, as fp32, into out.
-inline void load_group(const QuantPanels& w, const void* base, int64_t p, int64_t g, float* out) {
+// 32 scales (or mins: base, super) of group g of panel p, as fp32, into out.
+inline void load_group(const QuantPanels& w, const void* base, const float* super, int64_t p,
+                       int64_t g, float* out) {
   const int64_t at = (p * w.groups + g) * kPanel;
-  if (w.half_scales) {
+  if (super != nullptr) {
+    const auto* codes = static_cast<const int8_t*>(base) + at;
+    const float* s = super + (p * (w.groups / w.super_ratio) + g / w.super_ratio) * kPanel;
+    for (int j = 0; j < kPanel; ++j) out[j] = static_cast<float>(codes[j]) * s[j];
+  } else if (w.half_scales) {
     const auto* h = static_cast<const c10::Half*>(base) + at;
     for (int j = 0; j < kPanel; ++j) out[j] = static_cast<float>(h[j]);
   } else {
     std::memcpy(out, static_cast<const float*>(base) + at, kPanel * sizeof(float));
   }
+}
+
+inline void load_scales(const QuantPanels& w, int64_t p, int64_t g, float* out) {
+  load_group(w, w.scale, w.scale_super, p, g, out);
+}
+
+// The mins of a weight that has them (has_min), sym4's -8 * scale exactly.
+inline void load_mins(const QuantPanels& w, int64_t p, int64_t g, float* out) {
+  if (!w.sym4) return load_group(w, w.min, w.min_super, p, g, out);
+  load_scales(w, p, g, out);
+  for (int j = 0; j < kPanel; ++j) out[j] *= -8.0f;
 }
 
 #ifdef PDSERVE_QUANT_AVX512
@@ -138,11 +163,20 @@ inline void raw4(const uint8_t* row, __m512& e0, __m512& e1, __m512& o0, __m512&
   o1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v1, 4));
 }
 
-// Group g's 32 scales (or mins) of panel p as two fp32 vectors.
-inline void load_group(const QuantPanels& w, const void* base, int64_t p, int64_t g,
-                       __m512& v0, __m512& v1) {
+// Group g's 32 scales (or mins: base, super) of panel p as two fp32 vectors.
+inline void load_group(const QuantPanels& w, const void* base, const float* super, int64_t p,
+                       int64_t g, __m512& v0, __m512& v1) {
   const int64_t at = (p * w.groups + g) * kPanel;
-  if (w.half_scales) {
+  if (super != nullptr) {  // int8 codes times their super-block's fp32 scales: exact
+    const __m256i c = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(base) + at));
+    const float* s = super + (p * (w.groups / w.super_ratio) + g / w.super_ratio) * kPanel;
+    v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c))),
+                       _mm512_loadu_ps(s));
+    v1 = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1))),
+        _mm512_loadu_ps(s + 16));
+  } else if (w.half_scales) {
     const auto* h = static_cast<const uint16_t*>(base) + at;
     v0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
     v1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 16)));
@@ -150,6 +184,19 @@ inline void load_group(const QuantPanels& w, const void* base, int64_t p, int64_
     v0 = _mm512_loadu_ps(static_cast<const float*>(base) + at);
     v1 = _mm512_loadu_ps(static_cast<const float*>(base) + at + 16);
   }
+}
+
+inline void load_scales(const QuantPanels& w, int64_t p, int64_t g, __m512& v0, __m512& v1) {
+  load_group(w, w.scale, w.scale_super, p, g, v0, v1);
+}
+
+// The mins of a weight that has them (has_min), sym4's -8 * scale exactly.
+inline void load_mins(const QuantPanels& w, int64_t p, int64_t g, __m512& v0, __m512& v1) {
+  if (!w.sym4) return load_group(w, w.min, w.min_super, p, g, v0, v1);
+  load_scales(w, p, g, v0, v1);
+  const __m512 minus8 = _mm512_set1_ps(-8.0f);
+  v0 = _mm512_mul_ps(v0, minus8);
+  v1 = _mm512_mul_ps(v1, minus8);
 }
 
 #endif

@@ -52,8 +52,8 @@ void dequant_panel_bf16(const QuantPanels& w, int64_t p, uint16_t* buf) {
   for (int64_t k0 = 0; k0 < w.k; k0 += std::min(w.group, w.k)) {
     const int64_t g = k0 / w.group;
     __m512 s0, s1, m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
-    load_group(w, w.scale, p, g, s0, s1);
-    if (w.min != nullptr) load_group(w, w.min, p, g, m0, m1);
+    load_scales(w, p, g, s0, s1);
+    if (w.has_min()) load_mins(w, p, g, m0, m1);
     for (int64_t k = k0; k < k0 + std::min(w.group, w.k); k += 2) {
       __m512 e0, e1, o0, o1;  // k (even) and k + 1 (odd), features 0-15 and 16-31
       if (w.bits == 8) {

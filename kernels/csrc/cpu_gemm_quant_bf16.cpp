@@ -113,15 +113,15 @@ void tile(const QuantPanels& w, int64_t p, const uint16_t* x, int64_t ldx, const
       }
     }
     __m512 s0, s1;
-    load_group(w, w.scale, p, g, s0, s1);
+    load_scales(w, p, g, s0, s1);
     for (int r = 0; r < kRows; ++r) {
       float* a = acc + r * kPanel;
       _mm512_storeu_ps(a, _mm512_fmadd_ps(part[r][0], s0, _mm512_loadu_ps(a)));
       _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(part[r][1], s1, _mm512_loadu_ps(a + 16)));
     }
-    if (w.min != nullptr && ke == (g + 1) * w.group) {  // NOTE: once, where the group ends
+    if (w.has_min() && ke == (g + 1) * w.group) {  // NOTE: once, where the group ends
       __m512 m0, m1;
-      load_group(w, w.min, p, g, m0, m1);
+      load_mins(w, p, g, m0, m1);
       for (int r = 0; r < kRows; ++r) {
         const __m512 xs = _mm512_set1_ps(xsum[r * w.groups + g]);
         float* a = acc + r * kPanel;
@@ -222,14 +222,14 @@ void tile4_stream(const QuantPanels& w, int64_t p, const uint16_t* x, int64_t ld
       xk += 2;
     }
     __m512 s0, s1;
-    load_group(w, w.scale, p, g, s0, s1);
+    load_scales(w, p, g, s0, s1);
     for (int r = 0; r < kRows; ++r) {
       sum[r][0] = _mm512_fmadd_ps(_mm512_add_ps(ev[r][0], od[r][0]), s0, sum[r][0]);
       sum[r][1] = _mm512_fmadd_ps(_mm512_add_ps(ev[r][1], od[r][1]), s1, sum[r][1]);
     }
-    if (w.min != nullptr) {
+    if (w.has_min()) {
       __m512 m0, m1;
-      load_group(w, w.min, p, g, m0, m1);
+      load_mins(w, p, g, m0, m1);
       for (int r = 0; r < kRows; ++r) {
         const __m512 xs = _mm512_set1_ps(xsum[r * w.groups + g]);
         sum[r][0] = _mm512_fmadd_ps(xs, m0, sum[r][0]);
@@ -293,7 +293,7 @@ bool linear_quant_bf16(const QuantPanels& w, const at::Tensor& x,
   const auto* xb = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
   const int64_t ldx = xc.stride(0);
   std::vector<float> xsum;
-  if (w.min != nullptr) {  // each row's sum over each group, for the mins
+  if (w.has_min()) {  // each row's sum over each group, for the mins
     xsum.resize(m * w.groups);
     for (int64_t r = 0; r < m; ++r)
       for (int64_t g = 0; g < w.groups; ++g)

@@ -174,3 +174,95 @@ def test_triton_kernel_equals_the_reference(case, device):
     x, bias = randn(m, k, seed=3).to(device), randn(n, seed=4).to(device)
     torch.testing.assert_close(linear_quant_triton(x, w, bias).cpu(),
                                ql.linear_quant_ref(x, w, bias).cpu(), atol=1e-4, rtol=1e-4)
+
+
+def k_quant_weight(kind: str, rows: int, cols: int, seed: int = 5) -> ql.QuantWeight:
+    """A ``kind`` (K-quant) weight of random blocks whose fp16 factors (d, dmin) differ
+    from block to block, so that a super-block read off by one shows."""
+    from gguf_files import K_BLOCKS, random_k_blocks
+
+    rng = np.random.default_rng(seed)
+    blocks = random_k_blocks(kind, rows, cols, rng).reshape(rows, cols // 256, -1)
+    base = 2e-3 if kind != "Q6_K" else 5e-4
+    for offset in K_BLOCKS[kind][1]:
+        factors = (base * rng.uniform(0.25, 4.0, blocks.shape[:2])).astype(np.float16)
+        blocks[..., offset:offset + 2] = factors[..., None].view(np.uint8)
+    return quant_weight(blocks.reshape(rows, -1), kind, rows, cols)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_scale_codes_are_the_scales_exactly(kind):
+    """A K-quant's two levels (int8 codes times each super-block's fp32 factor) give its
+    fp32 scales and mins bit for bit, and survive row reordering and stacking."""
+    w = k_quant_weight(kind, 40, 512)
+    assert w.scale_codes is not None and w.scale_codes.codes.dtype == torch.int8
+    assert torch.equal(w.scale_codes.expand(w.group_size), w.scale)
+    assert (w.min is None) == (w.min_codes is None)
+    if w.min is not None:
+        assert torch.equal(w.min_codes.expand(w.group_size), w.min)
+    from pdserve.engine.gguf_quant import permute_rows
+
+    flipped = permute_rows(w, lambda t: t.flip(0))
+    stacked = ql.cat_rows([w, flipped])
+    assert torch.equal(stacked.scale_codes.expand(w.group_size), stacked.scale)
+    assert stacked.nbytes == 2 * w.nbytes < 2 * (w.q.nbytes + w.scale.nbytes + (
+        0 if w.min is None else w.min.nbytes))
+    mixed = ql.cat_rows([w, ql.QuantWeight(w.q, w.scale, w.min, w.bits, w.group_size, 512)])
+    assert mixed.scale_codes is None and mixed.min_codes is None
+
+
+@CPU_KERNELS
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q4_0"])
+@pytest.mark.parametrize("rows", [1, 3, 5, 20, 70])
+def test_compact_scales_compute_what_fp32_scales_do(kind, rows):
+    """The kernel on a K-quant's int8 codes and super-block factors, or on Q4_0 without
+    its stored mins (-8 * scale, computed), gives the output of the same kernel on the
+    fp32/fp16 scales and mins bit for bit, on every path (FMA tiles, vdpbf16ps, int4's
+    streaming tile, AMX where present), and the reference's within fp32 summation."""
+    n, k = 70, 768  # 3 panels, the last short; 3 super-blocks
+    if kind == "Q4_0":
+        import gguf
+
+        data = gguf.quants.quantize(randn(n, k, seed=6).numpy(), gguf.GGMLQuantizationType.Q4_0)
+        w = quant_weight(data, kind, n, k)
+    else:
+        w = k_quant_weight(kind, n, k)
+    compact = ql.pack_for_cpu(w)
+    if kind == "Q4_0":
+        assert compact[2] is None  # its mins are -8 * scale: computed, not stored
+        full = (*torch.ops.pdserve_cpu.pack_quant_weight(w.q, w.scale, w.min, 4, 32), None,
+                None)
+        assert full[2].numel()
+        shifted = w.min.clone()
+        shifted[0, 0] += 1
+        assert ql.pack_for_cpu(ql.QuantWeight(w.q, w.scale, shifted, 4, 32, k))[2] is not None
+    else:
+        assert compact[1].dtype == torch.int8 and compact[3] is not None
+        full = ql.pack_for_cpu(ql.QuantWeight(w.q, w.scale, w.min, w.bits, w.group_size, k))
+        assert full[1].dtype == torch.float32 and full[3] is None
+    x = (randn(rows, k, seed=7) * 2).bfloat16()
+    try:
+        for mode in (0, 1):
+            ql.set_cpu_bf16_path(mode)
+            for xs in (x, x.float()):
+                got = ql.linear_quant_cpu(xs, compact, w.bits, w.group_size, n)
+                want = ql.linear_quant_cpu(xs, full, w.bits, w.group_size, n)
+                assert torch.equal(got, want), (mode, xs.dtype)
+                ref = ql.linear_quant_ref(xs.float(), w)
+                torch.testing.assert_close(got.float(), ref, atol=2e-2 * ref.abs().amax().item(),
+                                           rtol=1e-2)
+    finally:
+        ql.set_cpu_bf16_path(-1)
+
+
+@CPU_KERNELS
+def test_scale_codes_without_their_factors_are_refused():
+    w = k_quant_weight("Q6_K", 32, 256)
+    packed, codes, _, supers, _ = ql.pack_for_cpu(w)
+    with pytest.raises(RuntimeError, match="scales_super"):
+        torch.ops.pdserve_cpu.linear_quant(randn(1, 256), packed, codes, None, None, None, None,
+                                           8, 16, 32)
+    with pytest.raises(RuntimeError, match="go with int8 scale codes only"):
+        full = ql.pack_for_cpu(ql.QuantWeight(w.q, w.scale, None, 8, 16, 256))
+        torch.ops.pdserve_cpu.linear_quant(randn(1, 256), full[0], full[1], None, supers, None,
+                                           None, 8, 16, 32)
