@@ -72,6 +72,27 @@ def test_chain_equals_the_modules(case, tmp_path):
     assert calls >= PARAMS.max_tokens - 1
 
 
+def test_chain_equals_the_modules_on_a_k_quant_gguf(tmp_path):
+    """A GGUF file mixed as Q4_K_M files are (Q4_K, with v and the MLP's down projection
+    in Q6_K): the K-quants' two-level scales, and q/k/v as a ``ConcatLinear`` of two
+    formats, whose bound kernel the chain calls."""
+    from gguf_files import write_tiny_gguf
+
+    from pdserve.engine.models.quantization import ConcatLinear
+
+    def k_types(name: str) -> str:
+        return "Q6_K" if ".attn_v." in name or ".ffn_down." in name else "Q4_K"
+
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", k_types)
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=128, load_progress=False)
+    qkv = llm.engine.model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, ConcatLinear) and qkv.parts[0]._cpu[3] is not None  # codes
+    del llm
+    chained, calls = _generate(path, "bfloat16", None, True, max_num_batched_tokens=16)
+    plain, _ = _generate(path, "bfloat16", None, False, max_num_batched_tokens=16)
+    assert chained == plain and calls >= PARAMS.max_tokens - 1
+
+
 def test_layers_it_does_not_cover_run_through_the_modules(tmp_path):
     # Gemma 2's sandwich norms and its own RMSNorm
     config = transformers.Gemma2Config(**TINY, head_dim=16)

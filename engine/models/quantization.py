@@ -149,6 +149,15 @@ class ConcatLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
+    def rows_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``forward``'s values on ``x [T, in_features]`` from the parts' bound kernels
+        (``QuantizedLinear.rows_kernel``; a float part's ``forward``), without the module
+        calls (``engine/models/cpu_decode.py``)."""
+        kernels = [part.rows_kernel() if hasattr(part, "rows_kernel") else part.forward
+                   for part in self.parts]
+        cat = torch.cat
+        return lambda x: cat([kernel(x) for kernel in kernels], dim=-1)
+
 
 def _shard_linear(rows: list[QuantWeight | torch.Tensor], bias: torch.Tensor | None,
                   device: torch.device) -> nn.Module:
