@@ -105,9 +105,11 @@ class QuantWeight:
                 raise ValueError(f"{name}: expected int8 codes {(n, k // g)} and fp32 super "
                                  f"{(n, k // sg)} of super_group {sg} (a multiple of "
                                  f"group_size {g} dividing {k}) beside its values")
-        if self.min_codes is not None and self.scale_codes is None:
-            raise ValueError("min_codes needs scale_codes (the kernel takes both or scales "
-                             "alone)")
+        if self.min_codes is not None and self.scale_codes is None or \
+                self.scale_codes is not None and (self.min is None) != (self.min_codes is None):
+            raise ValueError("scale_codes go with min_codes where the weight has mins, and "
+                             "min_codes with scale_codes (the kernel takes codes for both "
+                             "or for neither)")
 
     @property
     def out_features(self) -> int:

@@ -209,6 +209,9 @@ def test_k_quant_scale_codes_are_the_scales_exactly(kind):
         0 if w.min is None else w.min.nbytes))
     mixed = ql.cat_rows([w, ql.QuantWeight(w.q, w.scale, w.min, w.bits, w.group_size, 512)])
     assert mixed.scale_codes is None and mixed.min_codes is None
+    if w.min is not None:  # codes for the scales alone would leave the mins unread
+        with pytest.raises(ValueError, match="min_codes"):
+            ql.QuantWeight(w.q, w.scale, w.min, w.bits, w.group_size, 512, w.scale_codes)
 
 
 @CPU_KERNELS
