@@ -329,10 +329,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_quant_weight(
               "pack_quant_weight: scale must be fp32/fp16/int8 [", n, ", ", groups, "], got ",
               scale.sizes(), " ", scale.scalar_type());
   const bool has_min = min.has_value() && min->defined();
-  TORCH_CHECK(!has_min || (min->sizes() == scale.sizes() && is_scale_dtype(min->scalar_type()) &&
-                           (min->scalar_type() == at::kChar) == (scale.scalar_type() == at::kChar)),
-              "pack_quant_weight: min must match scale's shape and kind (both int8 codes or "
-              "both fp32/fp16)");
+  TORCH_CHECK(!has_min || (min->sizes() == scale.sizes() &&
+                           min->scalar_type() == scale.scalar_type()),
+              "pack_quant_weight: min must match scale's shape and dtype");
   TORCH_CHECK(!has_min || group <= 1024,
               "pack_quant_weight: a weight with mins needs group_size <= 1024, got ", group);
   at::Tensor qc = q.contiguous();
@@ -348,15 +347,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_quant_weight(
   return {packed, pack_quant_groups(scale), has_min ? pack_quant_groups(*min) : at::Tensor()};
 }
 
-bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined() && t->numel() > 0; }
+bool given(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() && t->numel() > 0;
+}
 
 // Checks codes' super-block scales (packed [P, groups / ratio, 32] fp32) and returns them.
 const float* super_scales(const std::optional<at::Tensor>& super, const at::Tensor& codes,
                           const char* name, int64_t& ratio) {
   TORCH_CHECK(given(super), "linear_quant: int8 ", name, " need their ", name, "_super");
-  TORCH_CHECK(super->dim() == 3 && super->size(0) == codes.size(0) && super->size(2) == kPanel &&
-                  super->scalar_type() == at::kFloat && super->is_contiguous() &&
-                  super->size(1) > 0 && codes.size(1) % super->size(1) == 0,
+  TORCH_CHECK(super->dim() == 3 && super->size(0) == codes.size(0) &&
+                  super->size(2) == kPanel && super->scalar_type() == at::kFloat &&
+                  super->is_contiguous() && super->size(1) > 0 &&
+                  codes.size(1) % super->size(1) == 0,
               "linear_quant: ", name, "_super must come from pack_quant_groups, got ",
               super->sizes());
   TORCH_CHECK(ratio == 0 || ratio == codes.size(1) / super->size(1),
