@@ -262,15 +262,22 @@ class GGUFFile:
                         ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
         """Every tensor, one at a time: a linear's quantized blocks as a ``QuantWeight``
         (``quantized_weight_names``), the others dequantized (float32) and cast to
-        ``dtype``; a quantized embedding table that the LM head shares comes twice,
-        dequantized as the embedding and quantized as the head. ``shard``: a
-        tensor-parallel rank's pieces of each float tensor (``ModelSource``)."""
+        ``dtype``. A quantized embedding table comes as a ``QuantWeight`` (the model looks
+        rows up quantized: ``QuantizedEmbedding``), and again as the LM head's where that
+        shares it; under tensor parallelism (``shard``: a rank's pieces of each float
+        tensor, ``ModelSource``) it comes dequantized, and quantized as the head."""
         from tqdm.auto import tqdm
 
         for tensor in tqdm(self.reader.tensors, desc="Reading GGUF weights",
                            unit="tensor", disable=not progress):
             name = hf_tensor_name(tensor.name)
-            if not self._kept_quantized(tensor):
+            if name == "model.embed_tokens.weight" and shard is None \
+                    and tensor.tensor_type.name in KEPT_TYPES:
+                table = self.quant_weight(tensor)
+                yield name, table  # NOTE: looked up quantized (QuantizedEmbedding)
+                if self._kept_quantized(tensor):
+                    yield "lm_head.weight", table
+            elif not self._kept_quantized(tensor):
                 weight = self.dequantize(tensor)
                 pieces = shard(name, tuple(weight.shape)) if shard is not None else None
                 yield name, take_shard(weight, pieces).to(dtype)

@@ -40,6 +40,17 @@ def permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid random GGUF blocks of ``kind`` (a kept quantized type) for a ``[rows, cols]``
+    tensor (finite fp16 scales)."""
+    import gguf
+
+    if kind in ("Q8_0", "Q4_0", "Q4_1"):
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
+                                    gguf.GGMLQuantizationType[kind])
+    return random_k_blocks(kind, rows, cols, rng)
+
+
 def random_k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """``[rows, cols // 256 * block bytes]`` uint8 of random K blocks whose float16 scales
     are small (so the weights stay O(0.1))."""

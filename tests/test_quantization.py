@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_matches_transformers, random_prompts
-from gguf_files import write_tiny_gguf
+from gguf_files import random_blocks, write_tiny_gguf
 from test_gguf import NEW_TOKENS, gguf_greedy
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.models.quantization import ConcatLinear, QuantizedLinear
+from pdserve.engine.models.quantization import ConcatLinear, QuantizedEmbedding, QuantizedLinear
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
 
@@ -45,7 +45,10 @@ def test_gguf_quantized_tensors_stay_quantized_and_give_transformers_tokens(qtyp
         assert layers["model.layers.0.mlp.down_proj"].bits == 8  # Q6_K repacked
     else:
         assert all(isinstance(m, QuantizedLinear) and m.bits == 4 for m in layers.values())
-    if tied:  # the quantized table: the embedding dequantized, the head its own linear
+    embedding = llm.engine.model_runner.model.model.embed_tokens
+    assert isinstance(embedding, QuantizedEmbedding)  # the table looked up quantized
+    assert embedding.nbytes < embedding.num_embeddings * embedding.embedding_dim  # < bf16 / 2
+    if tied:  # the quantized table: the head its own quantized linear
         assert isinstance(layers["lm_head"], QuantizedLinear)
     outputs = llm.generate(prompts, GREEDY)
     assert_matches_transformers(outputs, expected)
@@ -79,3 +82,26 @@ def test_unsupported_quantization_is_refused_naming_the_flag(tiny_checkpoints):
         LLM(str(tiny_checkpoints["llama"]), quantization="fp8", load_progress=False)
     with pytest.raises(ValueError, match="--quantization gguf"):
         LLM(str(tiny_checkpoints["llama"]), quantization="gguf", load_progress=False)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_a_quantized_embedding_looks_up_the_dequantized_rows(kind):
+    """``QuantizedEmbedding``'s rows are gguf's dequantized table's, cast to the model's
+    dtype, bit for bit (what the float table held); an id out of range is an IndexError."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from pdserve.engine.gguf_quant import quant_weight
+
+    rows, cols = 37, 512
+    data = random_blocks(kind, rows, cols, np.random.default_rng(4))
+    table = torch.from_numpy(gguf.dequantize(data, gguf.GGMLQuantizationType[kind]).reshape(
+        rows, cols))
+    embedding = QuantizedEmbedding(quant_weight(data, kind, rows, cols), torch.bfloat16,
+                                   torch.device("cpu"))
+    ids = torch.tensor([0, 36, 5, 5, 17])
+    assert torch.equal(embedding(ids), table.to(torch.bfloat16)[ids])
+    assert embedding(ids[:0]).shape == (0, cols)
+    with pytest.raises(IndexError):
+        embedding(torch.tensor([37]))

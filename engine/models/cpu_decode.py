@@ -82,8 +82,8 @@ class CpuDecodeLayers:
         from pdserve.engine.models.llama import DecoderLayer
 
         decoder = model.model
-        dtype = decoder.embed_tokens.weight.dtype
-        if model.tp.size != 1 or decoder.embed_tokens.weight.device.type != "cpu" \
+        dtype = model.config.dtype
+        if model.tp.size != 1 or decoder.norm.weight.device.type != "cpu" \
                 or not cpu_ext.load():
             return None
         layers = []

@@ -27,7 +27,7 @@ from pdserve.engine.models.blocks import MLP, Attention, AttentionMetadata, make
 from pdserve.engine.models.gemma import GemmaDecoderLayer
 from pdserve.engine.models.layers import RMSNorm, RotaryEmbedding
 from pdserve.engine.models.moe import MoEBlock, load_moe_weight
-from pdserve.engine.models.quantization import install_quantized
+from pdserve.engine.models.quantization import QuantizedEmbedding, install_quantized
 from pdserve.engine.parallel import TensorParallel
 from pdserve.kernels.quant_linear import QuantWeight
 
@@ -203,6 +203,7 @@ class LlamaForCausalLM(nn.Module):
             ValueError: a tensor whose shape does not match its place.
         """
         params = dict(self.named_parameters())
+        device = self.model.embed_tokens.weight.device
         q, kv = self.model.layers[0].self_attn.q_size, self.model.layers[0].self_attn.kv_size
         inter = next((layer.mlp.intermediate_size for layer in self.model.layers  # the rank's
                       if isinstance(layer.mlp, MLP)), 0)  # NOTE: a dense layer's, if any
@@ -222,6 +223,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if moe_blocks and (written := load_moe_weight(moe_blocks, name, tensor)):
                 loaded.add(written)  # NOTE: the router and experts load themselves
+                continue
+            if name == "model.embed_tokens.weight" and isinstance(tensor, QuantWeight):
+                # NOTE: a GGUF file's quantized table stays so (gguf_source.iterate_weights)
+                self.model.embed_tokens = QuantizedEmbedding(
+                    tensor, self.model.embed_tokens.weight.dtype, device)
+                loaded.add(name)
                 continue
             tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
             if tied_head and not isinstance(tensor, QuantWeight):
@@ -247,5 +254,5 @@ class LlamaForCausalLM(nn.Module):
                                      f"expected {tuple(dest.shape)}")
                 dest.copy_(tensor)
             loaded.add(target)
-        install_quantized(self, quantized, self.model.embed_tokens.weight.device)
+        install_quantized(self, quantized, device)
         return loaded

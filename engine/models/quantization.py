@@ -26,6 +26,7 @@ from pdserve.kernels.quant_linear import (
     linear_quant_ref,
     pack_for_cpu,
     quantize_rtn,
+    unpack_int4,
 )
 
 # --quantization -> (bits, group size, symmetric), round to nearest at load, fp16 scales:
@@ -133,6 +134,40 @@ def quantize_linears(model: nn.Module, scheme: str, device: torch.device) -> int
                 setattr(parent, name, QuantizedLinear(weight, child.bias, device))
                 replaced += 1
     return replaced
+
+
+class QuantizedEmbedding(nn.Module):
+    """The token embedding kept quantized, as a GGUF file stores it (llama.cpp and vLLM
+    keep it so too): ``forward(input_ids [T] int64) -> [T, embedding_dim]`` in ``dtype``,
+    each row dequantized when looked up, by ``kernels.quant_linear.dequantize``'s formula
+    (fp32 ``q * scale + min``, then cast): the rows the dequantized table held, bit for
+    bit, in a quarter to a half of its memory.
+
+    Raises (``forward``):
+        IndexError: an id outside ``[0, num_embeddings)``.
+    """
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight_q = weight.to(device)
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+        self.dtype, self.device = dtype, torch.device(device)
+        self.nbytes = self.weight_q.nbytes
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight_q
+        q = w.q.index_select(0, input_ids)  # NOTE: IndexError on an id out of range
+        values = (q if w.bits == 8 else unpack_int4(q)).float()  # [T, K]
+        groups = values.view(len(input_ids), self.embedding_dim // w.group_size,
+                             w.group_size)  # [T, G, g]
+        rows = groups * w.scale.index_select(0, input_ids).float()[:, :, None]
+        if w.min is not None:
+            rows = rows + w.min.index_select(0, input_ids).float()[:, :, None]
+        return rows.view(len(input_ids), self.embedding_dim).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+                f"bits={self.weight_q.bits}, group_size={self.weight_q.group_size}")
 
 
 class ConcatLinear(nn.Module):

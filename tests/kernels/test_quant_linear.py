@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from gguf_files import random_blocks
 from triton_interpreter import device_params  # NOTE: before pdserve.kernels
 
 from pdserve.engine.gguf_quant import KEPT_TYPES, quant_weight
@@ -54,19 +55,6 @@ def test_a_bad_format_is_refused_naming_it():
         ql.quantize_rtn(randn(4, 64), 8, 48)
     with pytest.raises(ValueError, match="min"):
         ql.QuantWeight(torch.zeros(2, 8, dtype=torch.uint8), torch.ones(2, 1), None, 4, 16, 16)
-
-
-def random_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
-    """Valid random GGUF blocks of ``kind`` for a ``[rows, cols]`` tensor (finite fp16
-    scales)."""
-    import gguf
-
-    if kind in ("Q8_0", "Q4_0", "Q4_1"):
-        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
-                                    gguf.GGMLQuantizationType[kind])
-    from gguf_files import random_k_blocks
-
-    return random_k_blocks(kind, rows, cols, rng)
 
 
 @pytest.mark.parametrize("kind", KEPT_TYPES)
