@@ -203,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
             ValueError: a tensor whose shape does not match its place.
         """
         params = dict(self.named_parameters())
-        device = self.model.embed_tokens.weight.device
+        device = self.model.norm.weight.device
         q, kv = self.model.layers[0].self_attn.q_size, self.model.layers[0].self_attn.kv_size
         inter = next((layer.mlp.intermediate_size for layer in self.model.layers  # the rank's
                       if isinstance(layer.mlp, MLP)), 0)  # NOTE: a dense layer's, if any
@@ -227,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "model.embed_tokens.weight" and isinstance(tensor, QuantWeight):
                 # NOTE: a GGUF file's quantized table stays so (gguf_source.iterate_weights)
                 self.model.embed_tokens = QuantizedEmbedding(
-                    tensor, self.model.embed_tokens.weight.dtype, device)
+                    tensor, self.config.dtype, device)
                 loaded.add(name)
                 continue
             tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
