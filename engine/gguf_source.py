@@ -235,12 +235,15 @@ class GGUFFile:
         return "gguf"
 
     def quantized_weight_names(self) -> set[str]:
-        """transformers' names of the weights this file gives quantized (``lm_head.weight``
-        for a quantized embedding table that the LM head shares)."""
+        """transformers' names of the weights this file gives quantized: its quantized
+        linears, a quantized embedding table (``model.embed_tokens.weight``), and
+        ``lm_head.weight`` where the LM head shares that table."""
         names = set()
         for tensor in self.reader.tensors:
+            name = hf_tensor_name(tensor.name)
+            if name == "model.embed_tokens.weight" and tensor.tensor_type.name in KEPT_TYPES:
+                names.add(name)
             if self._kept_quantized(tensor):
-                name = hf_tensor_name(tensor.name)
                 names.add("lm_head.weight" if name == "model.embed_tokens.weight" else name)
         return names
 

@@ -47,6 +47,11 @@ def test_gguf_quantized_tensors_stay_quantized_and_give_transformers_tokens(qtyp
         assert all(isinstance(m, QuantizedLinear) and m.bits == 4 for m in layers.values())
     embedding = llm.engine.model_runner.model.model.embed_tokens
     assert isinstance(embedding, QuantizedEmbedding)  # the table looked up quantized
+    from pdserve.engine.model_source import open_model
+    from pdserve.engine.models.loader import quantized_targets
+
+    # its float table dropped before the model is materialised, as a quantized linear's
+    assert "model.embed_tokens.weight" in quantized_targets(open_model(path))
     assert embedding.nbytes < embedding.num_embeddings * embedding.embedding_dim  # < bf16 / 2
     if tied:  # the quantized table: the head its own quantized linear
         assert isinstance(layers["lm_head"], QuantizedLinear)

@@ -257,8 +257,9 @@ def install_quantized(model: nn.Module,
 
 def drop_quantized_weights(model: nn.Module, targets: set[str]) -> None:
     """Before the model is materialised: remove the weights of the linears ``targets``
-    (``"<module path>.weight"``) that quantized weights will replace, so no float copy of
-    them is ever allocated (an untied copy for a tied LM head)."""
+    (``"<module path>.weight"``) that quantized weights will replace, and of the
+    embedding a ``QuantizedEmbedding`` will, so no float copy of them is ever allocated
+    (an untied copy for a tied LM head)."""
     for target in targets:
         linear = model.get_submodule(target.removesuffix(".weight"))
         del linear.weight
