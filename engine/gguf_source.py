@@ -267,8 +267,9 @@ class GGUFFile:
         (``quantized_weight_names``), the others dequantized (float32) and cast to
         ``dtype``. A quantized embedding table comes as a ``QuantWeight`` (the model looks
         rows up quantized: ``QuantizedEmbedding``), and again as the LM head's where that
-        shares it; under tensor parallelism (``shard``: a rank's pieces of each float
-        tensor, ``ModelSource``) it comes dequantized, and quantized as the head."""
+        shares it. ``shard``: a tensor-parallel rank's pieces of each float tensor
+        (``ModelSource``; the loader refuses a GGUF file under tensor parallelism, and
+        with one the table comes dequantized)."""
         from tqdm.auto import tqdm
 
         for tensor in tqdm(self.reader.tensors, desc="Reading GGUF weights",
