@@ -363,7 +363,7 @@ def test_python_m_pdserve_router_serves_grpc(tmp_path):
     def call(coro):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
 
-    port, grpc_port, log = free_port(), free_port(), tmp_path / "router.log"
+    log = tmp_path / "router.log"
     with RedisServer() as redis:
         workers = [PrefillWorker(WorkerConfig("prefill", engine, redis_url=redis.url,
                                               auth=TEST_AUTH)),
@@ -373,6 +373,9 @@ def test_python_m_pdserve_router_serves_grpc(tmp_path):
         try:
             for worker in workers:
                 call(worker.start())
+            # NOTE: picked once the workers listen: a port freed before they start may be
+            # the ephemeral one the kernel hands one of them
+            port, grpc_port = free_port(), free_port()
             with open(log, "w") as out:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "pdserve.router", "--redis-url", redis.url,
