@@ -268,15 +268,14 @@ class GGUFFile:
         ``dtype``. A quantized embedding table comes as a ``QuantWeight`` (the model looks
         rows up quantized: ``QuantizedEmbedding``), and again as the LM head's where that
         shares it. ``shard``: a tensor-parallel rank's pieces of each float tensor
-        (``ModelSource``; the loader refuses a GGUF file under tensor parallelism, and
-        with one the table comes dequantized)."""
+        (``ModelSource``; the loader refuses quantized weights under tensor
+        parallelism)."""
         from tqdm.auto import tqdm
 
         for tensor in tqdm(self.reader.tensors, desc="Reading GGUF weights",
                            unit="tensor", disable=not progress):
             name = hf_tensor_name(tensor.name)
-            if name == "model.embed_tokens.weight" and shard is None \
-                    and tensor.tensor_type.name in KEPT_TYPES:
+            if name == "model.embed_tokens.weight" and tensor.tensor_type.name in KEPT_TYPES:
                 table = self.quant_weight(tensor)
                 yield name, table  # NOTE: looked up quantized (QuantizedEmbedding)
                 if self._kept_quantized(tensor):
@@ -285,8 +284,5 @@ class GGUFFile:
                 weight = self.dequantize(tensor)
                 pieces = shard(name, tuple(weight.shape)) if shard is not None else None
                 yield name, take_shard(weight, pieces).to(dtype)
-            elif name == "model.embed_tokens.weight":
-                yield name, self.dequantize(tensor).to(dtype)
-                yield "lm_head.weight", self.quant_weight(tensor)
             else:
                 yield name, self.quant_weight(tensor)

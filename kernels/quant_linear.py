@@ -181,14 +181,25 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     return v[:, 0::2] | (v[:, 1::2] << 4)
 
 
-def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``[N, K]`` in ``dtype``: ``q * scale + min`` per group, computed in fp32."""
-    q = (w.q if w.bits == 8 else unpack_int4(w.q)).float()  # [N, K]
-    groups = q.view(w.out_features, -1, w.group_size)  # [N, G, g]
-    out = groups * w.scale.float()[:, :, None]
-    if w.min is not None:
-        out = out + w.min.float()[:, :, None]
-    return out.view(w.out_features, w.in_features).to(dtype)
+def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, K]`` in ``dtype``: ``q * scale + min`` per group, computed in fp32; with
+    ``rows`` (int64 ``[R]``, an embedding's lookup) only those rows, ``[R, K]``.
+
+    Raises:
+        IndexError: a row outside ``[0, N)``.
+    """
+    q, scale, minimum = w.q, w.scale, w.min
+    if rows is not None:
+        q, scale = q.index_select(0, rows), scale.index_select(0, rows)
+        minimum = None if minimum is None else minimum.index_select(0, rows)
+    n = q.shape[0]
+    values = (q if w.bits == 8 else unpack_int4(q)).float()  # [n, K]
+    groups = values.view(n, w.in_features // w.group_size, w.group_size)  # [n, G, g]
+    out = groups * scale.float()[:, :, None]
+    if minimum is not None:
+        out = out + minimum.float()[:, :, None]
+    return out.view(n, w.in_features).to(dtype)
 
 
 def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int | None = None,

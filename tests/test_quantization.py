@@ -11,6 +11,8 @@ from gguf_files import random_blocks, write_tiny_gguf
 from test_gguf import NEW_TOKENS, gguf_greedy
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model_source import open_model
+from pdserve.engine.models.loader import quantized_targets
 from pdserve.engine.models.quantization import ConcatLinear, QuantizedEmbedding, QuantizedLinear
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
@@ -47,9 +49,6 @@ def test_gguf_quantized_tensors_stay_quantized_and_give_transformers_tokens(qtyp
         assert all(isinstance(m, QuantizedLinear) and m.bits == 4 for m in layers.values())
     embedding = llm.engine.model_runner.model.model.embed_tokens
     assert isinstance(embedding, QuantizedEmbedding)  # the table looked up quantized
-    from pdserve.engine.model_source import open_model
-    from pdserve.engine.models.loader import quantized_targets
-
     # its float table dropped before the model is materialised, as a quantized linear's
     assert "model.embed_tokens.weight" in quantized_targets(open_model(path))
     assert embedding.nbytes < embedding.num_embeddings * embedding.embedding_dim  # < bf16 / 2

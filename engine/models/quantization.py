@@ -22,11 +22,11 @@ from pdserve.kernels import cpu_ext
 from pdserve.kernels.quant_linear import (
     QuantWeight,
     cat_rows,
+    dequantize,
     linear_quant_cpu,
     linear_quant_ref,
     pack_for_cpu,
     quantize_rtn,
-    unpack_int4,
 )
 
 # --quantization -> (bits, group size, symmetric), round to nearest at load, fp16 scales:
@@ -151,19 +151,11 @@ class QuantizedEmbedding(nn.Module):
         super().__init__()
         self.weight_q = weight.to(device)
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype = dtype
         self.nbytes = self.weight_q.nbytes
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        w = self.weight_q
-        q = w.q.index_select(0, input_ids)  # NOTE: IndexError on an id out of range
-        values = (q if w.bits == 8 else unpack_int4(q)).float()  # [T, K]
-        groups = values.view(len(input_ids), self.embedding_dim // w.group_size,
-                             w.group_size)  # [T, G, g]
-        rows = groups * w.scale.index_select(0, input_ids).float()[:, :, None]
-        if w.min is not None:
-            rows = rows + w.min.index_select(0, input_ids).float()[:, :, None]
-        return rows.view(len(input_ids), self.embedding_dim).to(self.dtype)
+        return dequantize(self.weight_q, self.dtype, rows=input_ids)
 
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
