@@ -29,7 +29,7 @@ class KVHandle:
 
 
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-             "max_tokens", "logprobs")
+             "max_tokens", "logprobs", "prompt_logprobs")
 _PLAIN = ("presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos")
 
 
@@ -117,6 +117,18 @@ def logprob_to_proto(lp: Logprob) -> common_pb2.TokenLogprob:
 
 def logprob_from_proto(msg: common_pb2.TokenLogprob) -> Logprob:
     return Logprob(msg.token_id, msg.logprob, msg.rank, {t.token_id: t.logprob for t in msg.top})
+
+
+def prompt_logprobs_to_proto(logprobs: list[Logprob | None]) -> list[common_pb2.TokenLogprob]:
+    """The engine's ``prompt_logprobs`` (one per prompt token, the first None: nothing
+    predicts it) as the wire's repeated ``TokenLogprob``, prompt tokens 1.. only."""
+    return [logprob_to_proto(lp) for lp in logprobs[1:]]
+
+
+def prompt_logprobs_from_proto(messages) -> list[Logprob | None]:
+    """``prompt_logprobs_to_proto``'s inverse: None for the first prompt token, then one
+    ``Logprob`` a message."""
+    return [None, *(logprob_from_proto(m) for m in messages)]
 
 
 def kv_handle_to_proto(handle: KVHandle) -> common_pb2.KVHandle:

@@ -15,6 +15,7 @@ from pdserve.cluster.wire import (
     kv_handle_from_proto,
     logprob_from_proto,
     logprob_to_proto,
+    prompt_logprobs_to_proto,
     sampling_params_from_proto,
 )
 from pdserve.cluster.worker_config import WorkerConfig
@@ -209,6 +210,8 @@ def _to_response(item) -> decode_pb2.DecodeResponse:
         logprobs=[logprob_to_proto(lp) for lp in item.new_logprobs])
     if item.stop_reason is not None:
         response.stop_reason = item.stop_reason
+    if item.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(prompt_logprobs_to_proto(item.prompt_logprobs))
     return response
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pdserve.cluster.wire import kv_handle_to_proto, logprob_to_proto, sampling_params_from_proto
+from pdserve.cluster.wire import (
+    kv_handle_to_proto,
+    logprob_to_proto,
+    prompt_logprobs_to_proto,
+    sampling_params_from_proto,
+)
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.cluster.worker_runtime import Worker, WorkerRuntime, grpc_error_code
 from pdserve.kvtransfer import KVSender
@@ -45,6 +50,8 @@ class PrefillWorkerServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             response.first_logprob.CopyFrom(logprob_to_proto(result.first_logprob))
         if result.kv_handle is not None:
             response.kv_handle.CopyFrom(kv_handle_to_proto(result.kv_handle))
+        if result.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(prompt_logprobs_to_proto(result.prompt_logprobs))
         return response
 
     async def SendKV(self, request, context):

@@ -43,7 +43,8 @@ def kv_consumer(decode_worker_id: str, decode_kv_address: str) -> str:
 @dataclass(slots=True)
 class PrefillResult:
     """The first token and the handle of the held KV (None when the first token already
-    finished the request: then nothing is held)."""
+    finished the request: then nothing is held); ``prompt_logprobs`` as the engine's
+    ``EngineOutput`` has them (one per prompt token, the first None) when asked for."""
 
     request_id: str
     first_token: int
@@ -51,6 +52,7 @@ class PrefillResult:
     num_cached_tokens: int
     finish_reason: str | None
     kv_handle: KVHandle | None
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class PrefillService:
@@ -94,12 +96,13 @@ class PrefillService:
             ValueError: a bad prompt or parameters (from the engine).
             EngineError: the engine failed this request.
         """
-        last = None
+        last = prompt_logprobs = None
         try:
             async for output in self.engine.generate(request_id, prompt_token_ids, params,
                                                      cache_salt, remote_decode=True,
                                                      kv_consumer=consumer):
                 last = output
+                prompt_logprobs = output.prompt_logprobs or prompt_logprobs
         except BaseException:
             self.engine.post(lambda e: e.abort_request(request_id))  # the lease, if any
             raise
@@ -118,7 +121,8 @@ class PrefillService:
             # NOTE: queued before this returns, so before any SendKV's engine call
             self.engine.post(lambda e: self._tag_lease(e, request_id, bindings))
         return PrefillResult(request_id, last.new_token_ids[0], first_logprob,
-                             last.num_cached_tokens, last.finish_reason, handle)
+                             last.num_cached_tokens, last.finish_reason, handle,
+                             prompt_logprobs)
 
     def _tag_lease(self, engine, request_id: str, bindings: list[bytes]) -> None:
         """On the engine thread: record what the lease's blocks hold and have the sender
