@@ -21,12 +21,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import grpc
 
-from pdserve.cluster.wire import logprob_from_proto, sampling_params_to_proto
+from pdserve.cluster.wire import (
+    logprob_from_proto,
+    prompt_logprobs_from_proto,
+    sampling_params_to_proto,
+)
 from pdserve.proto import decode_pb2, prefill_pb2
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.output import GenerationChunk, SequenceOutput, stop_reason_of
@@ -136,6 +140,8 @@ class WorkerCalls:
         chunk = output.add([reply.first_token_id],
                            [logprob_from_proto(first_lp)] if first_lp else [],
                            reply.finish_reason, stop_reason_of(reply))
+        if request.params.prompt_logprobs is not None:
+            chunk.prompt_logprobs = prompt_logprobs_from_proto(reply.prompt_logprobs)
         progress.generated.append(reply.first_token_id)
         return chunk
 
@@ -143,15 +149,21 @@ class WorkerCalls:
                       ) -> decode_pb2.DecodeRequest:
         """The Decode call of this attempt: with the leased KV while it may still be
         pulled, else resuming after the tokens generated so far (or from the prompt).
-        Attempts after the first use their own request id on the decode worker."""
+        Attempts after the first use their own request id on the decode worker. Only a
+        decode worker that prefills the prompt from its start computes ``prompt_logprobs``
+        (once the first token is out, the client has them)."""
         salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
         request_id = request.request_id if progress.num_attempts == 1 else \
             f"{request.request_id}.{progress.num_attempts - 1}"
+        kv = progress.kv
+        with_kv = kv is not None and kv.num_handle_attempts < MAX_HANDLE_ATTEMPTS
+        params = request.params
+        if params.prompt_logprobs is not None and (with_kv or progress.generated):
+            params = replace(params, prompt_logprobs=None)
         message = decode_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=request.prompt_token_ids,
-            sampling_params=sampling_params_to_proto(request.params), **salt)
-        kv = progress.kv
-        if kv is not None and kv.num_handle_attempts < MAX_HANDLE_ATTEMPTS:
+            sampling_params=sampling_params_to_proto(params), **salt)
+        if with_kv:
             kv.num_handle_attempts += 1
             message.first_token_id = kv.reply.first_token_id
             if kv.reply.HasField("first_logprob"):
@@ -176,6 +188,7 @@ class WorkerCalls:
         with_handle = message.HasField("kv_handle")
         # The decode worker prefills the whole prompt: its first tokens report the hit.
         local_prefill = not with_handle and not progress.generated
+        want_prompt_logprobs = local_prefill and request.params.prompt_logprobs is not None
         call = self.pool.session(worker).start(message)  # no deadline while it is alive
         worker_done = False
         try:
@@ -196,6 +209,9 @@ class WorkerCalls:
                 chunk = output.add(list(reply.token_ids),
                                    [logprob_from_proto(lp) for lp in reply.logprobs],
                                    reply.finish_reason, stop_reason_of(reply))
+                if want_prompt_logprobs:
+                    want_prompt_logprobs = False
+                    chunk.prompt_logprobs = prompt_logprobs_from_proto(reply.prompt_logprobs)
                 progress.generated.extend(reply.token_ids)
                 yield chunk
                 if chunk.finish_reason:

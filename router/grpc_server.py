@@ -40,7 +40,11 @@ import grpc
 from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry, Counter
 
-from pdserve.cluster.wire import logprob_to_proto, sampling_params_from_proto
+from pdserve.cluster.wire import (
+    logprob_to_proto,
+    prompt_logprobs_to_proto,
+    sampling_params_from_proto,
+)
 from pdserve.engine.structured_output import check_spec
 from pdserve.engine.tokenizer import encode_prompt
 from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
@@ -57,6 +61,7 @@ from pdserve.router.model_service import ModelService
 from pdserve.router.protocol.errors import INTERNAL_ERROR, RequestError
 from pdserve.router.protocol.validation import (
     check_field,
+    check_prompt_logprobs,
     checked_sampling_params,
     fit_max_tokens,
 )
@@ -189,6 +194,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
                     logprobs=[logprob_to_proto(lp) for lp in chunk.logprobs],
                     finish_reason=chunk.finish_reason or "")
+                if chunk.prompt_logprobs is not None:
+                    response.prompt_logprobs.extend(
+                        prompt_logprobs_to_proto(chunk.prompt_logprobs))
                 if chunk.finish_reason:
                     response.usage.CopyFrom(_usage(prompt, num_tokens, num_cached))
                 await self._send(context, response)
@@ -275,6 +283,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         params = self._sampling_params(request.sampling_params, router)
         params.max_tokens = fit_max_tokens(len(prompt), params.max_tokens,
                                            router.max_model_len, api="grpc")
+        check_prompt_logprobs(len(prompt), params.prompt_logprobs, "prompt_logprobs")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return GenerateRequest(request_id, prompt, params, stop,
                                request.include_stop_str_in_output, skip, cache_salt)

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from pdserve.router.detokenizer import fast_decoder
 from pdserve.router.history import ReplyTokens
-from pdserve.router.logprobs import chat_logprobs, completion_logprobs
+from pdserve.router.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    completion_prompt_logprobs,
+    vllm_prompt_logprobs,
+)
 from pdserve.router.model_service import ModelService
 from pdserve.router.output import GenerationChunk
 from pdserve.router.protocol import (
@@ -47,12 +52,15 @@ class Formatter:
         self.num_tokens = [0] * num_choices
         self.finish: list[tuple[str | None, int | str | None]] = [(None, None)] * num_choices
         self.cached_tokens = [0] * len(prompts)
+        self.prompt_logprobs: list[list | None] = [None] * num_choices
 
     def add(self, index: int, chunk: GenerationChunk) -> None:
         """Record ``chunk`` of choice ``index``."""
         self.texts[index] += chunk.text
         self.logprobs[index] += chunk.logprobs
         self.num_tokens[index] += len(chunk.token_ids)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs[index] = chunk.prompt_logprobs
         prompt = index // self.request.n
         self.cached_tokens[prompt] = max(self.cached_tokens[prompt], chunk.num_cached_tokens)
         if chunk.finish_reason:
@@ -66,6 +74,14 @@ class Formatter:
     def decode_token(self, token_id: int) -> str:
         """The text of one token for logprobs: ``tokenizer.decode([token_id])``."""
         return self._decode([token_id])
+
+    def vllm_prompt_logprobs(self, index: int):
+        """vLLM's ``prompt_logprobs`` of choice ``index`` when the request asked for them
+        (``PromptLogprobs``), else None."""
+        num_top = self.request.prompt_logprobs
+        if num_top is None or self.prompt_logprobs[index] is None:
+            return None
+        return vllm_prompt_logprobs(self.prompt_logprobs[index], self.decode_token, num_top)
 
     def stream_start(self) -> list[dict]:
         """Chunks sent before any token (chat: each choice's role)."""
@@ -87,17 +103,42 @@ class CompletionFormatter(Formatter):
         self.echo = ["" if echo_texts is None else echo_texts[i // request.n]
                      for i in range(len(self.texts))]
 
-    def _logprobs(self, index: int, logprobs: list, text_offset: int):
+    def add(self, index: int, chunk: GenerationChunk) -> None:
+        super().add(index, self._visible(chunk))
+
+    def _visible(self, chunk: GenerationChunk) -> GenerationChunk:
+        """``chunk`` as the answer shows it: without its tokens for a request that asked for
+        the prompt alone (``CompletionRequest.prompt_only``)."""
+        if not self.request.prompt_only():
+            return chunk
+        return GenerationChunk("", [], [], chunk.num_cached_tokens, chunk.finish_reason,
+                               chunk.stop_reason, chunk.prompt_logprobs)
+
+    def _logprobs(self, index: int, logprobs: list, text_offset: int, echoed: bool):
+        """Choice ``index``'s ``logprobs`` for the generated ``logprobs`` from
+        ``text_offset`` on; ``echoed``: the text starts with the echoed prompt, and so do
+        the logprobs (the prompt's)."""
         if self.request.logprobs is None:
             return None
-        return completion_logprobs(logprobs, self.decode_token, text_offset)
+        out = completion_logprobs(logprobs, self.decode_token, text_offset)
+        prompt_logprobs = self.prompt_logprobs[index]
+        if not (echoed and self.request.echo and prompt_logprobs is not None):
+            return out
+        head = completion_prompt_logprobs(self.prompts[index // self.request.n],
+                                          prompt_logprobs, self.decode_token,
+                                          self.request.logprobs)
+        for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+            getattr(head, name).extend(getattr(out, name))
+        return head
 
     def stream_chunk(self, index: int, chunk: GenerationChunk) -> dict:
         """Record ``chunk`` of choice ``index``; its ``CompletionStreamResponse`` dict."""
-        prefix = self.echo[index] if not self.num_tokens[index] else ""
+        first = not self.num_tokens[index] and not self.finish[index][0]
+        prefix = self.echo[index] if first else ""
         offset = len(self.echo[index]) + len(self.texts[index])
+        chunk = self._visible(chunk)
         self.add(index, chunk)
-        logprobs = self._logprobs(index, chunk.logprobs, offset)
+        logprobs = self._logprobs(index, chunk.logprobs, offset, first)
         return self._stream_response([completion_stream_choice(
             index, prefix + chunk.text, chunk.finish_reason, chunk.stop_reason,
             None if logprobs is None else logprobs.model_dump())])
@@ -109,7 +150,8 @@ class CompletionFormatter(Formatter):
         choices = [CompletionChoice(
             index=i, text=self.echo[i] + text, finish_reason=self.finish[i][0],
             stop_reason=self.finish[i][1],
-            logprobs=self._logprobs(i, self.logprobs[i], len(self.echo[i])))
+            logprobs=self._logprobs(i, self.logprobs[i], len(self.echo[i]), True),
+            prompt_logprobs=self.vllm_prompt_logprobs(i))
             for i, text in enumerate(self.texts)]
         return CompletionResponse(id=self.response_id, model=self.model, choices=choices,
                                   usage=self.usage())
@@ -190,4 +232,5 @@ class ChatFormatter(Formatter):
             stop_reason=self.finish[i][1], logprobs=self._logprobs(self.logprobs[i]))
             for i, message in enumerate(messages)]
         return ChatCompletionResponse(id=self.response_id, model=self.model, choices=choices,
-                                      usage=self.usage())
+                                      usage=self.usage(),
+                                      prompt_logprobs=self.vllm_prompt_logprobs(0))

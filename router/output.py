@@ -14,7 +14,9 @@ from pdserve.router.detokenizer import IncrementalDetokenizer, StopChecker
 class GenerationChunk:
     """What one step added: text (stop strings applied), token ids, logprobs; at the end
     ``finish_reason`` (``stop`` or ``length``) and ``stop_reason`` (token id or string).
-    ``num_cached_tokens`` is the prompt's prefix-cache hit (tokens)."""
+    ``num_cached_tokens`` is the prompt's prefix-cache hit (tokens). The first chunk of a
+    request that asked for ``prompt_logprobs`` carries them: one per prompt token, the
+    first None (nothing predicts it)."""
 
     text: str
     token_ids: list[int]
@@ -22,6 +24,7 @@ class GenerationChunk:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class SequenceOutput:

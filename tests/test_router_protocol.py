@@ -31,6 +31,7 @@ from pdserve.router.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    CompletionStreamChoice,
     CompletionStreamResponse,
     DeltaMessage,
     ModelCard,
@@ -306,9 +307,9 @@ def test_engine_refusals_become_request_errors():
                            max_model_len=64, prompt_len=2)
     assert info.value.param == "min_tokens"
     with pytest.raises(RequestError) as info:
-        to_sampling_params(CompletionRequest(prompt="x", echo=True, logprobs=1),
+        to_sampling_params(CompletionRequest(prompt="x", prompt_logprobs=1, stream=True),
                            max_model_len=64, prompt_len=2)
-    assert info.value.param == "echo"
+    assert info.value.param == "prompt_logprobs"
 
 
 def test_responses_parse_as_openai_client_types():
@@ -320,7 +321,7 @@ def test_responses_parse_as_openai_client_types():
     assert parsed.usage.prompt_tokens_details.cached_tokens == 8
     # (openai's Completion type insists on a finish_reason; mid-stream chunks have none)
     chunk = CompletionStreamResponse(model="demo", choices=[
-        CompletionChoice(index=0, text="a", finish_reason="stop")])
+        CompletionStreamChoice(index=0, text="a", finish_reason="stop")])
     assert oai.Completion.model_validate(chunk.model_dump()).choices[0].text == "a"
     chat = ChatCompletionResponse(model="demo", usage=usage, choices=[ChatCompletionChoice(
         index=0, message=ChatResponseMessage(content="hello"), finish_reason="stop")])
@@ -433,7 +434,7 @@ def test_completion_stream_chunks_are_the_models_json(tokenizer, with_logprobs):
             logprobs = completion_logprobs(chunk.logprobs, decode, offset) \
                 if with_logprobs else None
             expected = CompletionStreamResponse(id="cmpl-42", model="demo", choices=[
-                CompletionChoice(index=index, text=chunk.text, logprobs=logprobs,
+                CompletionStreamChoice(index=index, text=chunk.text, logprobs=logprobs,
                                  finish_reason=chunk.finish_reason,
                                  stop_reason=chunk.stop_reason)])
             assert_event_is_model(sse_event(formatter.stream_chunk(index, chunk)), expected)
@@ -448,9 +449,9 @@ def test_completion_echo_prefixes_the_first_chunk(tokenizer):
                                   echo=["Say"])
     first, second = steps(tokenizer, False)[:2]
     assert_event_is_model(sse_event(formatter.stream_chunk(0, first)), CompletionStreamResponse(
-        id="cmpl-42", model="demo", choices=[CompletionChoice(index=0, text="SayHello")]))
+        id="cmpl-42", model="demo", choices=[CompletionStreamChoice(index=0, text="SayHello")]))
     assert_event_is_model(sse_event(formatter.stream_chunk(0, second)), CompletionStreamResponse(
-        id="cmpl-42", model="demo", choices=[CompletionChoice(index=0, text=second.text)]))
+        id="cmpl-42", model="demo", choices=[CompletionStreamChoice(index=0, text=second.text)]))
     assert formatter.stream_usage() is None  # no include_usage
 
 
@@ -496,3 +497,48 @@ def test_stream_chunks_parse_as_openai_chunk_types(tokenizer):
 def test_error_event_is_the_error_models_json():
     model = error_response(503, "no workers", "model")
     assert_event_is_model(sse_event(model.model_dump()), model)
+
+
+def test_only_a_decode_worker_prefilling_from_the_start_computes_prompt_logprobs():
+    """Once the first token is out (with a leased KV, or resuming after tokens sent), the
+    client has the prompt's logprobs: asking again would cost a resumed prefill its
+    prefix-cache hit and compute logprobs of tokens that are not the prompt's."""
+    from pdserve.proto import common_pb2, prefill_pb2
+    from pdserve.router.attempt import LeasedKV, Progress, WorkerCalls
+    from pdserve.router.generate_request import GenerateRequest
+
+    calls = WorkerCalls(None, None, None)  # decode_request uses neither
+    request = GenerateRequest("r", [3, 4, 5], SamplingParams(max_tokens=4, prompt_logprobs=2))
+    fresh = calls.decode_request(request, Progress(num_attempts=1))
+    assert fresh.sampling_params.prompt_logprobs == 2 and not fresh.resume_token_ids
+    resumed = calls.decode_request(request, Progress(generated=[7], num_attempts=2))
+    assert not resumed.sampling_params.HasField("prompt_logprobs")
+    assert list(resumed.resume_token_ids) == [7] and resumed.request_id == "r.1"
+    reply = prefill_pb2.PrefillResponse(first_token_id=7, kv_handle=common_pb2.KVHandle())
+    leased = calls.decode_request(request, Progress(generated=[7], num_attempts=1,
+                                                    kv=LeasedKV(None, reply, "d")))
+    assert leased.HasField("kv_handle") and leased.first_token_id == 7
+    assert not leased.sampling_params.HasField("prompt_logprobs")
+    assert request.params.prompt_logprobs == 2  # the request's own params untouched
+
+
+def test_prompt_logprobs_past_one_replys_bound_are_refused_naming_the_field():
+    from pdserve.router.protocol import CompletionRequest, to_sampling_params
+    from pdserve.router.protocol.errors import RequestError
+    from pdserve.router.protocol.validation import MAX_PROMPT_LOGPROB_ENTRIES
+
+    fits = MAX_PROMPT_LOGPROB_ENTRIES // 21
+    params = to_sampling_params(CompletionRequest(prompt="x", prompt_logprobs=20),
+                                max_model_len=1 << 20, prompt_len=fits)
+    assert params.prompt_logprobs == 20
+    with pytest.raises(RequestError, match="at most 131072") as error:
+        to_sampling_params(CompletionRequest(prompt="x", prompt_logprobs=20),
+                           max_model_len=1 << 20, prompt_len=fits + 1)
+    assert error.value.param == "prompt_logprobs"
+    echo = CompletionRequest(prompt="x", echo=True, logprobs=3, prompt_logprobs=1)
+    assert to_sampling_params(echo, max_model_len=1 << 20, prompt_len=9).prompt_logprobs == 3
+    with pytest.raises(RequestError) as error:
+        to_sampling_params(echo, max_model_len=1 << 20, prompt_len=MAX_PROMPT_LOGPROB_ENTRIES)
+    assert error.value.param == "logprobs"
+    assert to_sampling_params(CompletionRequest(prompt="x", logprobs=3), max_model_len=64,
+                              prompt_len=9).prompt_logprobs is None

@@ -1,7 +1,8 @@
 """A real trained model served from its GGUF file: SmolLM2-135M-Instruct (Q4_1), through a
 decode worker, Redis and the router's HTTP and gRPC APIs. Greedy chat replies equal
 transformers on the same file (dequantized, float32) token for token; they answer; a JSON
-schema request gives valid JSON that answers."""
+schema request gives valid JSON that answers; lm-evaluation-harness's loglikelihood request
+(echo with logprobs) scores a text as transformers does."""
 
 from __future__ import annotations
 
@@ -49,13 +50,18 @@ def served(gguf):
 
 
 @pytest.fixture(scope="module")
-def expected(gguf, served):
-    """Per question: transformers' greedy token ids on the same file, in float32, from the
-    same chat-templated prompt (the end-of-turn token dropped)."""
+def model(gguf):
+    """transformers' model of the same file, dequantized, in float32."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def expected(model, served):
+    """Per question: transformers' greedy token ids on the same file, in float32, from the
+    same chat-templated prompt (the end-of-turn token dropped)."""
     eos = served.engine.tokenizer.eos_token_id
     replies = []
     for question in QUESTIONS:
@@ -111,3 +117,29 @@ def test_a_json_schema_request_gives_json_that_answers(served):
                          "json_schema": {"name": "answer", "schema": schema}})
     answer = json.loads(reply.choices[0].message.content)
     assert set(answer) == {"capital"} and "Paris" in answer["capital"]
+
+
+def test_echoed_logprobs_score_continuations_as_transformers_does(served, model):
+    """lm-evaluation-harness's ``local-completions`` loglikelihood request: the prompt as
+    token ids, ``echo``, ``logprobs: 1``, ``max_tokens: 1``; the continuation's logprobs
+    (``token_logprobs[ctxlen:-1]``) and whether each is the greedy one, as it reads them."""
+    tokenizer = served.engine.tokenizer
+    context = tokenizer.encode("The capital of France is")
+    scores = {}
+    for word in (" Paris", " London"):
+        ids = context + tokenizer.encode(word)
+        reply = served.client().completions.create(
+            model=NAME, prompt=[ids], max_tokens=1, logprobs=1, echo=True, temperature=0,
+            seed=1234)
+        lp = reply.choices[0].logprobs
+        with torch.no_grad():
+            reference = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+        got = lp.token_logprobs[len(context):-1]
+        want = [reference[i - 1, ids[i]].item() for i in range(len(context), len(ids))]
+        assert got == pytest.approx(want, abs=2e-3), word
+        greedy = all(t == max(top.values())
+                     for t, top in zip(got, lp.top_logprobs[len(context):-1]))
+        assert greedy == all(reference[i - 1].argmax().item() == ids[i]
+                             for i in range(len(context), len(ids)))
+        scores[word] = (sum(got), greedy)
+    assert scores[" Paris"][0] > scores[" London"][0] + 1 and scores[" Paris"][1]

@@ -52,6 +52,7 @@ from pdserve.router.protocol.validation import (
     Text,
     TokenId,
     check_field,
+    check_prompt_logprobs,
     checked_sampling_params,
     fit_max_tokens,
     unknown_field,
@@ -109,7 +110,6 @@ UNSUPPORTED_FIELDS = {
     "guided_decoding_backend": "pdserve has one structured output backend (xgrammar)",
     "guided_whitespace_pattern": "JSON is written without free whitespace",
     "suffix": "suffix (insertion) is not supported",
-    "prompt_logprobs": "prompt_logprobs is not supported",
 }
 
 
@@ -148,6 +148,8 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: Int32 = Field(0, ge=0)
     ignore_eos: bool = False
+    # vLLM's: the top prompt_logprobs alternatives of each prompt token (not streamed)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -272,7 +274,8 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` body. ``prompt`` is text, texts, token ids or lists of them."""
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: Int32 | None = Field(16, ge=1)  # OpenAI's and vLLM's default; null = rest
+    # OpenAI's and vLLM's default; null = the rest; 0 only with echo (the prompt alone)
+    max_tokens: Int32 | None = Field(16, ge=0)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: StrictInt | None = Field(None, ge=1)  # only as many as n: no extra candidates
@@ -305,6 +308,21 @@ class CompletionRequest(_SamplingFields):
             return value
         raise ValueError("prompt must be a string, a list of strings, a list of token ids "
                          "(non-negative integers) or a list of non-empty token-id lists")
+
+    @model_validator(mode="after")
+    def _check_zero_max_tokens(self) -> CompletionRequest:
+        """``max_tokens: 0`` answers with the echoed prompt alone (OpenAI's legacy API and
+        vLLM do so, for scoring a text by its prompt logprobs); without ``echo`` there is
+        nothing to answer with."""
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("Invalid value for 'max_tokens': 0 needs echo (the prompt "
+                               "alone); otherwise it must be at least 1", "max_tokens")
+        return self
+
+    def prompt_only(self) -> bool:
+        """The answer is the echoed prompt alone (``max_tokens: 0`` with ``echo``): the
+        engine generates one token, which the answer leaves out."""
+        return self.max_tokens == 0
 
     @model_validator(mode="after")
     def _check_num_sequences(self) -> CompletionRequest:
@@ -453,6 +471,8 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
     max_tokens, max_tokens_param = request.max_tokens, "max_tokens"
     if is_chat and request.max_completion_tokens is not None:
         max_tokens, max_tokens_param = request.max_completion_tokens, "max_completion_tokens"
+    if max_tokens == 0:  # CompletionRequest.prompt_only: one token, left out
+        max_tokens = 1
     max_tokens = fit_max_tokens(prompt_len, max_tokens, max_model_len, api="openai",
                                 prompt_param="messages" if is_chat else "prompt",
                                 max_tokens_param=max_tokens_param)
@@ -460,9 +480,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         logprobs = request.logprobs
-        if request.echo and logprobs is not None:
-            raise RequestError("echo with logprobs is not supported (no prompt logprobs)",
-                               "echo")
+    prompt_logprobs = _prompt_logprobs(request, prompt_len)
     model_defaults = (defaults or GenerationDefaults()).sampling_kwargs(
         temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
         min_p=request.min_p, repetition_penalty=request.repetition_penalty)
@@ -471,6 +489,29 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
         frequency_penalty=request.frequency_penalty, seed=request.seed,
         max_tokens=max_tokens, min_tokens=request.min_tokens,
         stop_token_ids=list(request.stop_token_ids), ignore_eos=request.ignore_eos,
-        logprobs=logprobs, logit_bias={int(k): v for k, v in
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        logit_bias={int(k): v for k, v in
                                        (request.logit_bias or {}).items()} or None,
         structured_output=request.structured_output_spec()))
+
+
+def _prompt_logprobs(request: CompletionRequest | ChatCompletionRequest,
+                     prompt_len: int) -> int | None:
+    """How many top alternatives the engine computes for each prompt token: the request's
+    ``prompt_logprobs``, or at least ``logprobs`` for a completion with ``echo`` (whose
+    logprobs then start with the prompt's, as OpenAI's and vLLM's do); None for none.
+
+    Raises:
+        RequestError: ``prompt_logprobs`` with ``stream`` (vLLM refuses it too), or too
+            many prompt log-probabilities (``check_prompt_logprobs``).
+    """
+    num_top, param = request.prompt_logprobs, "prompt_logprobs"
+    if num_top is not None and request.stream:
+        raise RequestError("prompt_logprobs are not available when stream is true",
+                           "prompt_logprobs")
+    echo_logprobs = request.logprobs if isinstance(request, CompletionRequest) and \
+        request.echo else None
+    if echo_logprobs is not None and (num_top is None or echo_logprobs > num_top):
+        num_top, param = echo_logprobs, "logprobs"
+    check_prompt_logprobs(prompt_len, num_top, param)
+    return num_top

@@ -67,11 +67,32 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(_Choice):
-    """One completion (or, in a stream, the text added to it by this chunk)."""
+class PromptLogprob(BaseModel):
+    """vLLM's record of one candidate for a prompt position: its log-probability (-inf
+    written as -9999.0), its rank in the model's distribution (1 = most likely) and its
+    text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token None (the first: nothing predicts it) or the
+# token's own record and its top alternatives', keyed by token id (as a JSON key string)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionStreamChoice(_Choice):
+    """In a stream, the text this chunk adds to one completion (and its logprobs)."""
 
     text: str
     logprobs: CompletionLogProbs | None = None
+
+
+class CompletionChoice(CompletionStreamChoice):
+    """One completion; vLLM's ``prompt_logprobs`` when asked for (not streamed)."""
+
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Response):
@@ -83,7 +104,10 @@ class CompletionResponse(_Response):
 
 
 class CompletionStreamResponse(CompletionResponse):
-    """One SSE chunk; the same shape as the full response (OpenAI streams it that way)."""
+    """One SSE chunk; the same shape as the full response (OpenAI streams it that way),
+    less the choices' ``prompt_logprobs``."""
+
+    choices: list[CompletionStreamChoice]
 
 
 class ChatTopLogprob(BaseModel):
@@ -127,6 +151,7 @@ class ChatCompletionResponse(_Response):
     id: str = Field(default_factory=lambda: random_id("chatcmpl"))
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionChoice]
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaFunctionCall(BaseModel):

@@ -114,3 +114,24 @@ def checked_sampling_params(build: Callable[[], SamplingParams]) -> SamplingPara
         return build()
     except SamplingParamError as exc:
         raise RequestError(str(exc), exc.param) from exc
+
+
+# Prompt positions x (prompt_logprobs + 1) one request may ask log-probabilities for: a
+# worker's reply carries them all in one gRPC message (~13-17 bytes an entry), which must
+# stay under gRPC's default 4 MiB receive limit.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 17
+
+
+def check_prompt_logprobs(prompt_len: int, num_top: int | None, param: str) -> None:
+    """Refuse a request whose ``prompt_len`` tokens with ``num_top`` alternatives each
+    (None: no prompt logprobs) ask for more than ``MAX_PROMPT_LOGPROB_ENTRIES`` values.
+
+    Raises:
+        RequestError: naming ``param`` (``prompt_logprobs``, or ``logprobs`` with echo)
+            and the limit.
+    """
+    if num_top is not None and prompt_len * (num_top + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise RequestError(
+            f"Invalid value for '{param}': a prompt of {prompt_len} tokens with {num_top} "
+            f"alternatives each asks for {prompt_len * (num_top + 1)} prompt log-"
+            f"probabilities; at most {MAX_PROMPT_LOGPROB_ENTRIES} per prompt", param)
