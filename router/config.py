@@ -433,6 +433,11 @@ class RouterConfig:
         False, "--enable-auto-tool-choice",
         "let the model decide when to call tools (tool_choice 'auto', the default with "
         "tools); needs --tool-call-parser", action="store_true")
+    enable_tokenizer_info_endpoint: bool = setting(
+        False, "--enable-tokenizer-info-endpoint",
+        "serve GET /tokenizer_info (vLLM's): the tokenizer's special tokens, chat template "
+        "and length, what lm-evaluation-harness's remote tokenizer reads; it shows them "
+        "to every client", action="store_true")
     tool_call_parser: str | None = setting(
         None, "--tool-call-parser",
         "how the model writes tool calls: hermes (Hermes, Qwen), llama3_json (Llama "

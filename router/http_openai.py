@@ -1,5 +1,5 @@
 """The HTTP API's OpenAI and vLLM routes: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, ``/v1/models/{id}``, ``/tokenize`` and ``/detokenize``
+``/v1/models``, ``/v1/models/{id}``, ``/tokenize``, ``/tokenizer_info`` and ``/detokenize``
 (``add_openai_routes``), and how a completion request is served, in full or as a stream
 of server-sent events (``router/http.py`` describes the errors)."""
 
@@ -46,8 +46,8 @@ logger = logging.getLogger(__name__)
 
 def add_openai_routes(app: FastAPI, routers: ServedModels, max_body_bytes: int) -> None:
     """Add, in this order, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
-    /v1/models``, ``GET /v1/models/{model_id}``, ``POST /tokenize`` and ``POST
-    /detokenize`` to ``app``, serving ``routers`` (a request's ``model`` picks one, the
+    /v1/models``, ``GET /v1/models/{model_id}``, ``POST /tokenize``, ``GET
+    /tokenizer_info`` (when a model's router enables it) and ``POST /detokenize`` to ``app``, serving ``routers`` (a request's ``model`` picks one, the
     first when it names none); a body over ``max_body_bytes`` gets a 413."""
     _add_completion_routes(app, routers, max_body_bytes)
     _add_model_routes(app, routers, max_body_bytes)
@@ -144,12 +144,41 @@ def _add_model_routes(app: FastAPI, routers: ServedModels, max_body_bytes: int) 
         return TokenizeResponse(count=len(tokens), max_model_len=router.max_model_len,
                                 tokens=tokens)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(model: str | None = None) -> Response:
+        """vLLM's (behind ``--enable-tokenizer-info-endpoint``, as there): the served
+        tokenizer's class, special tokens, chat template and ``model_max_length`` (the
+        served ``max_model_len``); ``?model=`` picks a served model (default: the first).
+        404 when the flag is off."""
+        router = routers.pick(model)
+        if not router.config.enable_tokenizer_info_endpoint:
+            raise RequestError("GET /tokenizer_info: not served (pdserve serve "
+                               "--enable-tokenizer-info-endpoint turns it on)", status=404)
+        return JSONResponse(_tokenizer_info(router))
+
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
         """vLLM's: the text of token ids (special tokens kept)."""
         router, body = await request_body(raw, routers, max_body_bytes)
         request = DetokenizeRequest.model_validate(body, context=router.validation_context)
         return JSONResponse({"prompt": router.tokenizer.decode(request.tokens)})
+
+
+def _tokenizer_info(router: ModelService) -> dict:
+    """``/tokenizer_info``'s body: the tokenizer's class, its special tokens as text (None
+    where it has none), whether it adds a BOS, its chat template (None without one) and
+    the served ``max_model_len`` as ``model_max_length``."""
+    tokenizer = router.tokenizer
+    info: dict = {"tokenizer_class": type(tokenizer).__name__,
+                  "model_max_length": router.max_model_len}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = getattr(tokenizer, name, None)
+        info[name] = None if value is None else str(value)
+    add_bos = getattr(tokenizer, "add_bos_token", None)
+    info["add_bos_token"] = add_bos if isinstance(add_bos, bool) else None
+    template = getattr(tokenizer, "chat_template", None)
+    info["chat_template"] = template if isinstance(template, str) else None
+    return info
 
 
 def _card(router: ModelService, name: str) -> ModelCard:

@@ -515,3 +515,25 @@ def test_max_tokens_0_with_echo_answers_with_the_prompt_alone(cluster):
         "model": str(cluster.model), "prompt": PROMPT, "max_tokens": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
     cluster.wait_all_blocks_free()
+
+
+def test_tokenizer_info_is_served_only_when_enabled(cluster):
+    """vLLM's ``/tokenizer_info`` behind its flag: what lm-evaluation-harness's remote
+    tokenizer checks for (``eos_token``) beside ``/tokenize``."""
+    from fastapi.testclient import TestClient
+
+    off = httpx.get(cluster.url + "/tokenizer_info")
+    assert off.status_code == 404 and "--enable-tokenizer-info-endpoint" in off.text
+    db = cluster.redis_url.rsplit("/", 1)[0] + "/6"
+    router = ModelService(RouterConfig(str(cluster.model), db, max_model_len=MAX_MODEL_LEN,
+                                       enable_tokenizer_info_endpoint=True))
+    tokenizer = router.tokenizer
+    with TestClient(build_app(router)) as http:
+        info = http.get("/tokenizer_info").json()
+        assert http.get("/tokenizer_info", params={"model": "nope"}).status_code == 404
+        tokens = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False})
+    assert info["eos_token"] == tokenizer.eos_token and info["model_max_length"] == MAX_MODEL_LEN
+    assert info["bos_token"] == tokenizer.bos_token and "pad_token" in info
+    assert info["chat_template"] == tokenizer.chat_template and info["chat_template"]
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert tokens.json()["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
