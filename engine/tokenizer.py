@@ -112,8 +112,10 @@ def read_chat_template(value: str | None) -> str | None:
                          f"be read: {e}") from e
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
-    """Token ids of a completion prompt, with the tokenizer's own special tokens added.
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str,
+                  add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a completion prompt, with the tokenizer's own special tokens added
+    (unless ``add_special_tokens`` is false, vLLM's request field of that name).
 
     For Llama-style tokenizers (the demo model's included) that is a leading BOS. Special
     tokens written in ``prompt`` (``<|eot_id|>``) are encoded as special tokens, as in
@@ -124,12 +126,13 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     """
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a str, not {type(prompt).__name__}")
-    return list(tokenizer.encode(prompt, add_special_tokens=True))
+    return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict], *,
                         add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                        template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                        template_kwargs: Mapping[str, Any] | None = None,
+                        continue_final_message: bool = False) -> list[int]:
     """Token ids of a chat rendered with the checkpoint's chat template.
 
     ``messages`` is OpenAI-shaped: ``[{"role": "system" | "user" | "assistant" | "tool" |
@@ -139,14 +142,17 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
     ``template_kwargs`` as extra template variables (vLLM's ``chat_template_kwargs``).
     The template writes BOS and the turn markers itself, so no special tokens are added on
     top. With ``add_generation_prompt`` the ids end with the assistant's header, ready for
-    the model to answer. Where transformers supports it (5.x), special tokens typed inside
-    message contents are encoded as plain text, so a user cannot end their turn early by
-    writing ``<|eot_id|>``.
+    the model to answer; with ``continue_final_message`` (transformers' and vLLM's
+    option) they end inside the last message, without its end-of-turn, so the model goes
+    on writing it (exclusive with ``add_generation_prompt``). Where transformers supports
+    it (5.x), special tokens typed inside message contents are encoded as plain text, so
+    a user cannot end their turn early by writing ``<|eot_id|>``.
 
     Raises:
         ValueError: the tokenizer has no chat template; ``messages`` is not a non-empty list
             of dicts, each with a word-like ``role`` and a str ``content``; or the template
-            rejects the conversation (a Jinja ``raise_exception`` or error).
+            rejects the conversation (a Jinja ``raise_exception`` or error, or, with
+            ``continue_final_message``, a last message it does not write out as given).
     """
     _check_messages(messages)
     if getattr(tokenizer, "chat_template", None) is None:
@@ -154,6 +160,8 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
         raise ValueError(f"{name} has no chat template (tokenizer_config.json 'chat_template' "
                          "or chat_template.jinja); send a completion prompt instead")
     kwargs: dict[str, Any] = dict(template_kwargs or {})
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
     if tools:
         kwargs["tools"] = tools
     if "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters:

@@ -79,9 +79,13 @@ def _add_completion_routes(app: FastAPI, routers: ServedModels, max_body_bytes: 
     async def completions(raw: Request) -> Response:
         router, body = await request_body(raw, routers, max_body_bytes)
         request = CompletionRequest.model_validate(body, context=router.validation_context)
-        prompts = [_tokenize_prompt(router, p) for p in request.prompts()]
-        texts = [p if isinstance(p, str) else router.tokenizer.decode(p) for p in
-                 request.prompts()] if request.echo else None
+        given = [_tokenize_prompt(router, p, request.add_special_tokens)
+                 for p in request.prompts()]
+        prompts = [request.truncate(p, router.max_model_len) for p in given]
+        texts = [p if isinstance(p, str) and len(ids) == len(full)
+                 else router.tokenizer.decode(ids)
+                 for p, ids, full in zip(request.prompts(), prompts, given, strict=True)
+                 ] if request.echo else None
         return await _serve(router, request, prompts, CompletionFormatter(
             router, request, random_id("cmpl"), prompts, texts))
 
@@ -92,8 +96,9 @@ def _add_completion_routes(app: FastAPI, routers: ServedModels, max_body_bytes: 
         tools = ToolCalling.of(request, router.config)
         prompt = _chat_prompt(router, request)
         replies = reply_tokens(router)
-        prompt = replies.splice(prompt, [m.content for m in request.messages
-                                         if m.role == "assistant" and m.content])
+        prompt = request.truncate(replies.splice(prompt, [
+            m.content for m in request.messages if m.role == "assistant" and m.content]),
+            router.max_model_len)
         return await _serve(router, request, [prompt], ChatFormatter(
             router, request, random_id("chatcmpl"), [prompt], tools, replies))
 
@@ -109,7 +114,8 @@ def _chat_prompt(router: ModelService, request: ChatCompletionRequest) -> list[i
         return apply_chat_template(
             router.tokenizer, messages, add_generation_prompt=request.add_generation_prompt,
             tools=[t.model_dump(exclude_none=True) for t in request.tools or ()] or None,
-            template_kwargs=request.chat_template_kwargs)
+            template_kwargs=request.chat_template_kwargs,
+            continue_final_message=request.continue_final_message)
     except ValueError as exc:
         raise RequestError(str(exc), "messages") from exc
 
@@ -134,13 +140,12 @@ def _add_model_routes(app: FastAPI, routers: ServedModels, max_body_bytes: int) 
             try:
                 tokens = apply_chat_template(
                     router.tokenizer, messages,
-                    add_generation_prompt=request.add_generation_prompt)
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message)
             except ValueError as exc:
                 raise RequestError(str(exc), "messages") from exc
-        elif request.add_special_tokens:
-            tokens = encode_prompt(router.tokenizer, request.prompt)
         else:
-            tokens = list(router.tokenizer.encode(request.prompt, add_special_tokens=False))
+            tokens = encode_prompt(router.tokenizer, request.prompt, request.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=router.max_model_len,
                                 tokens=tokens)
 
@@ -186,11 +191,13 @@ def _card(router: ModelService, name: str) -> ModelCard:
                      max_model_len=router.max_model_len)
 
 
-def _tokenize_prompt(router: ModelService, prompt: str | list[int]) -> list[int]:
-    """Token ids of one prompt (token-id prompts were checked against the vocabulary
-    when the request was validated)."""
+def _tokenize_prompt(router: ModelService, prompt: str | list[int],
+                     add_special_tokens: bool = True) -> list[int]:
+    """Token ids of one prompt, a text one with the tokenizer's special tokens unless
+    ``add_special_tokens`` is false (token-id prompts were checked against the vocabulary
+    when the request was validated, and are taken as they are)."""
     if isinstance(prompt, str):
-        return encode_prompt(router.tokenizer, prompt)
+        return encode_prompt(router.tokenizer, prompt, add_special_tokens)
     return list(prompt)
 
 

@@ -150,6 +150,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     # vLLM's: the top prompt_logprobs alternatives of each prompt token (not streamed)
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: keep the prompt's last k tokens (-1: the last max_model_len); see truncate()
+    truncate_prompt_tokens: Int32 | None = Field(None, ge=-1)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -166,6 +168,23 @@ class _SamplingFields(BaseModel):
     guided_grammar: Text | None = None
 
     _structured_output: StructuredOutputSpec | None = PrivateAttr(None)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncation(cls, value: Any) -> Any:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the model's context) or at "
+                             "least 1 (0 would leave no prompt)")
+        return value
+
+    def truncate(self, prompt: list[int], max_model_len: int) -> list[int]:
+        """``prompt`` cut to its last ``truncate_prompt_tokens`` tokens (vLLM's left
+        truncation; -1 keeps the last ``max_model_len``), as it is when unset or shorter."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        keep = max_model_len if keep == -1 else keep
+        return prompt[-keep:] if len(prompt) > keep else prompt
 
     @model_validator(mode="after")
     def _check_structured_output(self) -> Any:
@@ -279,6 +298,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: StrictInt | None = Field(None, ge=1)  # only as many as n: no extra candidates
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (etc.) on text prompts
 
     @field_validator("best_of")
     @classmethod
@@ -344,6 +364,16 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
+def _check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """vLLM's rule: a chat's reply either starts a new assistant turn
+    (``add_generation_prompt``) or goes on the last message (``continue_final_message``),
+    not both. Raises ``RequestError`` naming ``continue_final_message``."""
+    if continue_final_message and add_generation_prompt:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both "
+                           "be true (send add_generation_prompt: false)",
+                           "continue_final_message")
+
+
 def _is_token_ids(values: list) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in values)
 
@@ -364,6 +394,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply goes on the last message
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -386,6 +417,11 @@ class ChatCompletionRequest(_SamplingFields):
         if dup is not None:
             raise ValueError(f"two tools are named {dup!r}")
         return value
+
+    @model_validator(mode="after")
+    def _check_continue_final_message(self) -> ChatCompletionRequest:
+        _check_continuation(self.continue_final_message, self.add_generation_prompt)
+        return self
 
     @model_validator(mode="after")
     def _check_tool_choice(self) -> ChatCompletionRequest:
@@ -423,11 +459,13 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("give exactly one of 'prompt' and 'messages'", "prompt")
+        _check_continuation(self.continue_final_message, self.add_generation_prompt)
         return self
 
 

@@ -1,0 +1,262 @@
+"""What the router makes of a prompt beyond its text: its log-probabilities (vLLM's
+``prompt_logprobs``, and ``echo`` with ``logprobs`` as lm-evaluation-harness asks for
+them, through both prefill paths and the gRPC API), ``max_tokens: 0`` with echo,
+``truncate_prompt_tokens``, ``add_special_tokens``, ``continue_final_message`` and
+``/tokenizer_info``. A real Redis, one prefill and one decode worker in this process on
+the demo model; the oracle is ``pdserve.engine.LLM`` on the same checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from inproc_cluster import in_process_cluster
+
+from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
+from pdserve.router.config import RouterConfig
+from pdserve.router.http import build_app
+from pdserve.router.model_service import ModelService
+
+MAX_MODEL_LEN = 256
+LOCAL_THRESHOLD = 8  # prompts under 8 tokens are prefilled on the decode worker
+PROMPT = "The quick brown fox jumps over the lazy dog and then it runs far away"
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Tell me about the sea and the ships on it."}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with in_process_cluster(tmp_path_factory.mktemp("router_prompts"), MAX_MODEL_LEN,
+                            local_prefill_threshold=LOCAL_THRESHOLD,
+                            disaggregation="always") as c:
+        yield c
+
+
+def _engine_prompt_logprobs(cluster, prompt_ids: list[int], num_top: int) -> list:
+    """The offline engine's prompt logprobs: per position None or {token id: TokenLogprob}."""
+    from pdserve.engine import SamplingParams
+
+    out = cluster.oracle.generate([prompt_ids], SamplingParams(
+        temperature=0.0, max_tokens=1, prompt_logprobs=num_top))[0]
+    return out.prompt_logprobs
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, "Hi there"], ids=["prefill-worker", "decode-worker"])
+def test_echo_with_logprobs_starts_with_the_prompts_logprobs(cluster, prompt):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs=1, one token): the
+    prompt's logprobs come from whichever worker prefilled it, equal to the engine's."""
+    ids = encode_prompt(cluster.router.tokenizer, prompt)
+    assert (len(ids) >= 16) == (prompt == PROMPT)  # a full block: disaggregated
+    expected = _engine_prompt_logprobs(cluster, ids, 1)
+    for _ in range(2):  # the second would hit the prefix cache without prompt logprobs
+        reply = cluster.client().completions.create(
+            model=str(cluster.model), prompt=prompt, max_tokens=1, temperature=0, echo=True,
+            logprobs=1, extra_body={"ignore_eos": True})
+        choice = reply.choices[0]
+        assert choice.text.startswith(prompt)
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+        assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+        for i in range(1, len(ids)):
+            token = lp.tokens[i]
+            assert lp.token_logprobs[i] == pytest.approx(expected[i][ids[i]].logprob, abs=1e-3)
+            best = max(expected[i].items(), key=lambda kv: kv[1].logprob)[0]
+            assert token in lp.top_logprobs[i] and len(lp.top_logprobs[i]) <= 2
+            assert (best == ids[i]) == (len(lp.top_logprobs[i]) == 1)
+            assert lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
+        assert lp.token_logprobs[-1] <= 0 and reply.usage.prompt_tokens_details.cached_tokens == 0
+    cluster.wait_all_blocks_free()
+
+
+def test_prompt_logprobs_in_vllms_shape_for_both_apis(cluster):
+    client = cluster.client()
+    ids = encode_prompt(cluster.router.tokenizer, PROMPT)
+    expected = _engine_prompt_logprobs(cluster, ids, 2)
+    reply = client.completions.create(model=str(cluster.model), prompt=PROMPT, max_tokens=2,
+                                      temperature=0, extra_body={"prompt_logprobs": 2})
+    got = reply.choices[0].model_extra["prompt_logprobs"]
+    assert reply.choices[0].logprobs is None and len(got) == len(ids) and got[0] is None
+    for i in range(1, len(ids)):
+        assert set(expected[i]) <= {int(t) for t in got[i]} and len(got[i]) in (2, 3)
+        own = got[i][str(ids[i])]
+        assert own["logprob"] == pytest.approx(expected[i][ids[i]].logprob, abs=1e-3)
+        assert own["rank"] == expected[i][ids[i]].rank
+        assert own["decoded_token"] == cluster.router.tokenizer.decode([ids[i]])
+    chat_ids = apply_chat_template(cluster.router.tokenizer, CHAT)
+    chat = client.chat.completions.create(model=str(cluster.model), messages=CHAT, max_tokens=2,
+                                          temperature=0, n=2, extra_body={"prompt_logprobs": 0})
+    got = chat.model_extra["prompt_logprobs"]
+    expected = _engine_prompt_logprobs(cluster, chat_ids, 0)
+    assert len(got) == len(chat_ids) and got[0] is None
+    assert [list(g) for g in got[1:]] == [[str(t)] for t in chat_ids[1:]]
+    assert all(got[i][str(t)]["logprob"] == pytest.approx(expected[i][t].logprob, abs=1e-3)
+               for i, t in enumerate(chat_ids) if i)
+    plain = client.completions.create(model=str(cluster.model), prompt=PROMPT, max_tokens=1)
+    assert plain.choices[0].model_extra["prompt_logprobs"] is None
+    cluster.wait_all_blocks_free()
+
+
+def test_streamed_echo_carries_the_prompts_logprobs_first(cluster):
+    ids = encode_prompt(cluster.router.tokenizer, PROMPT)
+    chunks = list(cluster.client().completions.create(
+        model=str(cluster.model), prompt=PROMPT, max_tokens=3, temperature=0, echo=True,
+        logprobs=0, stream=True, extra_body={"ignore_eos": True}))
+    logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert len(logprobs[0].tokens) == len(ids) + 1 and logprobs[0].token_logprobs[0] is None
+    assert sum(len(lp.tokens) for lp in logprobs) == len(ids) + 3
+    assert "".join(c.choices[0].text for c in chunks if c.choices).startswith(PROMPT)
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "stream"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": "2"}, "prompt_logprobs"),
+])
+def test_bad_prompt_logprobs_are_refused(cluster, body, words):
+    reply = httpx.post(cluster.url + "/v1/completions", json=body | {"model": str(cluster.model)})
+    assert reply.status_code == 400, reply.text
+    assert words in reply.json()["error"]["message"] and \
+        reply.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_grpc_generate_sends_prompt_logprobs_on_its_first_message(cluster):
+    import grpc
+
+    from pdserve.proto import common_pb2, router_pb2, router_pb2_grpc
+    from pdserve.router.grpc_server import GRPCLimits, start_grpc_server
+
+    def call(coro):
+        return asyncio.run_coroutine_threadsafe(coro, cluster.loop).result(30)
+
+    ids = encode_prompt(cluster.router.tokenizer, PROMPT)
+    expected = _engine_prompt_logprobs(cluster, ids, 1)
+    server, port = call(start_grpc_server(cluster.router, "127.0.0.1", 0, limits=GRPCLimits()))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            params = common_pb2.SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
+                                               prompt_logprobs=1)
+            messages = list(stub.Generate(router_pb2.GenerateRequest(
+                text=PROMPT, sampling_params=params), timeout=30))
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(router_pb2.GenerateRequest(
+                    text=PROMPT, sampling_params=common_pb2.SamplingParams(
+                        max_tokens=1, prompt_logprobs=21)), timeout=30))
+    finally:
+        call(server.stop(0))
+    first = next(m for m in messages if m.token_ids)
+    assert [lp.token_id for lp in first.prompt_logprobs] == ids[1:]
+    for i, lp in enumerate(first.prompt_logprobs, start=1):
+        assert lp.logprob == pytest.approx(expected[i][ids[i]].logprob, abs=1e-3)
+        assert len(lp.top) == 1 and lp.rank == expected[i][ids[i]].rank
+    assert not any(m.prompt_logprobs for m in messages if m is not first)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_logprobs" in refused.value.details()
+    cluster.wait_all_blocks_free()
+
+
+def test_max_tokens_0_with_echo_answers_with_the_prompt_alone(cluster):
+    """OpenAI's legacy scoring request, which vLLM answers too: the prompt's text and
+    logprobs, no generated token (the engine's one is left out), in full and streamed."""
+    ids = encode_prompt(cluster.router.tokenizer, PROMPT)
+    client = cluster.client()
+    reply = client.completions.create(model=str(cluster.model), prompt=PROMPT, max_tokens=0,
+                                      echo=True, logprobs=0, temperature=0)
+    choice = reply.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    assert reply.usage.completion_tokens == 0 and reply.usage.prompt_tokens == len(ids)
+    chunks = list(client.completions.create(model=str(cluster.model), prompt=PROMPT,
+                                            max_tokens=0, echo=True, logprobs=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+    assert [len(c.choices[0].logprobs.tokens) for c in chunks if c.choices] == [len(ids)]
+    refused = httpx.post(cluster.url + "/v1/completions", json={
+        "model": str(cluster.model), "prompt": PROMPT, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    cluster.wait_all_blocks_free()
+
+
+def test_tokenizer_info_is_served_only_when_enabled(cluster):
+    """vLLM's ``/tokenizer_info`` behind its flag: what lm-evaluation-harness's remote
+    tokenizer checks for (``eos_token``) beside ``/tokenize``."""
+    from fastapi.testclient import TestClient
+
+    off = httpx.get(cluster.url + "/tokenizer_info")
+    assert off.status_code == 404 and "--enable-tokenizer-info-endpoint" in off.text
+    db = cluster.redis_url.rsplit("/", 1)[0] + "/6"
+    router = ModelService(RouterConfig(str(cluster.model), db, max_model_len=MAX_MODEL_LEN,
+                                       enable_tokenizer_info_endpoint=True))
+    tokenizer = router.tokenizer
+    with TestClient(build_app(router)) as http:
+        info = http.get("/tokenizer_info").json()
+        assert http.get("/tokenizer_info", params={"model": "nope"}).status_code == 404
+        tokens = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False})
+    assert info["eos_token"] == tokenizer.eos_token and info["model_max_length"] == MAX_MODEL_LEN
+    assert info["bos_token"] == tokenizer.bos_token and "pad_token" in info
+    assert info["chat_template"] == tokenizer.chat_template and info["chat_template"]
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert tokens.json()["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
+
+
+def test_continue_final_message_goes_on_the_assistants_last_message(cluster):
+    tokenizer = cluster.router.tokenizer
+    messages = CHAT + [{"role": "assistant", "content": "The sea is"}]
+    ids = apply_chat_template(tokenizer, messages, add_generation_prompt=False,
+                              continue_final_message=True)
+    assert ids[-len(tokenizer.encode(" is", add_special_tokens=False)):] == \
+        tokenizer.encode(" is", add_special_tokens=False)  # no end-of-turn after it
+    body = {"model": str(cluster.model), "messages": messages, "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True, "add_generation_prompt": False,
+            "continue_final_message": True}
+    reply = httpx.post(cluster.url + "/v1/chat/completions", json=body).json()
+    assert reply["usage"]["prompt_tokens"] == len(ids)
+    assert reply["choices"][0]["message"]["content"] == cluster.expected(
+        ids, temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = httpx.post(cluster.url + "/tokenize", json={
+        "model": str(cluster.model), "messages": messages, "add_generation_prompt": False,
+        "continue_final_message": True}).json()["tokens"]
+    assert tokens == ids
+    for path in ("/v1/chat/completions", "/tokenize"):
+        both = httpx.post(cluster.url + path, json={k: v for k, v in body.items() if k in (
+            "model", "messages", "continue_final_message")})  # add_generation_prompt: true
+        assert both.status_code == 400 and \
+            both.json()["error"]["param"] == "continue_final_message", path
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(cluster):
+    client = cluster.client()
+    ids = encode_prompt(cluster.router.tokenizer, PROMPT)
+    reply = client.completions.create(
+        model=str(cluster.model), prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+        extra_body={"ignore_eos": True, "truncate_prompt_tokens": 6})
+    kept = cluster.router.tokenizer.decode(ids[-6:])
+    assert reply.usage.prompt_tokens == 6 and reply.choices[0].text.startswith(kept)
+    assert reply.choices[0].text == kept + cluster.expected(ids[-6:], temperature=0.0,
+                                                            max_tokens=4, ignore_eos=True)
+    whole = client.chat.completions.create(model=str(cluster.model), messages=CHAT,
+                                           max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    chat_ids = apply_chat_template(cluster.router.tokenizer, CHAT)
+    assert whole.usage.prompt_tokens == len(chat_ids)  # shorter than max_model_len: as is
+    short = client.chat.completions.create(model=str(cluster.model), messages=CHAT,
+                                           max_tokens=1, extra_body={"truncate_prompt_tokens": 3})
+    assert short.usage.prompt_tokens == 3
+    for value in (0, -2, "5"):
+        refused = httpx.post(cluster.url + "/v1/completions", json={
+            "model": str(cluster.model), "prompt": PROMPT, "truncate_prompt_tokens": value})
+        assert refused.status_code == 400 and \
+            refused.json()["error"]["param"] == "truncate_prompt_tokens", value
+
+
+def test_add_special_tokens_false_leaves_the_bos_out(cluster):
+    tokenizer = cluster.router.tokenizer
+    with_bos = encode_prompt(tokenizer, PROMPT)
+    bare = tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert len(bare) < len(with_bos)  # the demo tokenizer adds a BOS
+    reply = cluster.client().completions.create(
+        model=str(cluster.model), prompt=PROMPT, max_tokens=4, temperature=0,
+        extra_body={"ignore_eos": True, "add_special_tokens": False})
+    assert reply.usage.prompt_tokens == len(bare)
+    assert reply.choices[0].text == cluster.expected(bare, temperature=0.0, max_tokens=4,
+                                                     ignore_eos=True)
