@@ -75,13 +75,19 @@ class Formatter:
         """The text of one token for logprobs: ``tokenizer.decode([token_id])``."""
         return self._decode([token_id])
 
+    def prompt_logprobs_of(self, index: int) -> list | None:
+        """The prompt logprobs of choice ``index``'s prompt: its own, or (a full answer's
+        choices after a prompt's first do not ask the workers again) that first choice's."""
+        own = self.prompt_logprobs[index]
+        return own if own is not None else self.prompt_logprobs[index - index % self.request.n]
+
     def vllm_prompt_logprobs(self, index: int):
         """vLLM's ``prompt_logprobs`` of choice ``index`` when the request asked for them
         (``PromptLogprobs``), else None."""
-        num_top = self.request.prompt_logprobs
-        if num_top is None or self.prompt_logprobs[index] is None:
+        num_top, logprobs = self.request.prompt_logprobs, self.prompt_logprobs_of(index)
+        if num_top is None or logprobs is None:
             return None
-        return vllm_prompt_logprobs(self.prompt_logprobs[index], self.decode_token, num_top)
+        return vllm_prompt_logprobs(logprobs, self.decode_token, num_top)
 
     def stream_start(self) -> list[dict]:
         """Chunks sent before any token (chat: each choice's role)."""
@@ -121,7 +127,7 @@ class CompletionFormatter(Formatter):
         if self.request.logprobs is None:
             return None
         out = completion_logprobs(logprobs, self.decode_token, text_offset)
-        prompt_logprobs = self.prompt_logprobs[index]
+        prompt_logprobs = self.prompt_logprobs_of(index)
         if not (echoed and self.request.echo and prompt_logprobs is not None):
             return out
         head = completion_prompt_logprobs(self.prompts[index // self.request.n],

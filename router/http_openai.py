@@ -38,6 +38,7 @@ from pdserve.router.protocol import (
     sse_event,
     to_sampling_params,
 )
+from pdserve.router.protocol.validation import check_request_prompt_logprobs
 from pdserve.router.served_models import ServedModels
 from pdserve.router.tool_calling import ToolCalling
 
@@ -209,18 +210,24 @@ async def _serve(router: ModelService, request: CompletionRequest | ChatCompleti
     # NOTE: a parser whose markers are special tokens must see them in the text.
     skip_special_tokens = request.skip_special_tokens and not (
         tools is not None and tools.needs_special_tokens)
+    prompt_logprob_entries = 0
     for prompt in prompts:
         params = to_sampling_params(request, max_model_len=router.max_model_len,
                                     prompt_len=len(prompt), defaults=router.generation_defaults)
         if tools is not None and tools.spec is not None:  # tool_choice required / named
             params = dataclasses.replace(params, structured_output=tools.spec)
         for i in range(request.n):
+            seq_params = dataclasses.replace(params, n=1, seed=choice_seed(params.seed, i))
+            if seq_params.prompt_logprobs is not None and i and not request.stream:
+                seq_params.prompt_logprobs = None  # the prompt's first choice has them
+            elif seq_params.prompt_logprobs is not None:
+                prompt_logprob_entries += len(prompt) * (seq_params.prompt_logprobs + 1)
             sequences.append(GenerateRequest(
-                f"{formatter.response_id}-{len(sequences)}", prompt,
-                dataclasses.replace(params, n=1, seed=choice_seed(params.seed, i)),
+                f"{formatter.response_id}-{len(sequences)}", prompt, seq_params,
                 request.stop_strings(),
                 request.include_stop_str_in_output, skip_special_tokens,
                 request.cache_salt))
+    check_request_prompt_logprobs(prompt_logprob_entries)
     router.check_available(len(sequences))
     merged = _Merged([router.generate(s) for s in sequences])
     try:

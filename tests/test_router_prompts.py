@@ -260,3 +260,31 @@ def test_add_special_tokens_false_leaves_the_bos_out(cluster):
     assert reply.usage.prompt_tokens == len(bare)
     assert reply.choices[0].text == cluster.expected(bare, temperature=0.0, max_tokens=4,
                                                      ignore_eos=True)
+
+
+def test_the_choices_of_a_prompt_share_its_logprobs_and_a_request_is_bounded(cluster):
+    """n choices of one prompt: only the first asks a worker for the prompt's logprobs
+    (a full answer), every choice shows them. All a request's prompt logprobs together
+    are bounded, as the router holds them in memory."""
+    from pdserve.router.protocol.validation import MAX_REQUEST_PROMPT_LOGPROB_ENTRIES
+
+    ids = encode_prompt(cluster.router.tokenizer, PROMPT)
+    expected = _engine_prompt_logprobs(cluster, ids, 1)
+    reply = cluster.client().completions.create(
+        model=str(cluster.model), prompt=[PROMPT, "Hi there"], n=2, max_tokens=2,
+        temperature=1.0, seed=3, echo=True, logprobs=1, extra_body={"prompt_logprobs": 1})
+    assert len(reply.choices) == 4
+    first, second = reply.choices[0], reply.choices[1]
+    for choice in (first, second):
+        assert choice.logprobs.token_logprobs[1:len(ids)] == pytest.approx(
+            [expected[i][ids[i]].logprob for i in range(1, len(ids))], abs=1e-3)
+        assert choice.model_extra["prompt_logprobs"] == first.model_extra["prompt_logprobs"]
+    hi = reply.choices[3].model_extra["prompt_logprobs"]
+    assert hi == reply.choices[2].model_extra["prompt_logprobs"] and hi[0] is None
+    assert len(hi) == len(encode_prompt(cluster.router.tokenizer, "Hi there"))
+    many = [[5] * 250] * (MAX_REQUEST_PROMPT_LOGPROB_ENTRIES // (250 * 21) + 1)
+    refused = httpx.post(cluster.url + "/v1/completions", json={
+        "model": str(cluster.model), "prompt": many, "max_tokens": 1, "prompt_logprobs": 20})
+    assert refused.status_code == 400 and "per request" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "prompt_logprobs"
+    cluster.wait_all_blocks_free()

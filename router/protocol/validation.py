@@ -116,10 +116,13 @@ def checked_sampling_params(build: Callable[[], SamplingParams]) -> SamplingPara
         raise RequestError(str(exc), exc.param) from exc
 
 
-# Prompt positions x (prompt_logprobs + 1) one request may ask log-probabilities for: a
+# Prompt positions x (prompt_logprobs + 1) one sequence may ask log-probabilities for: a
 # worker's reply carries them all in one gRPC message (~13-17 bytes an entry), which must
 # stay under gRPC's default 4 MiB receive limit.
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 17
+# ... and one request, all its sequences together: the router holds them as Python
+# objects (~100 bytes an entry) and writes them as JSON, so they bound its memory.
+MAX_REQUEST_PROMPT_LOGPROB_ENTRIES = 1 << 19
 
 
 def check_prompt_logprobs(prompt_len: int, num_top: int | None, param: str) -> None:
@@ -135,3 +138,20 @@ def check_prompt_logprobs(prompt_len: int, num_top: int | None, param: str) -> N
             f"Invalid value for '{param}': a prompt of {prompt_len} tokens with {num_top} "
             f"alternatives each asks for {prompt_len * (num_top + 1)} prompt log-"
             f"probabilities; at most {MAX_PROMPT_LOGPROB_ENTRIES} per prompt", param)
+
+
+def check_request_prompt_logprobs(num_entries: int) -> None:
+    """Refuse a request whose sequences ask for more than
+    ``MAX_REQUEST_PROMPT_LOGPROB_ENTRIES`` prompt log-probabilities together (prompt
+    positions x (alternatives + 1), summed over the prompts, and over the choices of a
+    stream, where each choice's first chunk carries its own).
+
+    Raises:
+        RequestError: naming ``prompt_logprobs`` and the limit.
+    """
+    if num_entries > MAX_REQUEST_PROMPT_LOGPROB_ENTRIES:
+        raise RequestError(
+            f"Invalid value for 'prompt_logprobs': the request's prompts ask for "
+            f"{num_entries} prompt log-probabilities in all (positions x (alternatives + "
+            f"1)); at most {MAX_REQUEST_PROMPT_LOGPROB_ENTRIES} per request",
+            "prompt_logprobs")
