@@ -72,7 +72,11 @@ class Formatter:
                             sum(self.cached_tokens))
 
     def decode_token(self, token_id: int) -> str:
-        """The text of one token for logprobs: ``tokenizer.decode([token_id])``."""
+        """The text of one token for logprobs: ``tokenizer.decode([token_id])``, or
+        ``token_id:<id>`` with ``return_tokens_as_token_ids`` (vLLM's, for tokens whose
+        bytes are not text on their own)."""
+        if self.request.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
         return self._decode([token_id])
 
     def prompt_logprobs_of(self, index: int) -> list | None:
@@ -92,6 +96,11 @@ class Formatter:
     def stream_start(self) -> list[dict]:
         """Chunks sent before any token (chat: each choice's role)."""
         return []
+
+    def running_usage(self) -> dict | None:
+        """The usage so far, for every stream chunk with ``continuous_usage_stats``; else
+        None (the chunk's ``usage`` stays null)."""
+        return self.usage().model_dump() if self.request.continuous_usage() else None
 
     def stream_usage(self) -> dict | None:
         """The last chunk, with only usage, when ``stream_options.include_usage``."""
@@ -147,7 +156,7 @@ class CompletionFormatter(Formatter):
         logprobs = self._logprobs(index, chunk.logprobs, offset, first)
         return self._stream_response([completion_stream_choice(
             index, prefix + chunk.text, chunk.finish_reason, chunk.stop_reason,
-            None if logprobs is None else logprobs.model_dump())])
+            None if logprobs is None else logprobs.model_dump())], self.running_usage())
 
     def _stream_response(self, choices: list[dict], usage: dict | None = None) -> dict:
         return completion_stream_chunk(self.response_id, self.model, choices, usage)
@@ -196,7 +205,8 @@ class ChatFormatter(Formatter):
         return reason
 
     def stream_start(self) -> list[dict]:
-        return [self._stream_response([chat_stream_choice(i, "", role="assistant")])
+        return [self._stream_response([chat_stream_choice(i, "", role="assistant")],
+                                      self.running_usage())
                 for i in range(len(self.texts))]
 
     def stream_chunk(self, index: int, chunk: GenerationChunk) -> dict:
@@ -214,7 +224,8 @@ class ChatFormatter(Formatter):
         return self._stream_response([chat_stream_choice(
             index, content, finish_reason=self._finish_reason(index, chunk.finish_reason),
             stop_reason=chunk.stop_reason,
-            logprobs=None if logprobs is None else logprobs.model_dump(), tool_calls=calls)])
+            logprobs=None if logprobs is None else logprobs.model_dump(), tool_calls=calls)],
+            self.running_usage())
 
     def _stream_response(self, choices: list[dict], usage: dict | None = None) -> dict:
         return chat_stream_chunk(self.response_id, self.model, choices, usage)

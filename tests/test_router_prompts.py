@@ -1,13 +1,15 @@
 """What the router makes of a prompt beyond its text: its log-probabilities (vLLM's
 ``prompt_logprobs``, and ``echo`` with ``logprobs`` as lm-evaluation-harness asks for
 them, through both prefill paths and the gRPC API), ``max_tokens: 0`` with echo,
-``truncate_prompt_tokens``, ``add_special_tokens``, ``continue_final_message`` and
+``truncate_prompt_tokens``, ``add_special_tokens``, ``continue_final_message``,
+``return_tokens_as_token_ids``, ``stream_options.continuous_usage_stats`` and
 ``/tokenizer_info``. A real Redis, one prefill and one decode worker in this process on
 the demo model; the oracle is ``pdserve.engine.LLM`` on the same checkpoint."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -288,3 +290,43 @@ def test_the_choices_of_a_prompt_share_its_logprobs_and_a_request_is_bounded(clu
     assert refused.status_code == 400 and "per request" in refused.json()["error"]["message"]
     assert refused.json()["error"]["param"] == "prompt_logprobs"
     cluster.wait_all_blocks_free()
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(cluster):
+    ids = encode_prompt(cluster.router.tokenizer, PROMPT)
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": CHAT})):
+        with httpx.stream("POST", cluster.url + path, timeout=60, json=body | {
+                "model": str(cluster.model), "max_tokens": 4, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True,
+                                                   "continuous_usage_stats": True}}) as reply:
+            events = [line[6:] for line in reply.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        chunks = [json.loads(e) for e in events]
+        assert all(c["usage"] is not None for c in chunks), path
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 4, (path, counts)
+        assert chunks[-1]["choices"] == [] and (path == "/v1/chat/completions" or
+                                                chunks[0]["usage"]["prompt_tokens"] == len(ids))
+    refused = httpx.post(cluster.url + "/v1/completions", json={
+        "model": str(cluster.model), "prompt": PROMPT, "stream": True,
+        "stream_options": {"include_usage": True, "continuous": True}})
+    assert refused.status_code == 400 and "continuous" in refused.json()["error"]["message"]
+
+
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(cluster):
+    client = cluster.client()
+    reply = client.completions.create(
+        model=str(cluster.model), prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2,
+        echo=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = reply.choices[0].logprobs
+    ids = encode_prompt(cluster.router.tokenizer, PROMPT)
+    assert lp.tokens[:len(ids)] == [f"token_id:{t}" for t in ids]
+    assert all(t.startswith("token_id:") for top in lp.top_logprobs[1:] for t in top)
+    chat = client.chat.completions.create(
+        model=str(cluster.model), messages=CHAT, max_tokens=3, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    assert all(e.token.startswith("token_id:") and e.bytes == list(e.token.encode())
+               for e in content)
+    assert all(t.token.startswith("token_id:") for e in content for t in e.top_logprobs)

@@ -61,9 +61,14 @@ from pdserve.router.protocol.validation import (
 
 
 class StreamOptions(BaseModel):
-    """``include_usage``: end the stream with a chunk holding only ``usage``."""
+    """``include_usage``: end the stream with a chunk holding only ``usage``;
+    ``continuous_usage_stats`` (vLLM's, with ``include_usage``): every chunk also carries
+    the usage so far."""
+
+    model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -152,6 +157,8 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: keep the prompt's last k tokens (-1: the last max_model_len); see truncate()
     truncate_prompt_tokens: Int32 | None = Field(None, ge=-1)
+    # vLLM's: logprobs name tokens "token_id:<id>", not by their (maybe partial) text
+    return_tokens_as_token_ids: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -269,6 +276,11 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        """Whether every stream chunk carries the usage so far (vLLM's
+        ``stream_options.continuous_usage_stats``, which needs ``include_usage``)."""
+        return self.include_usage() and self.stream_options.continuous_usage_stats
 
 
 def _constraints(prefix: str, json_schema: Any, regex: str | None, choice: list[str] | None,
