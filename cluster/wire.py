@@ -44,6 +44,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
             setattr(msg, name, value)
     if params.structured_output is not None:
         msg.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
+    if params.allowed_token_ids:
+        msg.allowed_token_ids.extend(params.allowed_token_ids)
     return msg
 
 
@@ -73,7 +75,8 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
                                vocab_size: int | None = None,
                                defaults: GenerationDefaults | None = None) -> SamplingParams:
     """The engine's ``SamplingParams`` of ``msg``. With ``vocab_size`` (the router's gRPC
-    API passes it), ``stop_token_ids`` must be in ``[0, vocab_size)``; protobuf itself
+    API passes it), ``stop_token_ids``, ``logit_bias``'s and ``allowed_token_ids`` must be
+    in ``[0, vocab_size)``; protobuf itself
     bounds the int32 and int64 fields. ``defaults`` (the router's: the model's generation
     config) fill the sampling fields ``msg`` leaves absent, as the HTTP API does; the
     router sends workers every field set.
@@ -89,10 +92,12 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
     if bad:
         raise SamplingParamError(f"stop_token_ids: token id {bad[0]} is out of the "
                                  f"vocabulary (size {vocab_size})", "stop_token_ids")
-    bad = [t for t in msg.logit_bias if vocab_size is not None and not 0 <= t < vocab_size]
-    if bad:
-        raise SamplingParamError(f"logit_bias: token id {bad[0]} is out of the "
-                                 f"vocabulary (size {vocab_size})", "logit_bias")
+    for name in ("logit_bias", "allowed_token_ids"):
+        bad = [t for t in getattr(msg, name)
+               if vocab_size is not None and not 0 <= t < vocab_size]
+        if bad:
+            raise SamplingParamError(f"{name}: token id {bad[0]} is out of the "
+                                     f"vocabulary (size {vocab_size})", name)
     kwargs = {name: getattr(msg, name) for name in _PLAIN}
     kwargs.update({name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)})
     if defaults is not None:
@@ -106,7 +111,8 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
         except ValueError as exc:  # "structured_output: ..."
             raise SamplingParamError(str(exc), "structured_output") from exc
     return SamplingParams(stop_token_ids=list(msg.stop_token_ids),
-                          logit_bias=dict(msg.logit_bias) or None, **kwargs)
+                          logit_bias=dict(msg.logit_bias) or None,
+                          allowed_token_ids=list(msg.allowed_token_ids) or None, **kwargs)
 
 
 def logprob_to_proto(lp: Logprob) -> common_pb2.TokenLogprob:

@@ -1,6 +1,7 @@
 """Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws.
 
-Order of operations (vLLM's): logprobs from the raw logits; then ``logit_bias``; then
+Order of operations (vLLM's): logprobs from the raw logits; then ``allowed_token_ids`` (the
+other tokens to -inf); then ``logit_bias``; then
 repetition, frequency and presence penalties and the ``min_tokens`` ban on stop tokens; then
 the structured output bitmask of the rows that have a grammar (``engine/structured_output.py``;
 a batch without one does no extra work); then greedy rows take the argmax; the rest are
@@ -51,6 +52,7 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        self._allow_only(logits, requests)
         self._apply_logit_bias(logits, requests)
         self._apply_penalties(logits, requests)
         self._ban_stop_tokens(logits, requests)
@@ -136,6 +138,20 @@ class Sampler:
                                                                   requests[i].num_output_tokens))
                 u[i] = torch.rand(1, generator=gen, dtype=torch.float64)
         return u
+
+    @staticmethod
+    def _allow_only(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        """Set every token outside a request's ``allowed_token_ids`` to -inf in its row
+        (ids past the vocabulary, which the router refuses, are skipped here)."""
+        vocab = logits.shape[1]
+        for i, req in enumerate(requests):
+            allowed = req.sampling_params.allowed_token_ids
+            if allowed:
+                ids = torch.tensor([t for t in allowed if t < vocab], dtype=torch.int64,
+                                   device=logits.device)
+                kept = logits[i, ids]
+                logits[i].fill_(float("-inf"))
+                logits[i, ids] = kept
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:

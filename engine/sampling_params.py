@@ -8,6 +8,7 @@ from pdserve.engine.structured_output import StructuredOutputSpec
 
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary pdserve loads
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: [-100, 100]
 
 
@@ -40,7 +41,10 @@ class SamplingParams:
     object, a regex, a choice or a grammar: tokens the grammar forbids are masked after
     ``logit_bias`` and penalties, and the request stops (``finish_reason`` "stop") when
     the grammar is complete and EOS is sampled. The grammar decides where the output
-    ends, so it takes no ``min_tokens``.
+    ends, so it takes no ``min_tokens``. ``allowed_token_ids`` (vLLM's) leaves only those
+    tokens to sample or take greedily (the others' logits set to -inf before
+    ``logit_bias``; at most ``MAX_ALLOWED_TOKEN_IDS``, not with ``structured_output``,
+    whose grammar decides that itself); logprobs stay those of the raw logits.
 
     Raises:
         SamplingParamError: from ``__post_init__`` (a ValueError), naming the field
@@ -64,6 +68,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     structured_output: StructuredOutputSpec | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -105,6 +110,17 @@ class SamplingParams:
                 _check(-LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT, "logit_bias", bias,
                        "values must be in [-100, 100]")
 
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            _check(0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+                   "allowed_token_ids", f"<{len(self.allowed_token_ids)} ids>",
+                   f"must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids")
+            _check(all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                   "allowed_token_ids", self.allowed_token_ids[:8],
+                   "must be non-negative token ids")
+            _check(self.structured_output is None, "allowed_token_ids",
+                   f"<{len(self.allowed_token_ids)} ids>", "cannot be combined with "
+                   "structured output (its grammar decides which tokens may come)")
         _check(self.structured_output is None or self.min_tokens == 0, "min_tokens",
                self.min_tokens, "must be 0 with structured output (the grammar decides "
                "where the output ends)")

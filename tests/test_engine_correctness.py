@@ -148,3 +148,45 @@ def test_logit_bias_forces_and_bans_tokens_and_keeps_raw_logprobs(tiny_checkpoin
 def test_logit_bias_out_of_range_is_refused(bias):
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=bias)
+
+
+def test_allowed_token_ids_choose_among_them_as_transformers_ranks_them(tiny_checkpoints):
+    """Greedy: each token is the best of the allowed ones under transformers' logits
+    (teacher-forced on the output so far); sampled: every token is allowed; logprobs
+    stay the raw ones; speculation stands aside for such a request."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoints["llama"]
+    llm = LLM(str(path), dtype="float32", max_model_len=128, load_progress=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompt = random_prompts([9], seed=3)[0]
+    allowed = [5, 11, 17, 23, 60]
+    greedy = llm.generate([prompt], SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0,
+        allowed_token_ids=allowed))[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + greedy.token_ids])).logits[0]
+    for i, token in enumerate(greedy.token_ids):
+        row = logits[len(prompt) - 1 + i]
+        assert token == allowed[int(row[allowed].argmax())]
+        raw = row.log_softmax(-1)[token].item()
+        assert greedy.logprobs[i][token].logprob == pytest.approx(raw, abs=1e-4)
+    sampled = llm.generate([prompt] * 4, SamplingParams(
+        temperature=1.5, seed=2, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed))
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in sampled)
+    assert llm.engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("allowed", [[], [-1], list(range((1 << 18) + 1))])
+def test_allowed_token_ids_out_of_range_are_refused(allowed):
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=allowed)
+
+
+def test_allowed_token_ids_and_a_grammar_are_refused_together():
+    from pdserve.engine.structured_output import StructuredOutputSpec
+
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[3], structured_output=StructuredOutputSpec(
+            "regex", "[ab]+"))

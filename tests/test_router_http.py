@@ -371,3 +371,21 @@ def test_streaming_n2_with_stop_and_prompt_lists(cluster):
     assert reply.usage.prompt_tokens == 20
     cluster.wait_all_blocks_free()
 
+
+
+def test_allowed_token_ids_reach_the_sampler_of_both_pools(cluster):
+    """The prefill worker's first token and the decode worker's rest (and a short
+    prompt's, prefilled on the decode worker) are all among ``allowed_token_ids``."""
+    allowed = [42, 77, 101]
+    for prompt in (PROMPT, "Hi"):
+        reply = cluster.client().completions.create(
+            model=str(cluster.model), prompt=prompt, max_tokens=6, temperature=1.0, seed=5,
+            logprobs=0, extra_body={"ignore_eos": True, "allowed_token_ids": allowed,
+                                    "return_tokens_as_token_ids": True})
+        tokens = [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
+        assert len(tokens) == 6 and set(tokens) <= set(allowed), tokens
+    for bad in ([], [99999], "42"):
+        refused = httpx.post(cluster.url + "/v1/completions", json={
+            "model": str(cluster.model), "prompt": "x", "allowed_token_ids": bad})
+        assert refused.status_code == 400 and \
+            refused.json()["error"]["param"].startswith("allowed_token_ids"), refused.text

@@ -223,6 +223,13 @@ def test_wire_checks_stop_token_ids_against_the_vocabulary():
     assert sampling_params_from_proto(msg).stop_token_ids == [3, 320]
     with pytest.raises(ValueError, match="^stop_token_ids: token id 320"):
         sampling_params_from_proto(msg, vocab_size=320)
+    msg = sampling_params_to_proto(SamplingParams(allowed_token_ids=[9, 320]))
+    assert sampling_params_from_proto(msg).allowed_token_ids == [9, 320]
+    assert sampling_params_from_proto(sampling_params_to_proto(
+        SamplingParams())).allowed_token_ids is None  # empty on the wire: any token
+    with pytest.raises(ValueError, match="^allowed_token_ids: token id 320") as info:
+        sampling_params_from_proto(msg, vocab_size=320)
+    assert info.value.param == "allowed_token_ids"
 
 
 def test_validation_error_body_is_openai_shaped():

@@ -28,7 +28,12 @@ from pydantic import (
 )
 
 from pdserve.engine.generation_config import GenerationDefaults
-from pdserve.engine.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from pdserve.engine.sampling_params import (
+    LOGIT_BIAS_LIMIT,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    SamplingParams,
+)
 from pdserve.engine.structured_output import (
     StructuredOutputSpec,
     check_spec,
@@ -159,6 +164,9 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: Int32 | None = Field(None, ge=-1)
     # vLLM's: logprobs name tokens "token_id:<id>", not by their (maybe partial) text
     return_tokens_as_token_ids: bool = False
+    # vLLM's: only these tokens may be generated
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1,
+                                                    max_length=MAX_ALLOWED_TOKEN_IDS)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -542,7 +550,8 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         logit_bias={int(k): v for k, v in
                                        (request.logit_bias or {}).items()} or None,
-        structured_output=request.structured_output_spec()))
+        structured_output=request.structured_output_spec(),
+        allowed_token_ids=request.allowed_token_ids))
 
 
 def _prompt_logprobs(request: CompletionRequest | ChatCompletionRequest,
