@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import openai
 import pytest
-from inproc_cluster import in_process_cluster
+from router_cases import CHAT, LOCAL_THRESHOLD, MAX_MODEL_LEN, PROMPT, router_cluster
 
 from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.registry import WorkerRecord, WorkerRegistry
@@ -20,18 +20,10 @@ from pdserve.router.http import build_app
 from pdserve.router.model_service import ModelService
 from pdserve.router.routing_policy import WorkerLoad
 
-MAX_MODEL_LEN = 256
-LOCAL_THRESHOLD = 8  # prompts under 8 tokens are prefilled on the decode worker
-PROMPT = "The quick brown fox jumps over the lazy dog and then it runs far away"
-CHAT = [{"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "Tell me about the sea and the ships on it."}]
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with in_process_cluster(tmp_path_factory.mktemp("router"), MAX_MODEL_LEN,
-                            local_prefill_threshold=LOCAL_THRESHOLD,
-                            disaggregation="always") as c:
+    with router_cluster(tmp_path_factory.mktemp("router")) as c:
         yield c
 
 

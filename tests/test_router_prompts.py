@@ -13,25 +13,17 @@ import json
 
 import httpx
 import pytest
-from inproc_cluster import in_process_cluster
+from router_cases import CHAT, MAX_MODEL_LEN, PROMPT, router_cluster
 
 from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
 from pdserve.router.config import RouterConfig
 from pdserve.router.http import build_app
 from pdserve.router.model_service import ModelService
 
-MAX_MODEL_LEN = 256
-LOCAL_THRESHOLD = 8  # prompts under 8 tokens are prefilled on the decode worker
-PROMPT = "The quick brown fox jumps over the lazy dog and then it runs far away"
-CHAT = [{"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "Tell me about the sea and the ships on it."}]
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with in_process_cluster(tmp_path_factory.mktemp("router_prompts"), MAX_MODEL_LEN,
-                            local_prefill_threshold=LOCAL_THRESHOLD,
-                            disaggregation="always") as c:
+    with router_cluster(tmp_path_factory.mktemp("router_prompts")) as c:
         yield c
 
 
