@@ -48,7 +48,8 @@ logger = logging.getLogger(__name__)
 def add_openai_routes(app: FastAPI, routers: ServedModels, max_body_bytes: int) -> None:
     """Add, in this order, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
     /v1/models``, ``GET /v1/models/{model_id}``, ``POST /tokenize``, ``GET
-    /tokenizer_info`` (when a model's router enables it) and ``POST /detokenize`` to ``app``, serving ``routers`` (a request's ``model`` picks one, the
+    /tokenizer_info`` (answered when the model's router enables it) and ``POST
+    /detokenize`` to ``app``, serving ``routers`` (a request's ``model`` picks one, the
     first when it names none); a body over ``max_body_bytes`` gets a 413."""
     _add_completion_routes(app, routers, max_body_bytes)
     _add_model_routes(app, routers, max_body_bytes)
