@@ -46,6 +46,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         msg.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
     if params.allowed_token_ids:
         msg.allowed_token_ids.extend(params.allowed_token_ids)
+    for sequence in params.bad_words_token_ids or ():
+        msg.bad_words.add(token_ids=sequence)
     return msg
 
 
@@ -75,8 +77,8 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
                                vocab_size: int | None = None,
                                defaults: GenerationDefaults | None = None) -> SamplingParams:
     """The engine's ``SamplingParams`` of ``msg``. With ``vocab_size`` (the router's gRPC
-    API passes it), ``stop_token_ids``, ``logit_bias``'s and ``allowed_token_ids`` must be
-    in ``[0, vocab_size)``; protobuf itself
+    API passes it), ``stop_token_ids``, ``logit_bias``'s, ``allowed_token_ids`` and
+    ``bad_words``' token ids must be in ``[0, vocab_size)``; protobuf itself
     bounds the int32 and int64 fields. ``defaults`` (the router's: the model's generation
     config) fill the sampling fields ``msg`` leaves absent, as the HTTP API does; the
     router sends workers every field set.
@@ -92,9 +94,11 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
     if bad:
         raise SamplingParamError(f"stop_token_ids: token id {bad[0]} is out of the "
                                  f"vocabulary (size {vocab_size})", "stop_token_ids")
-    for name in ("logit_bias", "allowed_token_ids"):
-        bad = [t for t in getattr(msg, name)
-               if vocab_size is not None and not 0 <= t < vocab_size]
+    bad_words = [list(s.token_ids) for s in msg.bad_words]
+    for name, ids in (("logit_bias", msg.logit_bias),
+                      ("allowed_token_ids", msg.allowed_token_ids),
+                      ("bad_words", [t for s in bad_words for t in s])):
+        bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
         if bad:
             raise SamplingParamError(f"{name}: token id {bad[0]} is out of the "
                                      f"vocabulary (size {vocab_size})", name)
@@ -112,7 +116,8 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, *,
             raise SamplingParamError(str(exc), "structured_output") from exc
     return SamplingParams(stop_token_ids=list(msg.stop_token_ids),
                           logit_bias=dict(msg.logit_bias) or None,
-                          allowed_token_ids=list(msg.allowed_token_ids) or None, **kwargs)
+                          allowed_token_ids=list(msg.allowed_token_ids) or None,
+                          bad_words_token_ids=bad_words or None, **kwargs)
 
 
 def logprob_to_proto(lp: Logprob) -> common_pb2.TokenLogprob:

@@ -1,7 +1,7 @@
 """Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws.
 
 Order of operations (vLLM's): logprobs from the raw logits; then ``allowed_token_ids`` (the
-other tokens to -inf); then ``logit_bias``; then
+other tokens to -inf) and ``bad_words_token_ids``; then ``logit_bias``; then
 repetition, frequency and presence penalties and the ``min_tokens`` ban on stop tokens; then
 the structured output bitmask of the rows that have a grammar (``engine/structured_output.py``;
 a batch without one does no extra work); then greedy rows take the argmax; the rest are
@@ -53,6 +53,7 @@ class Sampler:
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         self._allow_only(logits, requests)
+        self._ban_bad_words(logits, requests)
         self._apply_logit_bias(logits, requests)
         self._apply_penalties(logits, requests)
         self._ban_stop_tokens(logits, requests)
@@ -152,6 +153,22 @@ class Sampler:
                 kept = logits[i, ids]
                 logits[i].fill_(float("-inf"))
                 logits[i, ids] = kept
+
+    @staticmethod
+    def _ban_bad_words(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        """Set to -inf the last token of each ``bad_words_token_ids`` sequence whose other
+        tokens end the request's output so far (vLLM's rule: the output, not the prompt)."""
+        vocab = logits.shape[1]
+        for i, req in enumerate(requests):
+            sequences = req.sampling_params.bad_words_token_ids
+            if not sequences:
+                continue
+            output = req.output_token_ids
+            banned = [s[-1] for s in sequences if s[-1] < vocab and (
+                len(s) == 1 or (len(output) >= len(s) - 1
+                                and output[len(output) - len(s) + 1:] == s[:-1]))]
+            if banned:
+                logits[i, banned] = float("-inf")
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:

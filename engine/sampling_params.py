@@ -9,6 +9,8 @@ from pdserve.engine.structured_output import StructuredOutputSpec
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary pdserve loads
+MAX_BAD_WORDS = 256  # token sequences of bad_words (vLLM's), each of at most ...
+MAX_BAD_WORD_TOKENS = 64  # ... this many tokens
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: [-100, 100]
 
 
@@ -45,6 +47,9 @@ class SamplingParams:
     tokens to sample or take greedily (the others' logits set to -inf before
     ``logit_bias``; at most ``MAX_ALLOWED_TOKEN_IDS``, not with ``structured_output``,
     whose grammar decides that itself); logprobs stay those of the raw logits.
+    ``bad_words_token_ids`` (vLLM's ``bad_words``, tokenized by the caller:
+    ``engine.tokenizer.bad_word_sequences``) bans, for each sequence, its last token
+    wherever the output so far ends with the rest of it (a one-token sequence: always).
 
     Raises:
         SamplingParamError: from ``__post_init__`` (a ValueError), naming the field
@@ -69,6 +74,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_output: StructuredOutputSpec | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -121,6 +127,15 @@ class SamplingParams:
             _check(self.structured_output is None, "allowed_token_ids",
                    f"<{len(self.allowed_token_ids)} ids>", "cannot be combined with "
                    "structured output (its grammar decides which tokens may come)")
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [list(s) for s in self.bad_words_token_ids] or None
+            sequences = self.bad_words_token_ids or []
+            _check(len(sequences) <= MAX_BAD_WORDS, "bad_words", f"<{len(sequences)} words>",
+                   f"must hold at most {MAX_BAD_WORDS} token sequences")
+            _check(all(0 < len(s) <= MAX_BAD_WORD_TOKENS and
+                       all(isinstance(t, int) and t >= 0 for t in s) for s in sequences),
+                   "bad_words", "<token sequences>", f"each must be 1 to "
+                   f"{MAX_BAD_WORD_TOKENS} non-negative token ids")
         _check(self.structured_output is None or self.min_tokens == 0, "min_tokens",
                self.min_tokens, "must be 0 with structured output (the grammar decides "
                "where the output ends)")

@@ -163,14 +163,15 @@ def ngram_propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int
 
 def speculates(request: Request) -> bool:
     """Whether ``request``'s sampling lets it speculate: no penalties, ``logit_bias``,
-    ``allowed_token_ids`` or pending ``min_tokens`` (verification does not apply them to
-    the proposals' rows yet; such a request decodes one token a step, beside speculating
-    ones). A structured
-    output's grammar checks the proposals (``GrammarMatcher.valid_prefix``) and masks
-    each verification row as it would that position's step."""
+    ``allowed_token_ids``, ``bad_words`` or pending ``min_tokens`` (verification does not
+    apply them to the proposals' rows yet; such a request decodes one token a step,
+    beside speculating ones). A structured output's grammar checks the proposals
+    (``GrammarMatcher.valid_prefix``) and masks each verification row as it would that
+    position's step."""
     p = request.sampling_params
     return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0 and not p.logit_bias and not p.allowed_token_ids
+            and not p.bad_words_token_ids
             and request.num_output_tokens >= p.min_tokens and not request.remote_decode)
 
 

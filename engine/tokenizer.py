@@ -129,6 +129,24 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str,
     return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
 
+def bad_word_sequences(tokenizer: PreTrainedTokenizerBase, words: Sequence[str]
+                       ) -> list[list[int]]:
+    """vLLM's ``bad_words`` as token sequences for ``SamplingParams.bad_words_token_ids``:
+    each word (leading spaces stripped) as it is tokenized at a text's start, and, where
+    the tokenizer spells it differently after a space with as many tokens (a new first
+    token), that spelling too. Empty words are left out."""
+    sequences: list[list[int]] = []
+    for word in words:
+        bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            continue
+        sequences.append(bare)
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            sequences.append(spaced)
+    return sequences
+
+
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict], *,
                         add_generation_prompt: bool = True, tools: list[dict] | None = None,
                         template_kwargs: Mapping[str, Any] | None = None,

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
+from pdserve.engine.tokenizer import apply_chat_template, bad_word_sequences, encode_prompt
 from pdserve.router.generate_request import GenerateRequest
 from pdserve.router.history import ReplyTokens
 from pdserve.router.http_format import ChatFormatter, CompletionFormatter, Formatter
@@ -38,7 +38,10 @@ from pdserve.router.protocol import (
     sse_event,
     to_sampling_params,
 )
-from pdserve.router.protocol.validation import check_request_prompt_logprobs
+from pdserve.router.protocol.validation import (
+    check_request_prompt_logprobs,
+    checked_sampling_params,
+)
 from pdserve.router.served_models import ServedModels
 from pdserve.router.tool_calling import ToolCalling
 
@@ -212,9 +215,13 @@ async def _serve(router: ModelService, request: CompletionRequest | ChatCompleti
     skip_special_tokens = request.skip_special_tokens and not (
         tools is not None and tools.needs_special_tokens)
     prompt_logprob_entries = 0
+    bad_words = bad_word_sequences(router.tokenizer, request.bad_words or ())
     for prompt in prompts:
         params = to_sampling_params(request, max_model_len=router.max_model_len,
                                     prompt_len=len(prompt), defaults=router.generation_defaults)
+        if bad_words:
+            params = checked_sampling_params(
+                lambda p=params: dataclasses.replace(p, bad_words_token_ids=bad_words))
         if tools is not None and tools.spec is not None:  # tool_choice required / named
             params = dataclasses.replace(params, structured_output=tools.spec)
         for i in range(request.n):

@@ -190,3 +190,25 @@ def test_allowed_token_ids_and_a_grammar_are_refused_together():
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[3], structured_output=StructuredOutputSpec(
             "regex", "[ab]+"))
+
+
+def test_bad_words_ban_a_sequences_last_token_after_the_rest(tiny_checkpoints):
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", max_model_len=128,
+              load_progress=False)
+    prompt = random_prompts([9], seed=3)[0]
+    params = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+    plain = llm.generate([prompt], SamplingParams(**params))[0].outputs[0].token_ids
+    pair = llm.generate([prompt], SamplingParams(
+        **params, bad_words_token_ids=[plain[1:3]]))[0].outputs[0].token_ids
+    assert pair[:2] == plain[:2] and pair[2] != plain[2]  # banned only after plain[1]
+    assert all(pair[i:i + 2] != plain[1:3] for i in range(len(pair) - 1))
+    single = llm.generate([prompt], SamplingParams(
+        **params, bad_words_token_ids=[[plain[0]]]))[0].outputs[0].token_ids
+    assert plain[0] not in single
+    assert llm.engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("words", [[[]], [[-3]], [[1] * 65], [[1]] * 257])
+def test_bad_words_out_of_range_are_refused(words):
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words_token_ids=words)

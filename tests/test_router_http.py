@@ -381,3 +381,27 @@ def test_allowed_token_ids_reach_the_sampler_of_both_pools(cluster):
             "model": str(cluster.model), "prompt": "x", "allowed_token_ids": bad})
         assert refused.status_code == 400 and \
             refused.json()["error"]["param"].startswith("allowed_token_ids"), refused.text
+
+
+def test_bad_words_keep_their_tokenizations_out_of_the_reply(cluster):
+    from pdserve.engine.tokenizer import bad_word_sequences
+
+    def ids(reply):
+        return [int(t.removeprefix("token_id:")) for t in reply.choices[0].logprobs.tokens]
+
+    body = {"model": str(cluster.model), "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+            "logprobs": 0, "extra_body": {"ignore_eos": True,
+                                          "return_tokens_as_token_ids": True}}
+    plain = cluster.client().completions.create(**body)
+    word = cluster.router.tokenizer.decode(ids(plain)[1:3]).strip()
+    banned = bad_word_sequences(cluster.router.tokenizer, [word])
+    body["extra_body"]["bad_words"] = [word]
+    reply = cluster.client().completions.create(**body)
+    tokens = ids(reply)
+    assert tokens != ids(plain) and len(tokens) == 12
+    assert not any(tokens[i:i + len(s)] == s for s in banned for i in range(len(tokens)))
+    for bad in (["w"] * 129, ["word " * 80], "word"):
+        refused = httpx.post(cluster.url + "/v1/completions", json={
+            "model": str(cluster.model), "prompt": "x", "bad_words": bad})
+        assert refused.status_code == 400 and \
+            refused.json()["error"]["param"].startswith("bad_words"), refused.text

@@ -230,6 +230,10 @@ def test_wire_checks_stop_token_ids_against_the_vocabulary():
     with pytest.raises(ValueError, match="^allowed_token_ids: token id 320") as info:
         sampling_params_from_proto(msg, vocab_size=320)
     assert info.value.param == "allowed_token_ids"
+    msg = sampling_params_to_proto(SamplingParams(bad_words_token_ids=[[4], [7, 320]]))
+    assert sampling_params_from_proto(msg).bad_words_token_ids == [[4], [7, 320]]
+    with pytest.raises(ValueError, match="^bad_words: token id 320"):
+        sampling_params_from_proto(msg, vocab_size=320)
 
 
 def test_validation_error_body_is_openai_shaped():

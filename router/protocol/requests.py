@@ -31,6 +31,7 @@ from pdserve.engine.generation_config import GenerationDefaults
 from pdserve.engine.sampling_params import (
     LOGIT_BIAS_LIMIT,
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS_ENTRIES,
     SamplingParams,
 )
@@ -167,6 +168,8 @@ class _SamplingFields(BaseModel):
     # vLLM's: only these tokens may be generated
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1,
                                                     max_length=MAX_ALLOWED_TOKEN_IDS)
+    # vLLM's: words the output must not contain (engine.tokenizer.bad_word_sequences)
+    bad_words: list[Text] | None = Field(None, max_length=MAX_BAD_WORDS // 2)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
