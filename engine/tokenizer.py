@@ -150,14 +150,17 @@ def bad_word_sequences(tokenizer: PreTrainedTokenizerBase, words: Sequence[str]
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict], *,
                         add_generation_prompt: bool = True, tools: list[dict] | None = None,
                         template_kwargs: Mapping[str, Any] | None = None,
-                        continue_final_message: bool = False) -> list[int]:
+                        continue_final_message: bool = False,
+                        documents: list[dict] | None = None) -> list[int]:
     """Token ids of a chat rendered with the checkpoint's chat template.
 
     ``messages`` is OpenAI-shaped: ``[{"role": "system" | "user" | "assistant" | "tool" |
     ..., "content": str}, ...]``; an assistant message with ``tool_calls`` (arguments as
     dicts) may have ``content`` None. ``tools`` (OpenAI's ``[{"type": "function",
     "function": {...}}]``) reach the template as transformers passes them, and
-    ``template_kwargs`` as extra template variables (vLLM's ``chat_template_kwargs``).
+    ``template_kwargs`` as extra template variables (vLLM's ``chat_template_kwargs``), and
+    ``documents`` (``[{"title": ..., "text": ...}]``, for retrieval-augmented templates)
+    as transformers passes them.
     The template writes BOS and the turn markers itself, so no special tokens are added on
     top. With ``add_generation_prompt`` the ids end with the assistant's header, ready for
     the model to answer; with ``continue_final_message`` (transformers' and vLLM's
@@ -182,6 +185,8 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
         kwargs["continue_final_message"] = True
     if tools:
         kwargs["tools"] = tools
+    if documents:
+        kwargs["documents"] = documents
     if "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters:
         kwargs["sanitize_control_tokens"] = True
     from jinja2 import TemplateError

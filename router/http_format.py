@@ -205,9 +205,15 @@ class ChatFormatter(Formatter):
         return reason
 
     def stream_start(self) -> list[dict]:
-        return [self._stream_response([chat_stream_choice(i, "", role="assistant")],
-                                      self.running_usage())
-                for i in range(len(self.texts))]
+        """Each choice's role chunk, then, under ``echo``, one with the echoed content."""
+        chunks = [self._stream_response([chat_stream_choice(i, "", role="assistant")],
+                                        self.running_usage())
+                  for i in range(len(self.texts))]
+        if echoed := self.request.echoed():
+            chunks += [self._stream_response([chat_stream_choice(i, echoed)],
+                                             self.running_usage())
+                       for i in range(len(self.texts))]
+        return chunks
 
     def stream_chunk(self, index: int, chunk: GenerationChunk) -> dict:
         """Record ``chunk`` of choice ``index``; its ``ChatCompletionStreamResponse`` dict."""
@@ -231,12 +237,13 @@ class ChatFormatter(Formatter):
         return chat_stream_chunk(self.response_id, self.model, choices, usage)
 
     def _message(self, index: int) -> ChatResponseMessage:
-        text = self.texts[index]
+        text, echoed = self.texts[index], self.request.echoed()
         if self.tools is None:
-            return ChatResponseMessage(content=text)
+            return ChatResponseMessage(content=echoed + text)
         stream = self.tools.stream()
         content, calls = stream.feed(text, final=True)
         self._has_calls[index] = bool(calls)
+        content = echoed + content
         return ChatResponseMessage(content=content or (None if calls else ""), tool_calls=[
             ChatToolCall(id=call_id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
             for call_id, c in calls])

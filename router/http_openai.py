@@ -120,7 +120,8 @@ def _chat_prompt(router: ModelService, request: ChatCompletionRequest) -> list[i
             router.tokenizer, messages, add_generation_prompt=request.add_generation_prompt,
             tools=[t.model_dump(exclude_none=True) for t in request.tools or ()] or None,
             template_kwargs=request.chat_template_kwargs,
-            continue_final_message=request.continue_final_message)
+            continue_final_message=request.continue_final_message,
+            documents=request.documents)
     except ValueError as exc:
         raise RequestError(str(exc), "messages") from exc
 

@@ -1,9 +1,9 @@
 """What the router makes of a prompt beyond its text: its log-probabilities (vLLM's
 ``prompt_logprobs``, and ``echo`` with ``logprobs`` as lm-evaluation-harness asks for
 them, through both prefill paths and the gRPC API), ``max_tokens: 0`` with echo,
-``truncate_prompt_tokens``, ``add_special_tokens``, ``continue_final_message``,
-``return_tokens_as_token_ids``, ``stream_options.continuous_usage_stats`` and
-``/tokenizer_info``. A real Redis, one prefill and one decode worker in this process on
+``truncate_prompt_tokens``, ``add_special_tokens``, ``continue_final_message``, a chat's
+``echo`` and ``documents``, ``return_tokens_as_token_ids``,
+``stream_options.continuous_usage_stats`` and ``/tokenizer_info``. A real Redis, one prefill and one decode worker in this process on
 the demo model; the oracle is ``pdserve.engine.LLM`` on the same checkpoint."""
 
 from __future__ import annotations
@@ -322,3 +322,53 @@ def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(cluster)
     assert all(e.token.startswith("token_id:") and e.bytes == list(e.token.encode())
                for e in content)
     assert all(t.token.startswith("token_id:") for e in content for t in e.top_logprobs)
+
+
+def test_chat_echo_starts_the_reply_with_the_assistants_last_message(cluster):
+    messages = CHAT + [{"role": "assistant", "content": "The sea is"}]
+    ids = apply_chat_template(cluster.router.tokenizer, messages, add_generation_prompt=False,
+                              continue_final_message=True)
+    expected = "The sea is" + cluster.expected(ids, temperature=0.0, max_tokens=5,
+                                               ignore_eos=True)
+    body = {"model": str(cluster.model), "messages": messages, "max_tokens": 5,
+            "temperature": 0, "ignore_eos": True, "add_generation_prompt": False,
+            "continue_final_message": True, "echo": True}
+    full = httpx.post(cluster.url + "/v1/chat/completions", json=body).json()
+    assert full["choices"][0]["message"]["content"] == expected
+    with httpx.stream("POST", cluster.url + "/v1/chat/completions", timeout=60,
+                      json=body | {"stream": True}) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant" and deltas[1]["content"] == "The sea is"
+    assert "".join(d.get("content") or "" for d in deltas) == expected
+    user_last = httpx.post(cluster.url + "/v1/chat/completions", json={
+        "model": str(cluster.model), "messages": CHAT, "max_tokens": 3, "temperature": 0,
+        "ignore_eos": True, "echo": True}).json()
+    assert user_last["choices"][0]["message"]["content"] == cluster.expected(
+        CHAT, temperature=0.0, max_tokens=3, ignore_eos=True)  # nothing of the user's
+
+
+def test_documents_reach_the_chat_template(cluster):
+    """vLLM's ``documents`` are the template's ``documents`` variable (retrieval-augmented
+    templates list them); a template without them ignores them."""
+    from types import SimpleNamespace
+
+    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.router.http_openai import _chat_prompt
+    from pdserve.router.protocol import ChatCompletionRequest
+
+    tokenizer = load_tokenizer(cluster.model)
+    tokenizer.chat_template = ("{% for d in documents %}[{{ d.title }}: {{ d.text }}]"
+                               "{% endfor %}{% for m in messages %}{{ m.content }}"
+                               "{% endfor %}")
+    docs = [{"title": "Tide", "text": "the sea rises twice a day"}]
+    request = ChatCompletionRequest(messages=CHAT, documents=docs)
+    text = tokenizer.decode(_chat_prompt(SimpleNamespace(tokenizer=tokenizer), request))
+    assert "[Tide: the sea rises twice a day]" in text and CHAT[1]["content"] in text
+    reply = httpx.post(cluster.url + "/v1/chat/completions", json={
+        "model": str(cluster.model), "messages": CHAT, "max_tokens": 2, "documents": docs})
+    assert reply.status_code == 200, reply.text
+    refused = httpx.post(cluster.url + "/v1/chat/completions", json={
+        "model": str(cluster.model), "messages": CHAT, "documents": [{"title": 3}]})
+    assert refused.status_code == 400 and "documents" in refused.json()["error"]["param"]

@@ -51,6 +51,8 @@ from pdserve.router.limits import (
 )
 from pdserve.router.protocol.errors import RequestError
 from pdserve.router.protocol.messages import MAX_TOOLS, ChatMessage, ChatTool, NamedToolChoice
+
+MAX_DOCUMENTS = 256  # documents in one chat request
 from pdserve.router.protocol.validation import (
     MAX_LOGPROBS,
     Int32,
@@ -418,6 +420,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the reply goes on the last message
+    # vLLM's: the reply starts with the last message's content when that is the assistant's
+    echo: bool = False
+    # vLLM's: retrieved documents for templates that take them ({"title", "text", ...})
+    documents: list[dict[str, Text]] | None = Field(None, max_length=MAX_DOCUMENTS)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -456,6 +462,12 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestError(f"tool_choice names the function {choice.function.name!r}, "
                                f"which is not among the tools", "tool_choice")
         return self
+
+    def echoed(self) -> str:
+        """What the reply starts with under ``echo`` (vLLM's): the last message's content
+        when it is the assistant's (the role the reply continues), else nothing."""
+        last = self.messages[-1]
+        return last.content or "" if self.echo and last.role == "assistant" else ""
 
     def effective_tool_choice(self) -> str | NamedToolChoice:
         """``tool_choice``, defaulted as OpenAI does: ``auto`` with tools, else ``none``."""
