@@ -151,7 +151,8 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
                         add_generation_prompt: bool = True, tools: list[dict] | None = None,
                         template_kwargs: Mapping[str, Any] | None = None,
                         continue_final_message: bool = False,
-                        documents: list[dict] | None = None) -> list[int]:
+                        documents: list[dict] | None = None,
+                        chat_template: str | None = None) -> list[int]:
     """Token ids of a chat rendered with the checkpoint's chat template.
 
     ``messages`` is OpenAI-shaped: ``[{"role": "system" | "user" | "assistant" | "tool" |
@@ -160,7 +161,8 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
     "function": {...}}]``) reach the template as transformers passes them, and
     ``template_kwargs`` as extra template variables (vLLM's ``chat_template_kwargs``), and
     ``documents`` (``[{"title": ..., "text": ...}]``, for retrieval-augmented templates)
-    as transformers passes them.
+    as transformers passes them. ``chat_template`` replaces the tokenizer's template for
+    this call.
     The template writes BOS and the turn markers itself, so no special tokens are added on
     top. With ``add_generation_prompt`` the ids end with the assistant's header, ready for
     the model to answer; with ``continue_final_message`` (transformers' and vLLM's
@@ -176,7 +178,7 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
             ``continue_final_message``, a last message it does not write out as given).
     """
     _check_messages(messages)
-    if getattr(tokenizer, "chat_template", None) is None:
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         name = getattr(tokenizer, "name_or_path", "") or "this tokenizer"
         raise ValueError(f"{name} has no chat template (tokenizer_config.json 'chat_template' "
                          "or chat_template.jinja); send a completion prompt instead")
@@ -187,6 +189,8 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
         kwargs["tools"] = tools
     if documents:
         kwargs["documents"] = documents
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
     if "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters:
         kwargs["sanitize_control_tokens"] = True
     from jinja2 import TemplateError

@@ -433,6 +433,11 @@ class RouterConfig:
         False, "--enable-auto-tool-choice",
         "let the model decide when to call tools (tool_choice 'auto', the default with "
         "tools); needs --tool-call-parser", action="store_true")
+    trust_request_chat_template: bool = setting(
+        False, "--trust-request-chat-template",
+        "render a chat request's own chat_template (vLLM's flag; off: such a request is "
+        "refused, as a template is code every client could then run in the router)",
+        action="store_true")
     enable_tokenizer_info_endpoint: bool = setting(
         False, "--enable-tokenizer-info-endpoint",
         "serve GET /tokenizer_info (vLLM's): the tokenizer's special tokens, chat template "

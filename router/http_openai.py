@@ -109,19 +109,24 @@ def _add_completion_routes(app: FastAPI, routers: ServedModels, max_body_bytes: 
 
 
 def _chat_prompt(router: ModelService, request: ChatCompletionRequest) -> list[int]:
-    """The chat's token ids through the model's chat template, with the request's tools.
+    """The chat's token ids through the model's chat template (or the request's own, with
+    ``--trust-request-chat-template``), with the request's tools and documents.
 
     Raises:
-        RequestError: the template refuses the messages (param ``messages``).
+        RequestError: the template refuses the messages (param ``messages``), or the
+            request brings its own ``chat_template`` to a router that does not trust them.
     """
     messages = [m.template_dict() for m in request.messages]
+    if request.chat_template is not None and not router.config.trust_request_chat_template:
+        raise RequestError("a request's own chat_template is not rendered here (pdserve "
+                           "serve --trust-request-chat-template allows it)", "chat_template")
     try:
         return apply_chat_template(
             router.tokenizer, messages, add_generation_prompt=request.add_generation_prompt,
             tools=[t.model_dump(exclude_none=True) for t in request.tools or ()] or None,
             template_kwargs=request.chat_template_kwargs,
             continue_final_message=request.continue_final_message,
-            documents=request.documents)
+            documents=request.documents, chat_template=request.chat_template)
     except ValueError as exc:
         raise RequestError(str(exc), "messages") from exc
 

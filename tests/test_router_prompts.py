@@ -2,7 +2,7 @@
 ``prompt_logprobs``, and ``echo`` with ``logprobs`` as lm-evaluation-harness asks for
 them, through both prefill paths and the gRPC API), ``max_tokens: 0`` with echo,
 ``truncate_prompt_tokens``, ``add_special_tokens``, ``continue_final_message``, a chat's
-``echo`` and ``documents``, ``return_tokens_as_token_ids``,
+``echo``, ``documents`` and own ``chat_template``, ``return_tokens_as_token_ids``,
 ``stream_options.continuous_usage_stats`` and ``/tokenizer_info``. A real Redis, one prefill and one decode worker in this process on
 the demo model; the oracle is ``pdserve.engine.LLM`` on the same checkpoint."""
 
@@ -372,3 +372,28 @@ def test_documents_reach_the_chat_template(cluster):
     refused = httpx.post(cluster.url + "/v1/chat/completions", json={
         "model": str(cluster.model), "messages": CHAT, "documents": [{"title": 3}]})
     assert refused.status_code == 400 and "documents" in refused.json()["error"]["param"]
+
+
+def test_a_requests_own_chat_template_is_rendered_only_when_trusted(cluster):
+    from types import SimpleNamespace
+
+    from pdserve.router.http_openai import _chat_prompt
+    from pdserve.router.protocol import ChatCompletionRequest
+    from pdserve.router.protocol.errors import RequestError
+
+    template = "{% for m in messages %}<<{{ m.role }}|{{ m.content }}>>{% endfor %}"
+    refused = httpx.post(cluster.url + "/v1/chat/completions", json={
+        "model": str(cluster.model), "messages": CHAT, "chat_template": template})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+    tokenizer = cluster.router.tokenizer
+    trusted = SimpleNamespace(tokenizer=tokenizer,
+                              config=SimpleNamespace(trust_request_chat_template=True))
+    request = ChatCompletionRequest(messages=CHAT, chat_template=template)
+    assert tokenizer.decode(_chat_prompt(trusted, request)) == tokenizer.decode(
+        tokenizer.encode("".join(f"<<{m['role']}|{m['content']}>>" for m in CHAT),
+                         add_special_tokens=False))
+    broken = ChatCompletionRequest(messages=CHAT, chat_template="{% for %}")
+    with pytest.raises(RequestError) as error:
+        _chat_prompt(trusted, broken)
+    assert error.value.param == "messages" and "chat template" in error.value.message

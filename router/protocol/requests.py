@@ -424,6 +424,8 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     # vLLM's: retrieved documents for templates that take them ({"title", "text", ...})
     documents: list[dict[str, Text]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    # vLLM's: this request's own template (rendered only with --trust-request-chat-template)
+    chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
