@@ -174,6 +174,7 @@ BAD_INPUTS = [  # (path, body, status, words the message must hold)
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "vocabulary"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "priority": 1}, 400, "priority"),
     ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}],
@@ -205,7 +206,7 @@ def test_bad_inputs_get_openai_errors_and_serving_goes_on(cluster):
         cluster.client().completions.create(model=str(cluster.model), prompt="x",
                                             max_tokens=-3)
     reply = cluster.client().completions.create(model=str(cluster.model), prompt=PROMPT,
-                                                max_tokens=3)
+                                                max_tokens=3, extra_body={"priority": 0})
     assert reply.usage.completion_tokens <= 3
 
 
