@@ -1,18 +1,21 @@
 """lm-evaluation-harness against ``pdserve serve``: its ``local-completions`` model (echo
 with logprobs on ``/v1/completions``, the tokenizer read from ``/tokenizer_info`` and
-``/tokenize``) scores a multiple-choice task, and its ``hf`` model scores the same task on
-the same file in transformers; the two runs' log-likelihoods and accuracies are compared.
+``/tokenize``) scores two tasks, and its ``hf`` model scores them on the same file in
+transformers; the two runs' log-likelihoods and metrics are compared.
 
-The task is our own (12 short questions, four choices each, written here into
-``--work``), so that nothing is downloaded. Both runs compute in float32 (transformers'
-dtype for a GGUF file). Needs ``pip install "lm-eval[api]"`` in the Python given as
-``--lm-eval-python`` (its ``lm_eval`` script beside it).
+The tasks are our own, written here into ``--work`` so that nothing is downloaded: a
+multiple-choice one (12 short questions, four choices each: ``loglikelihood`` requests)
+and a perplexity one (the paragraphs of pdserve's demo corpus, each under lm-eval's
+2048-token window: ``loglikelihood_rolling``). Both runs compute in float32
+(transformers' dtype for a GGUF file). Needs ``pip install "lm-eval[api]"`` in the Python
+given as ``--lm-eval-python`` (its ``lm_eval`` script beside it).
 
     python benchmarks/lm_eval_check.py --model SmolLM2-135M-Instruct.Q4_1.gguf \\
         --lm-eval-python /path/to/venv/bin/python
 
 Prints the largest difference between the two runs' log-likelihoods and both runs'
-accuracies; exits 1 when they differ by more than ``--tolerance`` (default 1e-3).
+metrics; exits 1 when a log-likelihood differs by more than ``--tolerance`` (default
+1e-3), an accuracy at all, or a perplexity by more than that tolerance relatively.
 """
 
 from __future__ import annotations
@@ -43,38 +46,56 @@ QUESTIONS = [
     ("What is frozen water called?", ["steam", "ice", "sand", "glass"], 1),
     ("Which animal barks?", ["cat", "cow", "dog", "fish"], 2),
 ]
-TASK = "pdserve_facts_mc"
+TASKS = {"pdserve_facts_mc": ("acc", "acc_norm"),
+         "pdserve_corpus_ppl": ("word_perplexity", "byte_perplexity")}
 SERVED_NAME = "lm-eval-model"
 
 
-def write_task(folder: Path) -> None:
-    """The task's data (JSON lines) and its lm-evaluation-harness YAML in ``folder``."""
+def write_tasks(folder: Path) -> None:
+    """The tasks' data (JSON lines) and their lm-evaluation-harness YAML in ``folder``."""
+    from pdserve.engine import demo_model
+
     data = folder / "questions.jsonl"
     data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n"
                             for q, c, a in QUESTIONS))
-    (folder / f"{TASK}.yaml").write_text(
-        f"task: {TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+    (folder / "pdserve_facts_mc.yaml").write_text(
+        f"task: pdserve_facts_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
         f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
         'doc_to_text: "Question: {{question}}\\nAnswer:"\n'
         'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
         "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+    corpus = (Path(demo_model.__file__).parent / "data" / "demo_corpus.txt").read_text()
+    paragraphs = [p.strip() for p in corpus.split("\n\n") if len(p.strip()) > 200][:8]
+    text = folder / "corpus.jsonl"
+    text.write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    (folder / "pdserve_corpus_ppl.yaml").write_text(
+        f"task: pdserve_corpus_ppl\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {text}\ntest_split: test\noutput_type: loglikelihood_rolling\n"
+        'doc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n")
 
 
 def run_lm_eval(args, folder: Path, name: str, model: str, model_args: str) -> dict:
-    """One ``lm_eval`` run; returns {"acc", "acc_norm", "loglikelihoods": {doc: [...]}}."""
+    """One ``lm_eval`` run of both tasks; returns {task: {metric: value, ...,
+    "loglikelihoods": {(doc, i): value}}}."""
     lm_eval = Path(args.lm_eval_python).parent / "lm_eval"
     out = folder / f"out-{name}"
     env = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    subprocess.run([str(lm_eval), "--model", model, "--model_args", model_args, "--tasks",
-                    TASK, "--include_path", str(folder), "--output_path", str(out),
+    subprocess.run([str(lm_eval), "--model", model, "--model_args",
+                    model_args + ",max_length=2048", "--tasks", ",".join(TASKS),
+                    "--include_path", str(folder), "--output_path", str(out),
                     "--log_samples", "--batch_size", "4"], env=env, check=True,
                    timeout=args.timeout_s)
-    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"][TASK]
-    samples = [json.loads(line) for line in
-               next(out.rglob(f"samples_{TASK}_*.jsonl")).read_text().splitlines()]
-    return {"acc": results["acc,none"], "acc_norm": results["acc_norm,none"],
-            "loglikelihoods": {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]]
-                               for s in samples}}
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    runs = {}
+    for task, metrics in TASKS.items():
+        samples = [json.loads(line) for line in
+                   next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines()]
+        runs[task] = {m: results[task][f"{m},none"] for m in metrics}
+        runs[task]["loglikelihoods"] = {
+            (s["doc_id"], i): float(r[0] if isinstance(r, list) else r)
+            for s in samples for i, r in enumerate(s["filtered_resps"])}
+    return runs
 
 
 def main() -> None:
@@ -88,7 +109,7 @@ def main() -> None:
     args = parser.parse_args()
     folder = args.work or Path(tempfile.mkdtemp(prefix="pdserve-lm-eval-"))
     folder.mkdir(parents=True, exist_ok=True)
-    write_task(folder)
+    write_tasks(folder)
     model = Path(args.model).resolve()
     port = free_port()
     server = Server("pdserve serve", [
@@ -105,13 +126,18 @@ def main() -> None:
     hf_args = (f"pretrained={model.parent},gguf_file={model.name}" if model.suffix == ".gguf"
                else f"pretrained={model}")
     reference = run_lm_eval(args, folder, "hf", "hf", hf_args + ",dtype=float32")
-    diffs = [abs(a - b) for doc, values in reference["loglikelihoods"].items()
-             for a, b in zip(values, served["loglikelihoods"][doc], strict=True)]
-    print(f"{len(diffs)} continuations: largest log-likelihood difference {max(diffs):.2e}")
-    for key in ("acc", "acc_norm"):
-        print(f"{key}: served {served[key]:.4f}, transformers {reference[key]:.4f}")
-    if max(diffs) > args.tolerance or any(served[k] != reference[k]
-                                          for k in ("acc", "acc_norm")):
+    failed = False
+    for task, metrics in TASKS.items():
+        ours, theirs = served[task], reference[task]
+        diffs = [abs(value - ours["loglikelihoods"][key])
+                 for key, value in theirs["loglikelihoods"].items()]
+        print(f"{task}: {len(diffs)} log-likelihoods, largest difference {max(diffs):.2e}")
+        failed |= max(diffs) > args.tolerance
+        for m in metrics:
+            print(f"  {m}: served {ours[m]:.6g}, transformers {theirs[m]:.6g}")
+            failed |= (ours[m] != theirs[m] if m.startswith("acc")
+                       else abs(ours[m] / theirs[m] - 1) > args.tolerance)
+    if failed:
         sys.exit(1)
 
 
