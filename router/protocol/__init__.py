@@ -1,8 +1,10 @@
 """OpenAI-compatible requests, responses and errors, as vLLM's server accepts and sends
 them, and the request-validation rules the HTTP and gRPC APIs share.
 
-- ``requests.py``: the request bodies (``CompletionRequest``, ``ChatCompletionRequest``,
-  ``TokenizeRequest``, ``DetokenizeRequest``) and ``to_sampling_params``;
+- ``requests.py``: the request bodies (``CompletionRequest``, ``ChatCompletionRequest``)
+  and ``to_sampling_params``;
+- ``tokenize.py``: vLLM's ``/tokenize`` and ``/detokenize`` bodies (``TokenizeRequest``,
+  ``DetokenizeRequest``);
 - ``messages.py``: chat messages and tools, which requests carry and responses echo;
 - ``responses.py``: the answers, the stream's chunks and server-sent events;
 - ``errors.py``: ``RequestError`` (naming its field as ``param``) and OpenAI's error body;
@@ -50,12 +52,10 @@ from pdserve.router.protocol.requests import (
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
     JsonSchemaFormat,
     ResponseFormat,
     StreamOptions,
     StructuredOutputsParams,
-    TokenizeRequest,
     to_sampling_params,
 )
 from pdserve.router.protocol.responses import (
@@ -90,6 +90,7 @@ from pdserve.router.protocol.responses import (
     random_id,
     sse_event,
 )
+from pdserve.router.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from pdserve.router.protocol.validation import (
     MAX_LOGPROBS,
     Int32,

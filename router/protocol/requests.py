@@ -400,10 +400,14 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-def _check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
     """vLLM's rule: a chat's reply either starts a new assistant turn
     (``add_generation_prompt``) or goes on the last message (``continue_final_message``),
-    not both. Raises ``RequestError`` naming ``continue_final_message``."""
+    not both (a chat request's and ``/tokenize``'s).
+
+    Raises:
+        RequestError: both are true, naming ``continue_final_message``.
+    """
     if continue_final_message and add_generation_prompt:
         raise RequestError("continue_final_message and add_generation_prompt cannot both "
                            "be true (send add_generation_prompt: false)",
@@ -462,7 +466,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _check_continue_final_message(self) -> ChatCompletionRequest:
-        _check_continuation(self.continue_final_message, self.add_generation_prompt)
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
         return self
 
     @model_validator(mode="after")
@@ -493,43 +497,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _check_top_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs=True")
-        return value
-
-
-class TokenizeRequest(BaseModel):
-    """vLLM's ``POST /tokenize``: a completion ``prompt``, or chat ``messages`` through the
-    chat template (one of the two)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: Text | None = None
-    prompt: Text | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise RequestError("give exactly one of 'prompt' and 'messages'", "prompt")
-        _check_continuation(self.continue_final_message, self.add_generation_prompt)
-        return self
-
-
-class DetokenizeRequest(BaseModel):
-    """vLLM's ``POST /detokenize``: token ids in the vocabulary."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: Text | None = None
-    tokens: list[TokenId] = Field(max_length=1 << 20)
-
-    @field_validator("tokens")
-    @classmethod
-    def _in_vocabulary(cls, value: list[int], info: ValidationInfo) -> list[int]:
-        for t in value:
-            check_token_id(t, vocab_size(info))
         return value
 
 
