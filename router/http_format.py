@@ -117,6 +117,9 @@ class CompletionFormatter(Formatter):
         super().__init__(router, request, response_id, prompts)
         self.echo = ["" if echo_texts is None else echo_texts[i // request.n]
                      for i in range(len(self.texts))]
+        # echoed logprobs: the prompt tokens' texts' length less the echoed text's, so that
+        # the generated tokens' offsets go on from the prompt tokens' (as vLLM's do)
+        self._offset_shift = [0] * len(self.texts)
 
     def add(self, index: int, chunk: GenerationChunk) -> None:
         super().add(index, self._visible(chunk))
@@ -135,13 +138,17 @@ class CompletionFormatter(Formatter):
         the logprobs (the prompt's)."""
         if self.request.logprobs is None:
             return None
-        out = completion_logprobs(logprobs, self.decode_token, text_offset)
-        prompt_logprobs = self.prompt_logprobs_of(index)
-        if not (echoed and self.request.echo and prompt_logprobs is not None):
+        prompt_logprobs, head = self.prompt_logprobs_of(index), None
+        if echoed and self.request.echo and prompt_logprobs is not None:
+            head = completion_prompt_logprobs(self.prompts[index // self.request.n],
+                                              prompt_logprobs, self.decode_token,
+                                              self.request.logprobs)
+            end = head.text_offset[-1] + len(head.tokens[-1]) if head.tokens else 0
+            self._offset_shift[index] = end - len(self.echo[index])
+        out = completion_logprobs(logprobs, self.decode_token,
+                                  text_offset + self._offset_shift[index])
+        if head is None:
             return out
-        head = completion_prompt_logprobs(self.prompts[index // self.request.n],
-                                          prompt_logprobs, self.decode_token,
-                                          self.request.logprobs)
         for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
             getattr(head, name).extend(getattr(out, name))
         return head

@@ -58,7 +58,9 @@ def test_echo_with_logprobs_starts_with_the_prompts_logprobs(cluster, prompt):
             best = max(expected[i].items(), key=lambda kv: kv[1].logprob)[0]
             assert token in lp.top_logprobs[i] and len(lp.top_logprobs[i]) <= 2
             assert (best == ids[i]) == (len(lp.top_logprobs[i]) == 1)
-            assert lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
+        # offsets run on over the prompt's tokens into the generated ones, as vLLM's do
+        assert all(lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
+                   for i in range(1, len(lp.tokens)))
         assert lp.token_logprobs[-1] <= 0 and reply.usage.prompt_tokens_details.cached_tokens == 0
     cluster.wait_all_blocks_free()
 
@@ -99,6 +101,9 @@ def test_streamed_echo_carries_the_prompts_logprobs_first(cluster):
     logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert len(logprobs[0].tokens) == len(ids) + 1 and logprobs[0].token_logprobs[0] is None
     assert sum(len(lp.tokens) for lp in logprobs) == len(ids) + 3
+    tokens = [t for lp in logprobs for t in lp.tokens]
+    offsets = [o for lp in logprobs for o in lp.text_offset]
+    assert all(offsets[i] == offsets[i - 1] + len(tokens[i - 1]) for i in range(1, len(tokens)))
     assert "".join(c.choices[0].text for c in chunks if c.choices).startswith(PROMPT)
 
 
