@@ -25,7 +25,7 @@ from pdserve.engine.models.blocks import AttentionMetadata
 from pdserve.engine.models.loader import load_model
 from pdserve.engine.parallel import TensorParallel, check_tensor_parallel
 from pdserve.engine.request import Logprob, Request
-from pdserve.engine.sampler import Sampler, token_logprob
+from pdserve.engine.sampler import Sampler, tokens_logprobs
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.tp_executor import (
     RankSpec,
@@ -52,7 +52,8 @@ class StepArrays:
     tensor-parallel ranks (numpy: small and cheap to pickle); fields as
     ``AttentionMetadata``'s, with ``input_ids``, ``positions`` ``[T]`` int64 and
     ``logits_rows`` ``[R]`` int64: the rows whose logits the step needs (the prompt
-    chunks' whose prompt logprobs are asked for, then each sampling request's last)."""
+    chunks' whose prompt logprobs are asked for, the first ``num_prompt_logits_rows``,
+    then each sampling request's last)."""
 
     input_ids: np.ndarray
     positions: np.ndarray
@@ -65,6 +66,7 @@ class StepArrays:
     prefill_seq_lens: np.ndarray
     rope_long: np.ndarray | None
     logits_rows: np.ndarray
+    num_prompt_logits_rows: int = 0
 
 
 @dataclass(slots=True)
@@ -79,6 +81,10 @@ class StepInputs:
 
 # (request, begin, end): prompt positions [begin, end) whose next token's logprob is asked
 PromptChunk = tuple[Request, int, int]
+# Prompt logprobs' logits are computed this many rows at a time (fp32 [rows, vocab], and
+# their log-softmax): a 2048-token chunk of a 128k vocabulary at once took ~3 GB more
+# than a step's sampling rows, beyond what profile_activation_bytes measures.
+PROMPT_LOGITS_ROWS = 256
 
 
 class ModelRunner:
@@ -257,12 +263,14 @@ class ModelRunner:
         arrays, sampling_requests, prompt_chunks = self.prepare_inputs(out, kv)
         if self.executor is not None:
             self.executor.send("step", arrays)
-        logits = self._forward(arrays)  # [prompt rows + sampled rows, vocab] fp32
-        self._prompt_logprobs(logits, prompt_chunks)
+        for request, _, _ in prompt_chunks:
+            if not request.prompt_logprobs:
+                request.prompt_logprobs.append(None)  # the first prompt token
+        # [sampled rows, vocab] fp32: one per request, 1 + k per speculating one
+        rows = self._forward(arrays, lambda first, logits: self._prompt_logprobs(
+            first, logits, prompt_chunks))
         if not sampling_requests:
             return {}
-        # the sampling rows come last: one per request, 1 + k per speculating one
-        rows = logits[len(logits) - sum(1 + len(r.spec_token_ids) for r in sampling_requests):]
         plain = [r for r in sampling_requests if not r.spec_token_ids]
         result: dict[str, list[tuple[int, Logprob | None]]] = {}
         if len(plain) == len(sampling_requests):
@@ -282,15 +290,24 @@ class ModelRunner:
             result.update((r.request_id, [s]) for r, s in zip(plain, sampled))
         return result
 
-    def _forward(self, arrays: StepArrays) -> torch.Tensor | None:
-        """One forward pass over the step's tokens, the logits of ``arrays.logits_rows``
-        (on rank 0; None on the other ranks)."""
+    def _forward(self, arrays: StepArrays, on_prompt_logits=None) -> torch.Tensor | None:
+        """One forward pass over the step's tokens; returns the logits of the sampling
+        rows of ``arrays.logits_rows`` (fp32 ``[rows, vocab]`` on rank 0; None on the other
+        ranks, or without such rows). The prompt-logprob rows' logits go to
+        ``on_prompt_logits(first row, logits [<= PROMPT_LOGITS_ROWS, vocab])`` (rank 0), a
+        slice at a time, so that a long prompt's take no more memory than a batch's."""
         inputs = self.step_inputs(arrays)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta,
                             self.kv_scales)
-        if not len(arrays.logits_rows):
+        rows, split = inputs.logits_rows, arrays.num_prompt_logits_rows
+        for first in range(0, split, PROMPT_LOGITS_ROWS):  # every rank: a collective gather
+            logits = self.model.compute_logits(
+                hidden[rows[first:min(first + PROMPT_LOGITS_ROWS, split)]])
+            if logits is not None and on_prompt_logits is not None:
+                on_prompt_logits(first, logits)
+        if len(rows) == split:
             return None
-        return self.model.compute_logits(hidden[inputs.logits_rows])
+        return self.model.compute_logits(hidden[rows[split:]])
 
     @torch.inference_mode()
     def run_command(self, command: str, *args) -> int | None:
@@ -317,23 +334,23 @@ class ModelRunner:
             self.executor = None
 
     @staticmethod
-    def _prompt_logprobs(logits: torch.Tensor | None, chunks: list[PromptChunk]) -> None:
-        """For each request that asked for ``prompt_logprobs`` and computes prompt tokens
-        this step: append, per computed position p with a prompt token after it, that
-        token's log-probability (and the top ones) to ``request.prompt_logprobs``.
-        ``logits``' first rows are the chunks' rows, in order."""
-        row = 0
+    def _prompt_logprobs(first: int, logits: torch.Tensor, chunks: list[PromptChunk]
+                         ) -> None:
+        """Prompt-logprob rows ``[first, first + len(logits))`` of the step (the chunks'
+        rows, in order; slices arrive in order): append, per position p among them, the
+        log-probability of the prompt token after p (and the top ones) to its request's
+        ``prompt_logprobs``."""
+        row, last = 0, first + len(logits)
         for request, begin, end in chunks:
-            if not request.prompt_logprobs:
-                request.prompt_logprobs.append(None)  # the first prompt token
-            if end <= begin:
-                continue
-            raw = torch.log_softmax(logits[row:row + end - begin], dim=-1)  # [end-begin, V]
-            row += end - begin
-            targets = request.all_token_ids[begin + 1:end + 1]
-            num_top = request.sampling_params.prompt_logprobs
-            request.prompt_logprobs.extend(token_logprob(raw, i, t, num_top)
-                                           for i, t in enumerate(targets))
+            lo, hi = max(row, first), min(row + end - begin, last)
+            if lo < hi:
+                raw = torch.log_softmax(logits[lo - first:hi - first], dim=-1)  # [hi-lo, V]
+                at = begin + lo - row + 1  # the prompt token after row lo's position
+                targets = torch.tensor(request.all_token_ids[at:at + hi - lo],
+                                       dtype=torch.int64, device=raw.device)
+                request.prompt_logprobs.extend(tokens_logprobs(
+                    raw, targets, request.sampling_params.prompt_logprobs))
+            row += max(end - begin, 0)
 
     def prepare_inputs(self, out: SchedulerOutput, kv: KVCacheManager
                        ) -> tuple[StepArrays, list[Request], list[PromptChunk]]:
@@ -375,6 +392,7 @@ class ModelRunner:
             prefill_cu_seqlens_q=(cu[num_decodes:] - cu[num_decodes]).astype(np.int32),
             prefill_seq_lens=seq_lens[num_decodes:],
             rope_long=self._rope_long(requests, positions, req_index),
+            num_prompt_logits_rows=sum(len(r) for r in chunk_rows),
             logits_rows=np.concatenate([
                 np.zeros(0, dtype=np.int64), *chunk_rows, *(np.arange(end - 1 - k, end) for end, k in
                                zip(cu[1:][samples].tolist(), num_spec[samples].tolist()))

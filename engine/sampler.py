@@ -266,3 +266,17 @@ def token_logprob(raw: torch.Tensor | None, row: int, token: int, num_top: int |
     value = raw[row, token]
     rank = int((raw[row] > value).sum()) + 1
     return Logprob(token, float(value), rank, top)
+
+
+def tokens_logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[Logprob]:
+    """``token_logprob`` of every row at once: row i's ``tokens[i]`` in ``raw [N, vocab]``
+    (log-softmax, fp32), with its rank (1 + the count of tokens strictly more likely) and
+    the top ``num_top`` (>= 0) alternatives; ``tokens [N]`` int64 on ``raw``'s device."""
+    values = raw.gather(1, tokens[:, None])  # [N, 1]
+    ranks = ((raw > values).sum(dim=1) + 1).tolist()
+    tops: list[dict[int, float]] = [{} for _ in ranks]
+    if num_top > 0:
+        top_values, top_ids = raw.topk(num_top, dim=1)
+        tops = [dict(zip(i, v)) for i, v in zip(top_ids.tolist(), top_values.tolist())]
+    return [Logprob(t, v, r, top) for t, v, r, top in
+            zip(tokens.tolist(), values[:, 0].tolist(), ranks, tops)]

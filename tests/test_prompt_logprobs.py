@@ -9,13 +9,21 @@ import torch
 from conftest import random_prompts
 from transformers import AutoModelForCausalLM
 
-from pdserve.engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams, model_runner
 
 
-@pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 24},
-                                      {"num_gpu_blocks_override": 8, "max_model_len": 128}])
-def test_prompt_logprobs_are_transformers_teacher_forced(settings, tiny_checkpoints):
+@pytest.mark.parametrize("settings", [
+    {}, {"max_num_batched_tokens": 24},
+    {"num_gpu_blocks_override": 8, "max_model_len": 128},
+    # both prompts in one step, their logits 7 rows at a time: slices that cross from
+    # one prompt's rows into the other's
+    {"max_num_batched_tokens": 160, "logits_rows": 7}])
+def test_prompt_logprobs_are_transformers_teacher_forced(settings, tiny_checkpoints,
+                                                         monkeypatch):
     path = tiny_checkpoints["qwen3"]
+    settings = dict(settings)
+    if "logits_rows" in settings:
+        monkeypatch.setattr(model_runner, "PROMPT_LOGITS_ROWS", settings.pop("logits_rows"))
     prompt = random_prompts([70], seed=3)[0]
     llm = LLM(str(path), dtype="float32", load_progress=False,
               **({"max_model_len": 256} | settings))
@@ -33,6 +41,8 @@ def test_prompt_logprobs_are_transformers_teacher_forced(settings, tiny_checkpoi
                                                               abs=1e-4)
             top = expected[i - 1].topk(2).indices.tolist()
             assert set(top) <= set(got[i])  # the top 2 and the prompt's own token
+            rank = int((expected[i - 1] > expected[i - 1, prompt[i]]).sum()) + 1
+            assert abs(got[i][prompt[i]].rank - rank) <= 1  # NOTE: a near-tie may swap
     assert llm.engine.is_idle_and_clean()
 
 
