@@ -174,7 +174,8 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
     Raises:
         ValueError: the tokenizer has no chat template; ``messages`` is not a non-empty list
             of dicts, each with a word-like ``role`` and a str ``content``; or the template
-            rejects the conversation (a Jinja ``raise_exception`` or error, or, with
+            rejects the conversation (a Jinja ``raise_exception`` or error, an error its
+            expressions raise on the messages, such as a str plus an int, or, with
             ``continue_final_message``, a last message it does not write out as given).
     """
     _check_messages(messages)
@@ -201,6 +202,11 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
             tokenize=True, return_dict=False, **kwargs)
     except TemplateError as e:
         raise ValueError(f"the chat template rejected the messages: {e}") from e
+    except (TypeError, LookupError, ArithmeticError, RecursionError) as e:
+        # NOTE: what a template's own expressions raise on data they do not expect (a
+        # str plus an int, a missing key, 1 / 0, a macro calling itself), not Jinja's kinds
+        raise ValueError(f"the chat template failed on the messages: "
+                         f"{type(e).__name__}: {e}") from e
     return [int(i) for i in ids]
 
 

@@ -398,7 +398,10 @@ def test_a_requests_own_chat_template_is_rendered_only_when_trusted(cluster):
     assert tokenizer.decode(_chat_prompt(trusted, request)) == tokenizer.decode(
         tokenizer.encode("".join(f"<<{m['role']}|{m['content']}>>" for m in CHAT),
                          add_special_tokens=False))
-    broken = ChatCompletionRequest(messages=CHAT, chat_template="{% for %}")
-    with pytest.raises(RequestError) as error:
-        _chat_prompt(trusted, broken)
-    assert error.value.param == "messages" and "chat template" in error.value.message
+    for template in ("{% for %}", "{{ messages[0].content + 1 }}", "{{ 1 / 0 }}",
+                     "{{ messages[0]['no such key'].x }}{{ messages[9] }}{{ {}['k'] }}",
+                     "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"):
+        broken = ChatCompletionRequest(messages=CHAT, chat_template=template)
+        with pytest.raises(RequestError) as error:
+            _chat_prompt(trusted, broken)
+        assert error.value.param == "messages" and "chat template" in error.value.message
