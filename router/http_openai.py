@@ -108,9 +108,11 @@ def _add_completion_routes(app: FastAPI, routers: ServedModels, max_body_bytes: 
             router, request, random_id("chatcmpl"), [prompt], tools, replies))
 
 
-def _chat_prompt(router: ModelService, request: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(router: ModelService, request: ChatCompletionRequest | TokenizeRequest
+                 ) -> list[int]:
     """The chat's token ids through the model's chat template (or the request's own, with
-    ``--trust-request-chat-template``), with the request's tools and documents.
+    ``--trust-request-chat-template``), with the request's tools, documents and template
+    variables (``ChatTemplateInputs``): what a chat completion and ``/tokenize`` render.
 
     Raises:
         RequestError: the template refuses the messages (param ``messages``), or the
@@ -147,18 +149,14 @@ def _add_model_routes(app: FastAPI, routers: ServedModels, max_body_bytes: int) 
         router, body = await request_body(raw, routers, max_body_bytes)
         request = TokenizeRequest.model_validate(body)
         if request.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            try:
-                tokens = apply_chat_template(
-                    router.tokenizer, messages,
-                    add_generation_prompt=request.add_generation_prompt,
-                    continue_final_message=request.continue_final_message)
-            except ValueError as exc:
-                raise RequestError(str(exc), "messages") from exc
+            tokens = _chat_prompt(router, request)
         else:
-            tokens = encode_prompt(router.tokenizer, request.prompt, request.add_special_tokens)
+            tokens = encode_prompt(router.tokenizer, request.prompt,
+                                   request.add_special_tokens is not False)
+        strs = router.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs \
+            else None
         return TokenizeResponse(count=len(tokens), max_model_len=router.max_model_len,
-                                tokens=tokens)
+                                tokens=tokens, token_strs=strs)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(model: str | None = None) -> Response:

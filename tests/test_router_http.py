@@ -226,7 +226,8 @@ def test_vllm_utility_endpoints(cluster):
 
         ids = encode_prompt(tokenizer, PROMPT)
         reply = http.post("/tokenize", json={"prompt": PROMPT}).json()
-        assert reply == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
+        assert reply == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                         "token_strs": None}
         bare = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False})
         assert bare.json()["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
         chat = http.post("/tokenize", json={"messages": CHAT}).json()

@@ -405,3 +405,42 @@ def test_a_requests_own_chat_template_is_rendered_only_when_trusted(cluster):
         with pytest.raises(RequestError) as error:
             _chat_prompt(trusted, broken)
         assert error.value.param == "messages" and "chat template" in error.value.message
+
+
+def test_tokenize_renders_a_chat_as_the_chat_request_is_served(cluster):
+    """``/tokenize`` with messages takes the chat request's template inputs (tools, an
+    assistant's tool calls, ``chat_template_kwargs``, documents) and gives the ids that
+    chat is served with; ``return_token_strs``; chat-only fields on a prompt are refused."""
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    messages = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+    template_dicts = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+    ids = apply_chat_template(cluster.router.tokenizer, template_dicts, tools=[tool])
+    assert len(ids) > len(apply_chat_template(cluster.router.tokenizer, CHAT))
+    body = {"model": str(cluster.model), "messages": messages, "tools": [tool],
+            "chat_template_kwargs": {"unused_by_this_template": 1}}
+    reply = httpx.post(cluster.url + "/tokenize", json=body | {"return_token_strs": True})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["tokens"] == ids and reply.json()["count"] == len(ids)
+    assert reply.json()["token_strs"] == cluster.router.tokenizer.convert_ids_to_tokens(ids)
+    served = httpx.post(cluster.url + "/v1/chat/completions",
+                        json=body | {"max_tokens": 1, "tool_choice": "none"})
+    assert served.status_code == 200, served.text
+    served = served.json()
+    assert served["usage"]["prompt_tokens"] == len(ids)
+    plain = httpx.post(cluster.url + "/tokenize", json={"prompt": PROMPT}).json()
+    assert plain["token_strs"] is None
+    for extra, param in [({"prompt": PROMPT, "tools": [tool]}, "tools"),
+                         ({"prompt": PROMPT, "documents": []}, "documents"),
+                         ({"messages": CHAT, "add_special_tokens": True}, "add_special_tokens"),
+                         ({"messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template"),
+                         ({"messages": CHAT, "chat_template_kwargs": {"tools": []}},
+                          "chat_template_kwargs")]:
+        bad = httpx.post(cluster.url + "/tokenize", json={"model": str(cluster.model)} | extra)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text

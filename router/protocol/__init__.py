@@ -5,7 +5,8 @@ them, and the request-validation rules the HTTP and gRPC APIs share.
   and ``to_sampling_params``;
 - ``tokenize.py``: vLLM's ``/tokenize`` and ``/detokenize`` bodies (``TokenizeRequest``,
   ``DetokenizeRequest``);
-- ``messages.py``: chat messages and tools, which requests carry and responses echo;
+- ``messages.py``: chat messages and tools, which requests carry and responses echo, and
+  what else a chat template reads (``ChatTemplateInputs``);
 - ``responses.py``: the answers, the stream's chunks and server-sent events;
 - ``errors.py``: ``RequestError`` (naming its field as ``param``) and OpenAI's error body;
 - ``validation.py``: the rules both APIs call (the model's length, ``fit_max_tokens``;
@@ -40,7 +41,9 @@ from pdserve.router.protocol.errors import (
 from pdserve.router.protocol.messages import (
     MAX_TOOL_CALLS,
     MAX_TOOLS,
+    RESERVED_TEMPLATE_KWARGS,
     ChatMessage,
+    ChatTemplateInputs,
     ChatTool,
     ChatToolCall,
     FunctionDefinition,
@@ -48,7 +51,6 @@ from pdserve.router.protocol.messages import (
     ToolCallFunction,
 )
 from pdserve.router.protocol.requests import (
-    RESERVED_TEMPLATE_KWARGS,
     UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -119,6 +121,7 @@ __all__ = [
     "ChatLogprobEntry",
     "ChatMessage",
     "ChatResponseMessage",
+    "ChatTemplateInputs",
     "ChatTool",
     "ChatToolCall",
     "ChatTopLogprob",

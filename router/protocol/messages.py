@@ -1,6 +1,7 @@
 """Chat messages and tools (OpenAI's shapes): ``ChatMessage``, the tool definitions a
-chat request carries (``ChatTool``, ``NamedToolChoice``) and the calls an assistant
-message holds (``ChatToolCall``)."""
+chat request carries (``ChatTool``, ``NamedToolChoice``), the calls an assistant
+message holds (``ChatToolCall``), and what else a chat template reads
+(``ChatTemplateInputs``: vLLM's fields, shared by chat completions and ``/tokenize``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ from pdserve.router.protocol.validation import Text, unknown_field
 
 MAX_TOOLS = 128  # tools in one request
 MAX_TOOL_CALLS = 128  # calls in one assistant message
+MAX_DOCUMENTS = 256  # documents in one chat request
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+    "chat_template", "tokenizer_kwargs", "return_assistant_tokens_mask"})
 
 
 class _Strict(BaseModel):
@@ -144,3 +150,37 @@ class ChatMessage(BaseModel):
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
+
+
+class ChatTemplateInputs(_Strict):
+    """What a chat request passes its chat template beside the messages (vLLM's fields):
+    ``add_generation_prompt``; ``continue_final_message`` (the reply goes on the last
+    message); ``documents`` for templates that take them (``{"title", "text", ...}``);
+    the request's own ``chat_template`` (rendered only with
+    ``--trust-request-chat-template``); ``chat_template_kwargs`` (extra template
+    variables, none of those the request sets itself); ``tools`` (distinct names)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, Text]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value: Any) -> Any:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value or ()))
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is set by the request itself, not "
+                             f"chat_template_kwargs")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tool_names(cls, value: Any) -> Any:
+        names = [tool.function.name for tool in value or ()]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"two tools are named {dup!r}")
+        return value

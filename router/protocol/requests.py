@@ -50,9 +50,7 @@ from pdserve.router.limits import (
     check_token_id,
 )
 from pdserve.router.protocol.errors import RequestError
-from pdserve.router.protocol.messages import MAX_TOOLS, ChatMessage, ChatTool, NamedToolChoice
-
-MAX_DOCUMENTS = 256  # documents in one chat request
+from pdserve.router.protocol.messages import ChatMessage, ChatTemplateInputs, NamedToolChoice
 from pdserve.router.protocol.validation import (
     MAX_LOGPROBS,
     Int32,
@@ -418,51 +416,20 @@ def _is_token_ids(values: list) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in values)
 
 
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
-    "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
-    "chat_template", "tokenizer_kwargs", "return_assistant_tokens_mask"})
-
-
-class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over the
-    deprecated ``max_tokens``; ``top_logprobs`` needs ``logprobs=True``."""
+class ChatCompletionRequest(_SamplingFields, ChatTemplateInputs):
+    """``POST /v1/chat/completions`` body (the template's inputs: ``ChatTemplateInputs``).
+    ``max_completion_tokens`` wins over the deprecated ``max_tokens``; ``top_logprobs``
+    needs ``logprobs=True``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int32 | None = Field(None, ge=1)
     max_completion_tokens: Int32 | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # vLLM's: the reply goes on the last message
     # vLLM's: the reply starts with the last message's content when that is the assistant's
     echo: bool = False
-    # vLLM's: retrieved documents for templates that take them ({"title", "text", ...})
-    documents: list[dict[str, Text]] | None = Field(None, max_length=MAX_DOCUMENTS)
-    # vLLM's: this request's own template (rendered only with --trust-request-chat-template)
-    chat_template: Text | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _check_template_kwargs(cls, value: Any) -> Any:
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value or ()))
-        if reserved:
-            raise ValueError(f"{reserved[0]!r} is set by the request itself, not "
-                             f"chat_template_kwargs")
-        return value
-
-    @field_validator("tools")
-    @classmethod
-    def _check_tool_names(cls, value: Any) -> Any:
-        names = [tool.function.name for tool in value or ()]
-        dup = next((n for n in names if names.count(n) > 1), None)
-        if dup is not None:
-            raise ValueError(f"two tools are named {dup!r}")
-        return value
 
     @model_validator(mode="after")
     def _check_continue_final_message(self) -> ChatCompletionRequest:

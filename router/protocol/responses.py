@@ -264,11 +264,13 @@ class ModelCard(BaseModel):
 
 
 class TokenizeResponse(BaseModel):
-    """``count`` tokens, ``tokens`` their ids; ``max_model_len`` as vLLM answers."""
+    """``count`` tokens, ``tokens`` their ids, ``token_strs`` the tokens as the vocabulary
+    writes them (when asked, else null); ``max_model_len`` as vLLM answers."""
 
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class ModelList(BaseModel):
