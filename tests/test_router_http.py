@@ -177,6 +177,8 @@ BAD_INPUTS = [  # (path, body, status, words the message must hold)
     ("/v1/completions", {"prompt": "x", "priority": 1}, 400, "priority"),
     ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "add_special_tokens": True}, 400, "add_special_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}],
                               "tool_choice": "auto"}, 400, "--enable-auto-tool-choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],

@@ -428,8 +428,18 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateInputs):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: the reply starts with the last message's content when that is the assistant's
     echo: bool = False
+    # vLLM's: the tokenizer's special tokens on top of the template's (false, its default)
+    add_special_tokens: bool = False
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _no_special_tokens_on_top(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("true is not supported: the chat template writes the special "
+                             "tokens (BOS, turn markers) itself")
+        return value
 
     @model_validator(mode="after")
     def _check_continue_final_message(self) -> ChatCompletionRequest:
