@@ -53,12 +53,14 @@ class Formatter:
         self.finish: list[tuple[str | None, int | str | None]] = [(None, None)] * num_choices
         self.cached_tokens = [0] * len(prompts)
         self.prompt_logprobs: list[list | None] = [None] * num_choices
+        self.token_ids: list[list[int]] = [[] for _ in range(num_choices)]
 
     def add(self, index: int, chunk: GenerationChunk) -> None:
         """Record ``chunk`` of choice ``index``."""
         self.texts[index] += chunk.text
         self.logprobs[index] += chunk.logprobs
         self.num_tokens[index] += len(chunk.token_ids)
+        self.token_ids[index] += chunk.token_ids
         if chunk.prompt_logprobs is not None:
             self.prompt_logprobs[index] = chunk.prompt_logprobs
         prompt = index // self.request.n
@@ -78,6 +80,11 @@ class Formatter:
         if self.request.return_tokens_as_token_ids:
             return f"token_id:{token_id}"
         return self._decode([token_id])
+
+    def ids(self, token_ids: list[int]) -> list[int] | None:
+        """``token_ids`` for an answer's ``token_ids`` / ``prompt_token_ids`` fields when the
+        request asked for them (vLLM's ``return_token_ids``), else None (left out)."""
+        return list(token_ids) if self.request.return_token_ids else None
 
     def prompt_logprobs_of(self, index: int) -> list | None:
         """The prompt logprobs of choice ``index``'s prompt: its own, or (a full answer's
@@ -163,7 +170,9 @@ class CompletionFormatter(Formatter):
         logprobs = self._logprobs(index, chunk.logprobs, offset, first)
         return self._stream_response([completion_stream_choice(
             index, prefix + chunk.text, chunk.finish_reason, chunk.stop_reason,
-            None if logprobs is None else logprobs.model_dump())], self.running_usage())
+            None if logprobs is None else logprobs.model_dump(), self.ids(chunk.token_ids),
+            self.ids(self.prompts[index // self.request.n]) if first else None)],
+            self.running_usage())
 
     def _stream_response(self, choices: list[dict], usage: dict | None = None) -> dict:
         return completion_stream_chunk(self.response_id, self.model, choices, usage)
@@ -173,6 +182,8 @@ class CompletionFormatter(Formatter):
             index=i, text=self.echo[i] + text, finish_reason=self.finish[i][0],
             stop_reason=self.finish[i][1],
             logprobs=self._logprobs(i, self.logprobs[i], len(self.echo[i]), True),
+            token_ids=self.ids(self.token_ids[i]),
+            prompt_token_ids=self.ids(self.prompts[i // self.request.n]),
             prompt_logprobs=self.vllm_prompt_logprobs(i))
             for i, text in enumerate(self.texts)]
         return CompletionResponse(id=self.response_id, model=self.model, choices=choices,
@@ -191,13 +202,11 @@ class ChatFormatter(Formatter):
         self.replies = replies
         self._streams = [tools.stream() if tools else None for _ in self.texts]
         self._has_calls = [False] * len(self.texts)
-        self.token_ids: list[list[int]] = [[] for _ in self.texts]
 
     def add(self, index: int, chunk: GenerationChunk) -> None:
         """Record ``chunk`` of choice ``index``; a finished plain-text reply's token ids
         are remembered for the next turn (``ReplyTokens``)."""
         super().add(index, chunk)
-        self.token_ids[index] += chunk.token_ids
         if chunk.finish_reason and self.replies is not None and self.tools is None:
             self.replies.remember(self.texts[index], self.token_ids[index])
 
@@ -214,7 +223,7 @@ class ChatFormatter(Formatter):
     def stream_start(self) -> list[dict]:
         """Each choice's role chunk, then, under ``echo``, one with the echoed content."""
         chunks = [self._stream_response([chat_stream_choice(i, "", role="assistant")],
-                                        self.running_usage())
+                                        self.running_usage(), self.ids(self.prompts[0]))
                   for i in range(len(self.texts))]
         if echoed := self.request.echoed():
             chunks += [self._stream_response([chat_stream_choice(i, echoed)],
@@ -237,11 +246,12 @@ class ChatFormatter(Formatter):
         return self._stream_response([chat_stream_choice(
             index, content, finish_reason=self._finish_reason(index, chunk.finish_reason),
             stop_reason=chunk.stop_reason,
-            logprobs=None if logprobs is None else logprobs.model_dump(), tool_calls=calls)],
-            self.running_usage())
+            logprobs=None if logprobs is None else logprobs.model_dump(), tool_calls=calls,
+            token_ids=self.ids(chunk.token_ids))], self.running_usage())
 
-    def _stream_response(self, choices: list[dict], usage: dict | None = None) -> dict:
-        return chat_stream_chunk(self.response_id, self.model, choices, usage)
+    def _stream_response(self, choices: list[dict], usage: dict | None = None,
+                         prompt_token_ids: list[int] | None = None) -> dict:
+        return chat_stream_chunk(self.response_id, self.model, choices, usage, prompt_token_ids)
 
     def _message(self, index: int) -> ChatResponseMessage:
         text, echoed = self.texts[index], self.request.echoed()
@@ -260,8 +270,10 @@ class ChatFormatter(Formatter):
         choices = [ChatCompletionChoice(
             index=i, message=message,
             finish_reason=self._finish_reason(i, self.finish[i][0]),
-            stop_reason=self.finish[i][1], logprobs=self._logprobs(self.logprobs[i]))
+            stop_reason=self.finish[i][1], logprobs=self._logprobs(self.logprobs[i]),
+            token_ids=self.ids(self.token_ids[i]))
             for i, message in enumerate(messages)]
         return ChatCompletionResponse(id=self.response_id, model=self.model, choices=choices,
                                       usage=self.usage(),
-                                      prompt_logprobs=self.vllm_prompt_logprobs(0))
+                                      prompt_logprobs=self.vllm_prompt_logprobs(0),
+                                      prompt_token_ids=self.ids(self.prompts[0]))

@@ -445,3 +445,37 @@ def test_tokenize_renders_a_chat_as_the_chat_request_is_served(cluster):
                           "chat_template_kwargs")]:
         bad = httpx.post(cluster.url + "/tokenize", json={"model": str(cluster.model)} | extra)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+
+
+def test_return_token_ids_gives_the_prompt_and_the_generated_ids(cluster):
+    """vLLM's ``return_token_ids``: the oracle's greedy tokens and the prompt's ids, in full
+    and streamed (the prompt's in the first chunk), through both APIs."""
+    from pdserve.engine import SamplingParams
+
+    params = {"temperature": 0, "max_tokens": 5, "ignore_eos": True}
+    prompt_ids = encode_prompt(cluster.router.tokenizer, PROMPT)
+    want = cluster.oracle.generate([prompt_ids], SamplingParams(
+        temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0].token_ids
+    body = {"model": str(cluster.model), "prompt": PROMPT, "return_token_ids": True} | params
+    choice = httpx.post(cluster.url + "/v1/completions", json=body).json()["choices"][0]
+    assert choice["token_ids"] == want and choice["prompt_token_ids"] == prompt_ids
+    events = [json.loads(line[6:]) for line in httpx.post(
+        cluster.url + "/v1/completions", json=body | {"stream": True}).text.splitlines()
+        if line.startswith("data: {")]
+    assert events[0]["choices"][0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in e["choices"][0] for e in events[1:])
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == want
+    chat_ids = apply_chat_template(cluster.router.tokenizer, CHAT)
+    want = cluster.oracle.generate([chat_ids], SamplingParams(
+        temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0].token_ids
+    body = {"model": str(cluster.model), "messages": CHAT, "return_token_ids": True} | params
+    reply = httpx.post(cluster.url + "/v1/chat/completions", json=body).json()
+    assert reply["prompt_token_ids"] == chat_ids and reply["choices"][0]["token_ids"] == want
+    events = [json.loads(line[6:]) for line in httpx.post(
+        cluster.url + "/v1/chat/completions", json=body | {"stream": True}).text.splitlines()
+        if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == chat_ids
+    assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == want
+    plain = httpx.post(cluster.url + "/v1/completions", json={
+        "model": str(cluster.model), "prompt": PROMPT} | params).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]

@@ -553,3 +553,32 @@ def test_prompt_logprobs_past_one_replys_bound_are_refused_naming_the_field():
     assert error.value.param == "logprobs"
     assert to_sampling_params(CompletionRequest(prompt="x", logprobs=3), max_model_len=64,
                               prompt_len=9).prompt_logprobs is None
+
+
+def test_return_token_ids_chunks_are_the_models_json(tokenizer):
+    """vLLM's ``return_token_ids``: each chunk's ids, and the prompt's in a completion
+    choice's first chunk and in the chat's role chunks; left out when not asked."""
+    chunks = steps(tokenizer, False)[:2]
+    _, formatter = make_formatter(tokenizer, CompletionFormatter,
+                                  {"prompt": "x", "return_token_ids": True})
+    for i, chunk in enumerate(chunks):
+        assert_event_is_model(sse_event(formatter.stream_chunk(0, chunk)),
+                              CompletionStreamResponse(id="cmpl-42", model="demo", choices=[
+                                  CompletionStreamChoice(index=0, text=chunk.text,
+                                                         token_ids=chunk.token_ids,
+                                                         prompt_token_ids=None if i else
+                                                         [1, 2, 3])]))
+    _, formatter = make_formatter(tokenizer, ChatFormatter,
+                                  {"messages": USER, "return_token_ids": True})
+    assert_event_is_model(sse_event(formatter.stream_start()[0]), ChatCompletionStreamResponse(
+        id="cmpl-42", model="demo", prompt_token_ids=[1, 2, 3], choices=[
+            ChatCompletionStreamChoice(index=0, delta=DeltaMessage(role="assistant",
+                                                                   content=""))]))
+    assert_event_is_model(sse_event(formatter.stream_chunk(0, chunks[0])),
+                          ChatCompletionStreamResponse(id="cmpl-42", model="demo", choices=[
+                              ChatCompletionStreamChoice(
+                                  index=0, delta=DeltaMessage(content=chunks[0].text),
+                                  token_ids=chunks[0].token_ids)]))
+    _, plain = make_formatter(tokenizer, ChatFormatter, {"messages": USER})
+    assert "prompt_token_ids" not in plain.stream_start()[0]
+    assert "token_ids" not in plain.stream_chunk(0, chunks[0])["choices"][0]

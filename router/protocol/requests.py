@@ -165,6 +165,8 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: Int32 | None = Field(None, ge=-1)
     # vLLM's: logprobs name tokens "token_id:<id>", not by their (maybe partial) text
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the answer carries the prompt's and the generated tokens' ids beside the text
+    return_token_ids: bool = False
     # vLLM's: only these tokens may be generated
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1,
                                                     max_length=MAX_ALLOWED_TOKEN_IDS)

@@ -82,11 +82,20 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
+def _if_asked(default: Any = None) -> Any:
+    """A field left out of the JSON while None: vLLM's ``return_token_ids`` fields."""
+    return Field(default, exclude_if=lambda v: v is None)
+
+
 class CompletionStreamChoice(_Choice):
-    """In a stream, the text this chunk adds to one completion (and its logprobs)."""
+    """In a stream, the text this chunk adds to one completion (and its logprobs); with
+    ``return_token_ids`` (vLLM's), its tokens' ids and, in the choice's first chunk, the
+    prompt's."""
 
     text: str
     logprobs: CompletionLogProbs | None = None
+    token_ids: list[int] | None = _if_asked()
+    prompt_token_ids: list[int] | None = _if_asked()
 
 
 class CompletionChoice(CompletionStreamChoice):
@@ -139,19 +148,21 @@ class ChatResponseMessage(BaseModel):
 
 
 class ChatCompletionChoice(_Choice):
-    """One chat completion."""
+    """One chat completion; its tokens' ids with ``return_token_ids`` (vLLM's)."""
 
     message: ChatResponseMessage
     logprobs: ChatChoiceLogProbs | None = None
+    token_ids: list[int] | None = _if_asked()
 
 
 class ChatCompletionResponse(_Response):
-    """``/v1/chat/completions`` answer."""
+    """``/v1/chat/completions`` answer; the prompt's token ids with ``return_token_ids``."""
 
     id: str = Field(default_factory=lambda: random_id("chatcmpl"))
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionChoice]
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = _if_asked()
 
 
 class DeltaFunctionCall(BaseModel):
@@ -180,18 +191,22 @@ class DeltaMessage(BaseModel):
 
 
 class ChatCompletionStreamChoice(_Choice):
-    """One choice's part of a chat stream chunk."""
+    """One choice's part of a chat stream chunk (its tokens' ids with
+    ``return_token_ids``)."""
 
     delta: DeltaMessage
     logprobs: ChatChoiceLogProbs | None = None
+    token_ids: list[int] | None = _if_asked()
 
 
 class ChatCompletionStreamResponse(_Response):
-    """One SSE chunk of ``/v1/chat/completions`` with ``stream=true``."""
+    """One SSE chunk of ``/v1/chat/completions`` with ``stream=true``; with
+    ``return_token_ids`` the role chunks carry the prompt's token ids."""
 
     id: str = Field(default_factory=lambda: random_id("chatcmpl"))
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatCompletionStreamChoice]
+    prompt_token_ids: list[int] | None = _if_asked()
 
 
 # NOTE: a stream sends a chunk per token, and building and dumping a model for each cost
@@ -210,25 +225,36 @@ def completion_stream_chunk(response_id: str, model: str, choices: list[dict],
 
 def completion_stream_choice(index: int, text: str, finish_reason: str | None = None,
                              stop_reason: int | str | None = None,
-                             logprobs: dict | None = None) -> dict:
+                             logprobs: dict | None = None, token_ids: list[int] | None = None,
+                             prompt_token_ids: list[int] | None = None) -> dict:
     """A stream chunk's ``CompletionChoice`` as a dict (``logprobs`` a
-    ``CompletionLogProbs.model_dump()``)."""
-    return {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason,
-            "text": text, "logprobs": logprobs}
+    ``CompletionLogProbs.model_dump()``; the token ids left out while None)."""
+    choice = {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason,
+              "text": text, "logprobs": logprobs}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = prompt_token_ids
+    return choice
 
 
 def chat_stream_chunk(response_id: str, model: str, choices: list[dict],
-                      usage: dict | None = None) -> dict:
+                      usage: dict | None = None, prompt_token_ids: list[int] | None = None
+                      ) -> dict:
     """A ``ChatCompletionStreamResponse`` as a dict, ``created`` now; ``choices`` from
     ``chat_stream_choice``."""
-    return {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage}
+    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
+             "model": model, "choices": choices, "usage": usage}
+    if prompt_token_ids is not None:
+        chunk["prompt_token_ids"] = prompt_token_ids
+    return chunk
 
 
 def chat_stream_choice(index: int, content: str | None, role: str | None = None,
                        finish_reason: str | None = None, stop_reason: int | str | None = None,
                        logprobs: dict | None = None,
-                       tool_calls: list[tuple[int, str, str, str]] = ()) -> dict:
+                       tool_calls: list[tuple[int, str, str, str]] = (),
+                       token_ids: list[int] | None = None) -> dict:
     """A ``ChatCompletionStreamChoice`` as a dict: its ``delta`` holds ``role`` and
     ``content`` (``logprobs`` a ``ChatChoiceLogProbs.model_dump()``), and ``tool_calls``
     given as ``(index, id, name, arguments)``, each sent as OpenAI streams a call: an entry
@@ -239,8 +265,11 @@ def chat_stream_choice(index: int, content: str | None, role: str | None = None,
             {"index": i, "id": call_id, "type": "function",
              "function": {"name": name, "arguments": ""}},
             {"index": i, "function": {"arguments": arguments}})]
-    return {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason,
-            "delta": delta, "logprobs": logprobs}
+    choice = {"index": index, "finish_reason": finish_reason, "stop_reason": stop_reason,
+              "delta": delta, "logprobs": logprobs}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
 
 
 def sse_event(body: dict) -> bytes:
