@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,6 +39,7 @@ from pdserve.router.protocol import (
     sse_event,
     to_sampling_params,
 )
+from pdserve.router.protocol.requests import REQUEST_ID_PATTERN
 from pdserve.router.protocol.validation import (
     check_request_prompt_logprobs,
     checked_sampling_params,
@@ -91,8 +93,9 @@ def _add_completion_routes(app: FastAPI, routers: ServedModels, max_body_bytes: 
                  else router.tokenizer.decode(ids)
                  for p, ids, full in zip(request.prompts(), prompts, given, strict=True)
                  ] if request.echo else None
+        response_id, base_id = _ids(raw, "cmpl", request)
         return await _serve(router, request, prompts, CompletionFormatter(
-            router, request, random_id("cmpl"), prompts, texts))
+            router, request, response_id, prompts, texts), base_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
@@ -104,8 +107,29 @@ def _add_completion_routes(app: FastAPI, routers: ServedModels, max_body_bytes: 
         prompt = request.truncate(replies.splice(prompt, [
             m.content for m in request.messages if m.role == "assistant" and m.content]),
             router.max_model_len)
+        response_id, base_id = _ids(raw, "chatcmpl", request)
         return await _serve(router, request, [prompt], ChatFormatter(
-            router, request, random_id("chatcmpl"), [prompt], tools, replies))
+            router, request, response_id, [prompt], tools, replies), base_id)
+
+
+def _ids(raw: Request, prefix: str, request: CompletionRequest | ChatCompletionRequest
+         ) -> tuple[str, str]:
+    """The answer's id and its sequences' ids' base (``<base>-<i>`` on the workers). The
+    answer's: ``<prefix>-<X-Request-Id header>``, else ``<prefix>-<the body's
+    request_id>`` (vLLM's order), else a random one, which is then the base too; the base
+    is always the router's own, as two clients may send one id.
+
+    Raises:
+        RequestError: the header is not 1-256 visible ASCII characters (param
+            ``X-Request-Id``).
+    """
+    given = raw.headers.get("x-request-id")
+    if given is not None and not re.fullmatch(REQUEST_ID_PATTERN, given):
+        raise RequestError("the X-Request-Id header must be 1 to 256 visible ASCII "
+                           "characters", "X-Request-Id")
+    given = given or request.request_id
+    base = random_id(prefix)
+    return (base if given is None else f"{prefix}-{given}"), base
 
 
 def _chat_prompt(router: ModelService, request: ChatCompletionRequest | TokenizeRequest
@@ -211,8 +235,9 @@ def _tokenize_prompt(router: ModelService, prompt: str | list[int],
 
 
 async def _serve(router: ModelService, request: CompletionRequest | ChatCompletionRequest,
-                 prompts: list[list[int]], formatter: Formatter) -> Response:
-    """Validate, start every sequence (n per prompt), and answer in full or as a stream."""
+                 prompts: list[list[int]], formatter: Formatter, base_id: str) -> Response:
+    """Validate, start every sequence (n per prompt; ids ``<base_id>-<i>``), and answer in
+    full or as a stream."""
     sequences = []
     tools: ToolCalling | None = getattr(formatter, "tools", None)
     # NOTE: a parser whose markers are special tokens must see them in the text.
@@ -235,7 +260,7 @@ async def _serve(router: ModelService, request: CompletionRequest | ChatCompleti
             elif seq_params.prompt_logprobs is not None:
                 prompt_logprob_entries += len(prompt) * (seq_params.prompt_logprobs + 1)
             sequences.append(GenerateRequest(
-                f"{formatter.response_id}-{len(sequences)}", prompt, seq_params,
+                f"{base_id}-{len(sequences)}", prompt, seq_params,
                 request.stop_strings(),
                 request.include_stop_str_in_output, skip_special_tokens,
                 request.cache_salt))

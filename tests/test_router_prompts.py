@@ -479,3 +479,37 @@ def test_return_token_ids_gives_the_prompt_and_the_generated_ids(cluster):
     plain = httpx.post(cluster.url + "/v1/completions", json={
         "model": str(cluster.model), "prompt": PROMPT} | params).json()
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
+def test_a_clients_request_id_names_the_answer_and_never_collides(cluster):
+    """vLLM's ``request_id`` and ``X-Request-Id`` header (which wins) name the answer,
+    streamed too; two requests in flight with one id each get their own tokens (the
+    workers' ids stay the router's own)."""
+    params = {"model": str(cluster.model), "temperature": 0, "max_tokens": 4,
+              "ignore_eos": True}
+    reply = httpx.post(cluster.url + "/v1/completions",
+                       json=params | {"prompt": PROMPT, "request_id": "job-7"}).json()
+    assert reply["id"] == "cmpl-job-7"
+    chat = httpx.post(cluster.url + "/v1/chat/completions", headers={"X-Request-Id": "hdr"},
+                      json=params | {"messages": CHAT, "request_id": "body"}).json()
+    assert chat["id"] == "chatcmpl-hdr"
+
+    async def both() -> list[str]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=60,
+                                     headers={"X-Request-Id": "same"}) as http:
+            replies = await asyncio.gather(*(http.post("/v1/completions", json=params | {
+                "prompt": prompt, "stream": True}) for prompt in (PROMPT, "Hi there")))
+        events = [[json.loads(line[6:]) for line in r.text.splitlines()
+                   if line.startswith("data: {")] for r in replies]
+        assert {e["id"] for stream in events for e in stream} == {"cmpl-same"}
+        return ["".join(e["choices"][0]["text"] for e in stream) for stream in events]
+
+    texts = asyncio.run(both())
+    for prompt, text in zip((PROMPT, "Hi there"), texts):
+        assert text == cluster.expected(prompt, temperature=0.0, max_tokens=4, ignore_eos=True)
+    for headers, extra, param in [({"X-Request-Id": "a b"}, {}, "X-Request-Id"),
+                                  ({}, {"request_id": ""}, "request_id"),
+                                  ({}, {"request_id": "x" * 257}, "request_id")]:
+        bad = httpx.post(cluster.url + "/v1/completions", headers=headers,
+                         json=params | {"prompt": PROMPT} | extra)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text

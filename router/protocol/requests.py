@@ -113,6 +113,9 @@ class StructuredOutputsParams(BaseModel):
     json_object: bool | None = None
 
 
+REQUEST_ID_PATTERN = r"^[!-~]{1,256}$"  # a client's request id: 1-256 visible ASCII
+
+
 # OpenAI and vLLM request fields pdserve does not implement yet, and why a request with
 # one is refused rather than served as if it were absent.
 UNSUPPORTED_FIELDS = {
@@ -167,6 +170,9 @@ class _SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = False
     # vLLM's: the answer carries the prompt's and the generated tokens' ids beside the text
     return_token_ids: bool = False
+    # vLLM's: the answer's id is cmpl- / chatcmpl-<request_id> (an X-Request-Id header wins,
+    # as in vLLM); the workers' ids stay the router's own, so clients' ids never collide
+    request_id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
     # vLLM's: only these tokens may be generated
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1,
                                                     max_length=MAX_ALLOWED_TOKEN_IDS)
