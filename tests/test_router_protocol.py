@@ -582,3 +582,18 @@ def test_return_token_ids_chunks_are_the_models_json(tokenizer):
     _, plain = make_formatter(tokenizer, ChatFormatter, {"messages": USER})
     assert "prompt_token_ids" not in plain.stream_start()[0]
     assert "token_ids" not in plain.stream_chunk(0, chunks[0])["choices"][0]
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+def test_vllm_fields_at_their_default_are_served_and_refused_otherwise(model):
+    """Clients that send every vLLM field send beam search off and the like: served, as
+    their defaults are what pdserve does; another value is refused naming the field."""
+    base = {"prompt": "x"} if model is CompletionRequest else {"messages": USER}
+    defaults = {"use_beam_search": False, "length_penalty": 1,
+                "spaces_between_special_tokens": True}
+    assert model.model_validate(base | defaults).n == 1
+    for name, value in [("use_beam_search", True), ("use_beam_search", 0),
+                        ("length_penalty", 1.5), ("spaces_between_special_tokens", False)]:
+        with pytest.raises(RequestError) as error:
+            model.model_validate(base | defaults | {name: value})
+        assert error.value.param == name and "only its default" in error.value.message

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -127,6 +128,21 @@ UNSUPPORTED_FIELDS = {
 }
 
 
+# vLLM request fields served at their default value only (what clients that send every
+# field send), and why another value is refused
+DEFAULT_ONLY_FIELDS = {
+    "use_beam_search": (False, "beam search is not supported"),
+    "length_penalty": (1.0, "it weighs beam search's candidates (not supported)"),
+    "spaces_between_special_tokens": (True, "special tokens are joined as the tokenizer does"),
+}
+
+
+def _same(value: Any, default: Any) -> bool:
+    """``value`` is ``default`` as JSON gives it (``1`` for ``1.0``, never ``true`` for 1)."""
+    return type(value) is type(default) and value == default or (
+        isinstance(default, float) and type(value) is int and value == default)
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completion and chat requests (OpenAI's, then vLLM's extras).
 
@@ -139,8 +155,14 @@ class _SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unknown_fields(cls, data: Any) -> Any:
-        name = unknown_field(cls, data)
-        if name is not None:
+        while (name := unknown_field(cls, data)) is not None:
+            if name in DEFAULT_ONLY_FIELDS and _same(data[name], DEFAULT_ONLY_FIELDS[name][0]):
+                data = {k: v for k, v in data.items() if k != name}  # its default: served
+                continue
+            if name in DEFAULT_ONLY_FIELDS:
+                default, why = DEFAULT_ONLY_FIELDS[name]
+                raise RequestError(f"Unsupported value for '{name}': only its default "
+                                   f"{orjson.dumps(default).decode()} is served ({why})", name)
             why = UNSUPPORTED_FIELDS.get(name, "pdserve does not implement it")
             raise RequestError(f"Unsupported field '{name}': {why}", name)
         return data
