@@ -452,15 +452,23 @@ def test_grpc_request_ids_are_checked_and_unique_among_running_requests(cluster)
     assert after["migrations"] == before["migrations"]
 
 
-def test_http_has_no_request_id_field(cluster):
-    """No HTTP header or body field sets a request's id (the router makes one per
-    sequence): a body ``request_id`` is an unknown field, refused with 400 naming it."""
+def test_an_http_request_id_names_only_the_answer(cluster, monkeypatch):
+    """A body ``request_id`` (vLLM's) names the answer, not the request the router sends
+    the workers, whose id stays the router's own."""
+    seen: list[str] = []
+    generate = cluster.router.generate
+
+    def observed(request):
+        seen.append(request.request_id)
+        return generate(request)
+
+    monkeypatch.setattr(cluster.router, "generate", observed)
     body = {"model": cluster.router.served_model_name, "prompt": PROMPT, "max_tokens": 2,
-            "request_id": "dup"}
+            "request_id": "dup", "n": 2}
     with httpx.Client(base_url=cluster.url, timeout=20.0) as http:
         response = http.post("/v1/completions", json=body)
-    assert response.status_code == 400
-    assert "request_id" in response.json()["error"]["message"]
+    assert response.status_code == 200 and response.json()["id"] == "cmpl-dup"
+    assert len(seen) == 2 and all(i.startswith("cmpl-") and "dup" not in i for i in seen)
 
 
 def test_every_timeout_is_a_flag(monkeypatch):
