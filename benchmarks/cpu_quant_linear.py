@@ -4,9 +4,10 @@ For each linear shape of W1's model and of Llama-3.2-1B's (``--shapes``), each w
 format (int8, int4: ``quantize_rtn`` in groups of 32, fp16 scales) and each row count of x
 (``--rows``; bf16 x), the same call is timed three ways, in turns:
 
-- ``bf16``: oneDNN's packed bf16 linear (``mkldnn._linear_pointwise`` on
-  ``_reorder_linear_weight``), what a bf16 checkpoint's linears run on an AMD CPU and on
-  Intel's with AMX (``engine/models/layers.py``);
+- ``bf16``: what a bf16 checkpoint's linears run on this CPU, ``PackedLinear``
+  (``engine/models/layers.py``): oneDNN's packed bf16 linear on an AMD CPU and on Intel's
+  with AMX, pdserve's own fp32-FMA GEMM (``linear_packed``) on Intel's without AMX (the
+  header names which);
 - ``tiles``: ``linear_quant_cpu`` on its fp32 FMA tiles (``set_cpu_bf16_path(0)``);
 - ``vdpbf16ps``: ``linear_quant_cpu`` on the raw integers widened to bf16
   (``set_cpu_bf16_path(1)``: ``kernels/csrc/cpu_gemm_quant_bf16.cpp``, needs AVX512-BF16;
@@ -30,6 +31,7 @@ from functools import partial
 
 import torch
 
+from pdserve.engine.models.layers import PackedLinear
 from pdserve.kernels import cpu_ext
 from pdserve.kernels import quant_linear as ql
 
@@ -64,22 +66,25 @@ def main() -> None:
     has_bf16_path = ql.set_cpu_bf16_path(-1)
     print(f"threads {args.threads}; vdpbf16ps path built: {has_bf16_path} (if False, the "
           "vdpbf16ps column times the tiles again); default: AMD CPUs, 5 rows or more, int4 at any")
+    print("bf16 column: " + ("pdserve's linear_packed" if torch.bfloat16 in
+                             cpu_ext.linear_packed_dtypes() else "oneDNN's packed linear"))
     print(f"{'shape':<16}{'bits':>5}{'rows':>6}{'bf16 us':>10}{'tiles us':>10}"
           f"{'vdpbf16ps us':>14}{'tiles/vdp':>11}{'bf16/vdp':>10}")
     try:
         for name in args.shapes:
             for n, k in SHAPES[name]:
                 weight = torch.randn(n, k) * 0.02
-                dense = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), None)
+                linear = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+                with torch.no_grad():
+                    linear.weight.copy_(weight)
+                dense = PackedLinear(linear)
                 for bits in args.bits:
                     qw = ql.quantize_rtn(weight, bits, 32, torch.float16)
                     packed = ql.pack_for_cpu(qw)
                     for m in args.rows:
                         x = torch.randn(m, k).bfloat16()
                         times = {}
-                        times["bf16"] = median_us(partial(
-                            torch.ops.mkldnn._linear_pointwise, x, dense, None, "none", [],
-                            ""), args.iters)
+                        times["bf16"] = median_us(partial(dense, x), args.iters)
                         for path, mode in (("tiles", 0), ("vdpbf16ps", 1)):
                             ql.set_cpu_bf16_path(mode)
                             times[path] = median_us(partial(
