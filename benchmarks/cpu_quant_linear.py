@@ -8,16 +8,19 @@ format (int8, int4: ``quantize_rtn`` in groups of 32, fp16 scales) and each row 
   (``engine/models/layers.py``): oneDNN's packed bf16 linear on an AMD CPU and on Intel's
   with AMX, pdserve's own fp32-FMA GEMM (``linear_packed``) on Intel's without AMX (the
   header names which);
-- ``tiles``: ``linear_quant_cpu`` on its fp32 FMA tiles (``set_cpu_bf16_path(0)``);
+- ``tiles``: ``linear_quant_cpu`` on its fp32 FMA tiles, each k dequantized again for
+  each 8 rows (``set_cpu_bf16_path(0)``, ``set_cpu_slice_rows`` past every row count);
+- ``slices``: the same FMA path as it runs by default, where calls of 9 rows or more
+  dequantize each 128-k slice of a panel once into fp32 and run ``linear_packed``'s
+  12 x 32 register tiles over it (below 9 rows it is the tiles again);
 - ``vdpbf16ps``: ``linear_quant_cpu`` on the raw integers widened to bf16
   (``set_cpu_bf16_path(1)``: ``kernels/csrc/cpu_gemm_quant_bf16.cpp``, needs AVX512-BF16;
-  elsewhere it falls back to the tiles, and the table says so).
+  elsewhere it falls back to the FMA path, and the table says so).
 
 Printed per row: the median microseconds of ``--iters`` calls of each (the weight stays in
-cache between calls: this times the kernels' arithmetic, not DRAM), the ratio tiles /
-vdpbf16ps (the bf16 path's speed-up) and bf16 / vdpbf16ps (the quantized linear's speed
-against the bf16 one; above 1 is faster). The default path on this CPU is named at the
-top.
+cache between calls: this times the kernels' arithmetic, not DRAM), and the bf16 linear's
+time over each quantized path's (the quantized linear's speed against the bf16 one;
+above 1 is faster). The default path on this CPU is named at the top.
 
     python benchmarks/cpu_quant_linear.py [--rows 1 4 5 8 32 256] [--threads 2]
 """
@@ -69,7 +72,9 @@ def main() -> None:
     print("bf16 column: " + ("pdserve's linear_packed" if torch.bfloat16 in
                              cpu_ext.linear_packed_dtypes() else "oneDNN's packed linear"))
     print(f"{'shape':<16}{'bits':>5}{'rows':>6}{'bf16 us':>10}{'tiles us':>10}"
-          f"{'vdpbf16ps us':>14}{'tiles/vdp':>11}{'bf16/vdp':>10}")
+          f"{'slices us':>11}{'vdpbf16ps us':>14}{'bf16/tiles':>12}{'bf16/slices':>13}"
+          f"{'bf16/vdp':>10}")
+    paths = (("tiles", 0, 1 << 40), ("slices", 0, 0), ("vdpbf16ps", 1, 0))
     try:
         for name in args.shapes:
             for n, k in SHAPES[name]:
@@ -83,19 +88,21 @@ def main() -> None:
                     packed = ql.pack_for_cpu(qw)
                     for m in args.rows:
                         x = torch.randn(m, k).bfloat16()
-                        times = {}
-                        times["bf16"] = median_us(partial(dense, x), args.iters)
-                        for path, mode in (("tiles", 0), ("vdpbf16ps", 1)):
+                        times = {"bf16": median_us(partial(dense, x), args.iters)}
+                        for path, mode, slice_rows in paths:
                             ql.set_cpu_bf16_path(mode)
+                            ql.set_cpu_slice_rows(slice_rows)
                             times[path] = median_us(partial(
                                 ql.linear_quant_cpu, x, packed, bits, 32, n), args.iters)
-                        vdp = times["vdpbf16ps"]
-                        print(f"{f'{n}x{k}':<16}{bits:>5}{m:>6}{times['bf16']:>10.1f}"
-                              f"{times['tiles']:>10.1f}{vdp:>14.1f}"
-                              f"{times['tiles'] / vdp:>11.2f}{times['bf16'] / vdp:>10.2f}",
+                        bf16 = times["bf16"]
+                        print(f"{f'{n}x{k}':<16}{bits:>5}{m:>6}{bf16:>10.1f}"
+                              f"{times['tiles']:>10.1f}{times['slices']:>11.1f}"
+                              f"{times['vdpbf16ps']:>14.1f}{bf16 / times['tiles']:>12.2f}"
+                              f"{bf16 / times['slices']:>13.2f}{bf16 / times['vdpbf16ps']:>10.2f}",
                               flush=True)
     finally:
         ql.set_cpu_bf16_path(-1)
+        ql.set_cpu_slice_rows(0)
 
 
 if __name__ == "__main__":

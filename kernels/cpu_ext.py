@@ -52,7 +52,7 @@ _OPS = ("paged_decode_attention", "paged_prefill_attention", "store_kv", "store_
         "gather_block_rows", "scatter_block_rows", "pack_linear_weight", "linear_packed",
         "linear_panel_width", "sample_rows", "filter_rows", "pack_quant_weight",
         "pack_quant_groups", "linear_quant",
-        "moe_grouped", "set_linear_quant_bf16")
+        "moe_grouped", "set_linear_quant_bf16", "set_linear_quant_slice_rows")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # NOTE: the longest another process's build may hold the folder before load gives up (a
 # first build takes minutes on two busy cores)

@@ -301,6 +301,24 @@ def set_cpu_bf16_path(mode: int) -> bool:
     return bool(torch.ops.pdserve_cpu.set_linear_quant_bf16(mode))
 
 
+def set_cpu_slice_rows(rows: int) -> int:
+    """The least row count of ``x`` whose ``linear_quant_cpu`` calls on the fp32 FMA path
+    dequantize each 128-k slice of a 32-feature panel once, into fp32 in L1, and run the
+    packed linear's 12 x 32 register tiles over it (``kernels/csrc/cpu_gemm_quant.cpp``;
+    AVX-512 builds), instead of dequantizing each k again for each 8 rows. ``rows`` < 1
+    restores the default (9); tests and ``benchmarks/cpu_quant_linear.py`` move it to
+    compare the two on one CPU. Process-wide. Returns the count it replaces.
+
+    Raises:
+        RuntimeError: the C++ CPU kernels are not built here.
+    """
+    from pdserve.kernels import cpu_ext
+
+    if not cpu_ext.load():
+        raise RuntimeError("set_cpu_slice_rows: needs the C++ CPU kernels (pdserve.kernels.cpu_ext)")
+    return int(torch.ops.pdserve_cpu.set_linear_quant_slice_rows(rows))
+
+
 def linear_quant_cpu(x: torch.Tensor, packed: tuple, bits: int, group_size: int,
                      out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``linear_quant_ref`` by the C++ kernel on ``packed = pack_for_cpu(w)`` (``bits``,

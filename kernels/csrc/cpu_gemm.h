@@ -24,4 +24,13 @@ at::Tensor pack(const at::Tensor& weight);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,
                   const std::optional<at::Tensor>& bias, int64_t out_features);
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// acc [m, 32] += a [m, kc] b [kc, 32], all fp32: a's rows lda floats apart, b one slice of
+// a panel (32 features per k, contiguous; at most 16 KiB, so that it stays in L1), acc's
+// rows 32 floats apart. linear()'s 12 x 32 register tiles over that slice: the quantized
+// linear (cpu_gemm_quant.cpp) runs them on slices it dequantizes. AVX-512 builds only.
+void accumulate_slice(const float* a, int64_t lda, int64_t m, const float* b, int64_t kc,
+                      float* acc);
+#endif
+
 }  // namespace pdserve::gemm_avx512

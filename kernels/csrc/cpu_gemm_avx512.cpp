@@ -250,6 +250,20 @@ at::Tensor widen_rows(const at::Tensor& x) {
 
 }  // namespace
 
+void accumulate_slice(const float* a, int64_t lda, int64_t m, const float* b, int64_t kc,
+                      float* acc) {
+  for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+    const float* tile_a = a + r0 * lda;
+    float* tile_acc = acc + r0 * kPanel;
+    if (r0 + kTileRows <= m)
+      tile<kTileRows, float, float>(tile_a, lda, b, kc, false, false, false, tile_acc, nullptr,
+                                    0, nullptr, 0);
+    else
+      tail<float, float>(int(m - r0), tile_a, lda, b, kc, false, false, false, tile_acc,
+                         nullptr, 0, nullptr, 0);
+  }
+}
+
 #endif
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed,

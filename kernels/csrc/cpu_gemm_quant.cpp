@@ -32,9 +32,11 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "cpu_gemm.h"
 #include "cpu_gemm_quant.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -50,6 +52,16 @@ using namespace pdserve::quant;  // the packed weight: cpu_gemm_quant.h
 constexpr int kTileRows = 8;         // rows of x per register tile
 constexpr int64_t kBlockM = 64;      // rows of x per work item
 constexpr int kSmallRows = 4;        // tiles of at most this many rows take tile_small
+// The least row count of x whose calls dequantize each slice once (below); tests and
+// benchmarks/cpu_quant_linear.py move it to compare that path with the tiles on one CPU.
+constexpr int64_t kSliceRows = kTileRows + 1;
+std::atomic<int64_t> g_slice_rows{kSliceRows};
+
+// Sets the least row count that dequantizes slices (< 1: the default) and returns the one
+// it replaces.
+int64_t set_linear_quant_slice_rows(int64_t rows) {
+  return g_slice_rows.exchange(rows < 1 ? kSliceRows : rows);
+}
 
 // Per row of x and group: the sum of the row's values in the group (for the mins).
 void group_sums(const float* a, int64_t lda, int64_t m, const QuantPanels& w, float* out) {
@@ -207,6 +219,54 @@ void tile_small(const QuantPanels& w, const TileArgs& t) {
   }
 }
 
+// More rows than one tile (prefill, decode batches of 9 or more): each slice of the panel
+// is dequantized once, to fp32 in L1 (W = q * scale + min, as the reference computes it),
+// and the bf16 packed linear's 12 x 32 register tiles (gemm_avx512::accumulate_slice) pass
+// over it, two loads and 24 FMAs a k with no widening in the loop. The tiles above
+// dequantize each k again for each 8 rows; on a 2-core Xeon without AMX they ran 1.15-1.45x
+// slower than that GEMM on bf16 weights from 16 to 256 rows (benchmarks/cpu_quant_linear.py).
+constexpr int64_t kDequantK = 128;  // K per dequantized slice: 16 KiB of fp32
+
+void dequant_slice(const QuantPanels& w, int64_t p, int64_t k0, int64_t kc, float* out) {
+  const uint8_t* panel = w.q + p * w.panel_bytes();
+  __m512 s0, s1, m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
+  for (int64_t k = k0; k < k0 + kc;) {
+    const int64_t g = k / w.group, end = std::min(k0 + kc, (g + 1) * w.group);
+    load_scales(w, p, g, s0, s1);
+    if (w.has_min()) load_mins(w, p, g, m0, m1);
+    float* row = out + (k - k0) * kPanel;
+    if (w.bits == 8) {
+      for (; k < end; ++k, row += kPanel) {
+        __m512 v0, v1;
+        raw8(panel + k * kPanel, v0, v1);
+        _mm512_storeu_ps(row, _mm512_fmadd_ps(v0, s0, m0));
+        _mm512_storeu_ps(row + 16, _mm512_fmadd_ps(v1, s1, m1));
+      }
+    } else {  // NOTE: groups and slices start at even k's: a pair is in one group
+      for (; k < end; k += 2, row += 2 * kPanel) {
+        __m512 e0, e1, o0, o1;
+        raw4(panel + k / 2 * kPanel, e0, e1, o0, o1);
+        _mm512_storeu_ps(row, _mm512_fmadd_ps(e0, s0, m0));
+        _mm512_storeu_ps(row + 16, _mm512_fmadd_ps(e1, s1, m1));
+        _mm512_storeu_ps(row + kPanel, _mm512_fmadd_ps(o0, s0, m0));
+        _mm512_storeu_ps(row + kPanel + 16, _mm512_fmadd_ps(o1, s1, m1));
+      }
+    }
+  }
+}
+
+void accumulate_dequantized(const QuantPanels& w, const float* a, int64_t lda, int64_t m,
+                            int64_t p, float* acc) {
+  alignas(64) float slice[kDequantK * kPanel];
+  for (int64_t k0 = 0; k0 < w.k; k0 += kDequantK) {
+    const int64_t kc = std::min(kDequantK, w.k - k0);
+    dequant_slice(w, p, k0, kc, slice);
+    pdserve::gemm_avx512::accumulate_slice(a + k0, lda, m, slice, kc, acc);
+  }
+}
+
+bool dequantizes_slices(int64_t m) { return m >= g_slice_rows.load(std::memory_order_relaxed); }
+
 template <int kRows = kTileRows>
 void tile_rows(const QuantPanels& w, const TileArgs& t) {
   if constexpr (kRows > 0) {
@@ -219,6 +279,8 @@ void tile_rows(const QuantPanels& w, const TileArgs& t) {
 }
 
 #else
+
+bool dequantizes_slices(int64_t) { return false; }
 
 // Portable: the 32 features of a panel in the inner loop, for the vectorizer.
 void tile_rows(const QuantPanels& w, const TileArgs& t) {
@@ -259,12 +321,9 @@ void tile_rows(const QuantPanels& w, const TileArgs& t) {
 
 #endif
 
-// Rows [0, m) of x times panel p into y's columns [32p, 32p + cols), in y's dtype.
-template <typename Out>
-void run_item(const QuantPanels& w, const float* a, int64_t lda, const float* xsum, int64_t m,
-              int64_t p, const float* bias, Out* y, int64_t n) {
-  alignas(64) float acc[kBlockM * kPanel];
-  std::fill(acc, acc + m * kPanel, 0.0f);
+// acc [m, 32] += rows [0, m) of x times panel p, on the register tiles above.
+void accumulate_tiles(const QuantPanels& w, const float* a, int64_t lda, const float* xsum,
+                      int64_t m, int64_t p, float* acc) {
   const int64_t kc = w.slice_k();
   for (int64_t k0 = 0; k0 < w.k; k0 += kc) {
     for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
@@ -274,6 +333,21 @@ void run_item(const QuantPanels& w, const float* a, int64_t lda, const float* xs
       tile_rows(w, t);
     }
   }
+}
+
+// Rows [0, m) of x times panel p into y's columns [32p, 32p + cols), in y's dtype; slices:
+// the call dequantizes slices (dequantizes_slices of its row count, where xsum is null).
+template <typename Out>
+void run_item(const QuantPanels& w, const float* a, int64_t lda, const float* xsum, int64_t m,
+              int64_t p, bool slices, const float* bias, Out* y, int64_t n) {
+  alignas(64) float acc[kBlockM * kPanel];
+  std::fill(acc, acc + m * kPanel, 0.0f);
+#ifdef PDSERVE_QUANT_AVX512
+  if (slices)
+    accumulate_dequantized(w, a, lda, m, p, acc);
+  else
+#endif
+    accumulate_tiles(w, a, lda, xsum, m, p, acc);
   const int64_t n0 = p * kPanel, cols = std::min(kPanel, n - n0);
   auto* out = reinterpret_cast<typename Elem<Out>::raw*>(y);
   for (int64_t r = 0; r < m; ++r)
@@ -287,10 +361,11 @@ template <typename Out>
 void run(const QuantPanels& w, const float* a, int64_t lda, const float* xsum, int64_t m,
          const float* bias, Out* y, int64_t n) {
   const int64_t items = (m + kBlockM - 1) / kBlockM * w.panels;
+  const bool slices = dequantizes_slices(m);
   for_each_item(items, m <= kSmallRows ? stream_run_len(items) : 1, [&](int64_t i) {
     const int64_t block = i / w.panels, p = i % w.panels, r0 = block * kBlockM;
     run_item(w, a + r0 * lda, lda, xsum ? xsum + r0 * w.groups : nullptr,
-             std::min(kBlockM, m - r0), p, bias, y + r0 * n, n);
+             std::min(kBlockM, m - r0), p, slices, bias, y + r0 * n, n);
   });
 }
 
@@ -423,12 +498,12 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& packed, const at:
       load_as_float(src + r * xc.stride(0), a.data_ptr<float>() + r * a.stride(0), k);
   });
   at::Tensor xsum;
-  if (w.has_min()) {
+  if (w.has_min() && !dequantizes_slices(m)) {
     xsum = at::empty({m, k / group}, a.options());
     group_sums(a.const_data_ptr<float>(), a.stride(0), m, w, xsum.data_ptr<float>());
   }
   const float* b = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
-  const float* xs = w.has_min() ? xsum.const_data_ptr<float>() : nullptr;
+  const float* xs = xsum.defined() ? xsum.const_data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_quant", [&] {
     run(w, a.const_data_ptr<float>(), a.stride(0), xs, m, b, y.data_ptr<scalar_t>(), n);
   });
@@ -448,4 +523,5 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
         "int out_features) -> Tensor");
   m.impl("linear_quant", c10::DispatchKey::CPU, &linear_quant);
   m.def("set_linear_quant_bf16(int mode) -> bool", &set_linear_quant_bf16_mode);
+  m.def("set_linear_quant_slice_rows(int rows) -> int", &set_linear_quant_slice_rows);
 }

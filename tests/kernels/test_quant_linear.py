@@ -137,6 +137,46 @@ def test_bf16_path_equals_the_reference_and_the_fma_tiles(case, scale_dtype):
         ql.set_cpu_bf16_path(-1)
 
 
+# rows of x >= 9 (where calls dequantize slices, by default): K shorter than one 128-wide
+# slice, past one and not a multiple of it, groups that cross a slice's edge (96), per
+# channel, mins, and row blocks of 64 with a short last one
+SLICE_CASES = [(8, 70, 96, 32, 13, False), (8, 40, 384, 96, 9, True),
+               (4, 65, 480, 96, 70, False), (8, 33, 600, None, 12, False),
+               (4, 100, 256, 128, 20, False), (8, 64, 2048, None, 130, False)]
+
+
+@CPU_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", SLICE_CASES)
+def test_dequantized_slices_equal_the_reference_and_the_tiles(case, dtype):
+    """The FMA path's two forms: each slice dequantized once and run on the packed
+    linear's 12-row tiles, and each k dequantized per 8-row tile, against the fp32
+    reference and each other, within fp32 summation (bf16 x: within the output's bf16
+    step); where the build has no AVX-512 both calls take the portable loop."""
+    bits, n, k, group, m, with_min = case
+    w = make_weight(bits, n, k, group, with_min, torch.float16)
+    x, bias = randn(m, k, seed=3).to(dtype), randn(n, seed=4).to(dtype)
+    packed = ql.pack_for_cpu(w)
+    ql.set_cpu_bf16_path(0)
+    try:
+        assert ql.set_cpu_slice_rows(0) == 9
+        slices = ql.linear_quant_cpu(x, packed, w.bits, w.group_size, n, bias)
+        ql.set_cpu_slice_rows(1 << 40)
+        tiles = ql.linear_quant_cpu(x, packed, w.bits, w.group_size, n, bias)
+    finally:
+        ql.set_cpu_slice_rows(0)
+        ql.set_cpu_bf16_path(-1)
+    expected = ql.linear_quant_ref(x.float(), w, bias.float())
+    if dtype == torch.float32:
+        tol = 1e-4 * k ** 0.5
+        torch.testing.assert_close(slices, expected, atol=tol, rtol=1e-5)
+        torch.testing.assert_close(slices, tiles, atol=tol, rtol=1e-5)
+    else:
+        step = 2.0 ** -7 * expected.abs() + 1e-5 * k ** 0.5  # one bf16 step
+        assert ((slices.float() - expected).abs() <= step).all()
+        assert ((slices.float() - tiles.float()).abs() <= step).all()
+
+
 @CPU_KERNELS
 def test_bf16_path_mode_is_checked():
     with pytest.raises(RuntimeError, match="mode must be -1, 0 or 1"):
