@@ -13,6 +13,8 @@
 // scale once (two zmm), then every row of the tile takes one FMA per zmm: the dequantizing
 // is paid once per k and panel, not per row. The min enters once per group and row, as
 // min[n][g] * sum(x[r][k], k in g), from the rows' group sums computed once per call.
+// Calls of 9 rows or more dequantize each 128-k slice of the panel once instead, into
+// fp32 (min included), and run the bf16 packed linear's 12 x 32 tiles over it.
 //
 // On AVX-512 the tile is intrinsics; elsewhere (AVX2 and others) a portable loop over the
 // panel's 32 features, written for the compiler's vectorizer (`omp simd`). On CPUs with
