@@ -94,7 +94,7 @@ class DecodeWorkerServicer(decode_pb2_grpc.DecodeWorkerServicer):
             request.first_token_id if request.HasField("first_token_id") else None,
             logprob_from_proto(request.first_logprob)
             if request.HasField("first_logprob") else None,
-            handle, list(request.resume_token_ids))
+            handle, list(request.resume_token_ids), request.priority)
         # Prefilled here (no KV handle): the first tokens report the prefix-cache hit;
         # with a handle the DecodeStart reports what was cached and not pulled.
         report_hit = handle is None

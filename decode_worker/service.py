@@ -97,6 +97,10 @@ class DecodeService:
         # request id -> the SendKV that ends the lease of a prompt cached here whole
         self._lease_ends: dict[str, asyncio.Future] = {}
         self._aborted_pulls: set[str] = set()
+        # request id -> priority, of the requests whose blocks are being allocated: one
+        # is not tried while another of a lower priority value waits (the scheduler's
+        # order, at the door of the KV pull)
+        self._allocating: dict[str, int] = {}
         self._cancels = TransferThreads(f"kv-cancel-{worker_id}")
 
     async def abort(self, request_id: str) -> bool:
@@ -123,10 +127,12 @@ class DecodeService:
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      cache_salt: str | None = None, first_token: int | None = None,
                      first_logprob: Logprob | None = None, kv_handle: KVHandle | None = None,
-                     resume_token_ids: list[int] | None = None,
+                     resume_token_ids: list[int] | None = None, priority: int = 0,
                      ) -> AsyncIterator[DecodeStart | EngineOutput]:
         """Yield a ``DecodeStart``, then the request's outputs until it finishes. Closing
-        the stream at any point aborts the request and frees its blocks.
+        the stream at any point aborts the request and frees its blocks. ``priority``
+        (vLLM's, lower first) orders the engine's queue and, with a ``kv_handle``, the
+        requests waiting for blocks to pull into.
 
         Raises:
             ValueError: bad prompt/params, a KV handle without its first token, or a KV
@@ -139,7 +145,8 @@ class DecodeService:
             yield DecodeStart(0, 0, 0)
             async for output in self.engine.generate(request_id, prompt_token_ids, params,
                                                      cache_salt,
-                                                     resume_token_ids=resume_token_ids or ()):
+                                                     resume_token_ids=resume_token_ids or (),
+                                                     priority=priority):
                 yield output
             return
         if first_token is None:
@@ -155,7 +162,7 @@ class DecodeService:
         stream = self.engine.open_stream(request_id)
         try:
             start = await self._import_kv(request_id, prompt_token_ids, params, cache_salt,
-                                          first_token, first_logprob, kv_handle)
+                                          first_token, first_logprob, kv_handle, priority)
         except BaseException:
             self.engine.close_stream(request_id)
             self.engine.post(lambda e: e.abort_request(request_id))  # if it got queued
@@ -181,9 +188,9 @@ class DecodeService:
                 self.engine.post(lambda e: e.abort_request(request_id))
 
     async def _import_kv(self, request_id, prompt, params, cache_salt, first_token,
-                         first_logprob, handle: KVHandle) -> DecodeStart:
+                         first_logprob, handle: KVHandle, priority: int) -> DecodeStart:
         alloc = await self._allocate(request_id, prompt, params, cache_salt, first_token,
-                                     first_logprob)
+                                     first_logprob, priority)
         ok = False
         try:
             try:
@@ -206,20 +213,26 @@ class DecodeService:
         return DecodeStart(alloc.num_cached_tokens, len(alloc.block_indices), num_bytes)
 
     async def _allocate(self, request_id, prompt, params, cache_salt, first_token,
-                        first_logprob):
+                        first_logprob, priority):
         await self.engine.compile_grammar(params)  # off the engine thread
         deadline = time.monotonic() + self.alloc_timeout_s
-        while True:
-            alloc = await self.engine.call(
-                lambda e: e.add_kv_transfer_request(request_id, prompt, first_token, params,
-                                                    cache_salt, first_logprob),
-                undo=_undo_kv_transfer_request)
-            if alloc is not None:
-                return alloc
-            if time.monotonic() > deadline:
-                raise NoFreeBlocks(f"no free KV blocks for request {request_id} within "
-                                   f"{self.alloc_timeout_s} s")
-            await asyncio.sleep(0.02)
+        self._allocating[request_id] = priority
+        try:
+            while True:
+                if not any(p < priority for p in self._allocating.values()):
+                    alloc = await self.engine.call(
+                        lambda e: e.add_kv_transfer_request(request_id, prompt, first_token,
+                                                            params, cache_salt, first_logprob,
+                                                            priority),
+                        undo=_undo_kv_transfer_request)
+                    if alloc is not None:
+                        return alloc
+                if time.monotonic() > deadline:
+                    raise NoFreeBlocks(f"no free KV blocks for request {request_id} within "
+                                       f"{self.alloc_timeout_s} s")
+                await asyncio.sleep(0.02)
+        finally:
+            self._allocating.pop(request_id, None)
 
     async def _end_lease(self, request_id: str, handle: KVHandle) -> None:
         """SendKV of no blocks: the prompt is cached here whole, so the prefill worker

@@ -224,7 +224,8 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params,
                        cache_salt: str | None = None, remote_decode: bool = False,
                        timeout_s: float | None = None, resume_token_ids: Sequence[int] = (),
-                       kv_consumer: str | None = None) -> AsyncIterator[EngineOutput]:
+                       kv_consumer: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[EngineOutput]:
         """Add a request and stream its outputs (see ``LLMEngine.add_request``). Leaving
         at any point, even while the request is being added, aborts it."""
         await self.compile_grammar(sampling_params)
@@ -232,7 +233,8 @@ class AsyncEngine:
         try:
             await self.call(lambda e: e.add_request(request_id, prompt_token_ids,
                                                     sampling_params, cache_salt, remote_decode,
-                                                    resume_token_ids, kv_consumer),
+                                                    resume_token_ids, kv_consumer,
+                                                    priority),
                             undo=lambda e, _: e.abort_request(request_id))
         except BaseException:
             self.close_stream(request_id)

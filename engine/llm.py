@@ -61,15 +61,18 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion; returns one ``RequestOutput`` per prompt, in order.
 
         A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``
         (vLLM's ``TokensPrompt``). ``sampling_params`` is one for all or one per prompt.
+        ``priority`` (vLLM's): one per prompt, lower scheduled first (default 0 each).
 
         Raises:
             ValueError: a bad prompt (see ``LLMEngine.make_request``), a string prompt
-                without a tokenizer, or a ``sampling_params`` list of the wrong length.
+                without a tokenizer, or a ``sampling_params`` or ``priority`` list of the
+                wrong length.
         """
         prompts = _as_prompt_list(prompts)
         if threading.get_ident() not in self._bound_threads:
@@ -79,12 +82,15 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priority values for {len(prompts)} prompts")
         outputs: list[RequestOutput] = []
         by_id: dict[str, tuple[RequestOutput, int]] = {}  # engine request -> (output, index)
         bar = tqdm(total=0, desc="Generating", disable=not use_tqdm)
         try:
-            for prompt, prompt_params in zip(prompts, params):
-                output, children = self._add(prompt, prompt_params)
+            for prompt, prompt_params, rank in zip(prompts, params, priorities):
+                output, children = self._add(prompt, prompt_params, rank)
                 outputs.append(output)
                 by_id.update({child: (output, i) for i, child in enumerate(children)})
             bar.total = len(by_id)
@@ -113,7 +119,7 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add(self, prompt: PromptType, params: SamplingParams):
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int = 0):
         text, token_ids = self._tokenize(prompt)
         base = str(next(self._ids))
         output = RequestOutput(base, text, token_ids)
@@ -123,7 +129,8 @@ class LLM:
             if params.n > 1 and params.seed is not None:
                 child_params = dataclasses.replace(params, seed=params.seed + index, n=1)
             child = f"{base}-{index}" if params.n > 1 else base
-            request = self.engine.add_request(child, token_ids, child_params)
+            request = self.engine.add_request(child, token_ids, child_params,
+                                              priority=priority)
             wants_logprobs = params.logprobs is not None
             output.outputs.append(CompletionOutput(index, "", [], 0.0 if wants_logprobs else None,
                                                    [] if wants_logprobs else None))

@@ -271,9 +271,10 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
                      sampling_params: SamplingParams, cache_salt: str | None = None,
-                     resume_token_ids: Sequence[int] = ()) -> Request:
+                     resume_token_ids: Sequence[int] = (), priority: int = 0) -> Request:
         """Validate a prompt and build its ``Request``; ``resume_token_ids`` are output
-        tokens generated earlier (elsewhere), which the request starts with.
+        tokens generated earlier (elsewhere), which the request starts with; ``priority``
+        (vLLM's): lower is scheduled first (``engine/scheduler.py``).
 
         Raises:
             ValueError: an empty prompt, a token id outside ``[0, vocab_size)``, a prompt
@@ -299,7 +300,7 @@ class LLMEngine:
             raise ValueError(f"resume_token_ids holds {len(resumed)} tokens, but the request "
                              f"may generate at most {max_tokens}: nothing is left to generate")
         request = Request(request_id, prompt, sampling_params, self.eos_token_ids, max_tokens,
-                          cache_salt)
+                          cache_salt, int(priority))
         if sampling_params.structured_output is not None:
             request.grammar = self.grammar_compiler().matcher(sampling_params.structured_output)
         for token_id in resumed:
@@ -309,7 +310,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams, cache_salt: str | None = None,
                     remote_decode: bool = False, resume_token_ids: Sequence[int] = (),
-                    kv_consumer: str | None = None) -> Request:
+                    kv_consumer: str | None = None, priority: int = 0) -> Request:
         """Queue a request (see ``make_request`` for the errors raised).
 
         ``remote_decode=True`` (prefill workers): the request ends after its first token
@@ -325,7 +326,7 @@ class LLMEngine:
         other way (docs/architecture.md, Lifecycle and failure).
         """
         request = self.make_request(request_id, prompt_token_ids, sampling_params, cache_salt,
-                                    resume_token_ids)
+                                    resume_token_ids, priority)
         request.remote_decode = remote_decode
         request.kv_consumer = kv_consumer
         self.scheduler.add_request(request)
@@ -334,7 +335,8 @@ class LLMEngine:
     def add_kv_transfer_request(self, request_id: str, prompt_token_ids: Sequence[int],
                                 first_token: int, sampling_params: SamplingParams,
                                 cache_salt: str | None = None,
-                                first_logprob: Logprob | None = None) -> KVTransferAllocation | None:
+                                first_logprob: Logprob | None = None,
+                                priority: int = 0) -> KVTransferAllocation | None:
         """Decode workers: admit a request prefilled elsewhere, whose first token is known.
 
         Allocates its blocks, reusing locally cached ones; returns which of the prompt's
@@ -344,7 +346,8 @@ class LLMEngine:
         Raises:
             ValueError: as ``make_request``, or a reused ``request_id``.
         """
-        request = self.make_request(request_id, prompt_token_ids, sampling_params, cache_salt)
+        request = self.make_request(request_id, prompt_token_ids, sampling_params, cache_salt,
+                                    priority=priority)
         if not 0 <= int(first_token) < self.model_config.vocab_size:
             raise ValueError(f"first_token_id {first_token} is out of range "
                              f"[0, {self.model_config.vocab_size})")

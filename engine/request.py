@@ -61,6 +61,8 @@ class Request:
     ``remote_decode`` marks a prefill worker's request: it ends after its first token
     (unless that token already finishes it) and its blocks stay held for the decode worker.
     ``kv_consumer`` names the one decode worker that lease may be sent to (None: any).
+    ``priority`` (vLLM's): lower is served first; among equals, earlier arrival
+    (``engine/scheduler.py``).
     ``grammar`` follows the output through a structured output's grammar (None when
     unconstrained): every appended token advances it, so tokens generated elsewhere (the
     prefill worker's first token, a migrated request's) put it where that worker left it.
@@ -72,6 +74,7 @@ class Request:
     eos_token_ids: frozenset[int]
     max_tokens: int
     cache_salt: str | None = None
+    priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

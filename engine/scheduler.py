@@ -3,9 +3,16 @@
 There is no prefill phase and no decode phase (vLLM v1's scheduler): each request has
 ``num_computed_tokens`` catching up to ``num_tokens``, and every step hands out at most
 ``max_num_batched_tokens`` tokens, running requests first (decodes before prefill
-chunks), then waiting ones in arrival order while ``max_num_seqs`` allows. When blocks run
-out, the most recently admitted running request is preempted: its blocks are freed and it
-goes back to the front of the queue to be recomputed (prefix-cache hits make that cheap).
+chunks), then waiting ones while ``max_num_seqs`` allows. When blocks run out, a running
+request is preempted: its blocks are freed and it goes back to the front of the queue to
+be recomputed (prefix-cache hits make that cheap).
+
+Order (vLLM's priority scheduling): the queue is kept sorted by ``Request.priority``,
+lower first, and in arrival order among equals (a preempted request, or one whose KV has
+just arrived, first among its equals); the request preempted is the running one of the
+highest priority value, among equals the most recently admitted. With every priority
+equal (the default, 0) that is first-come-first-served. The router refuses a priority
+other than 0 unless it runs with ``--scheduling-policy priority``.
 """
 
 from __future__ import annotations
@@ -83,7 +90,24 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Queue ``request`` after the waiting requests of its priority or a lower value
+        (``front``: before those of its priority or a higher value). O(1) when every
+        priority is equal, else O(waiting)."""
+        waiting, rank = self.waiting, request.priority
+        if front:
+            if not waiting or waiting[0].priority >= rank:
+                waiting.appendleft(request)
+                return
+            at = next((i for i, r in enumerate(waiting) if r.priority >= rank), len(waiting))
+        else:
+            if not waiting or waiting[-1].priority <= rank:
+                waiting.append(request)
+                return
+            at = next(i for i, r in enumerate(waiting) if r.priority > rank)
+        waiting.insert(at, request)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Finish a request wherever it is and free its blocks; None if unknown."""
@@ -150,7 +174,7 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_blocks(request, request.num_prompt_tokens)
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         return request
 
     def schedule(self) -> SchedulerOutput:
@@ -161,8 +185,10 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        # Decodes first (stable sort keeps admission order within each group).
-        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        # Priority first, then decodes before prefill chunks (a stable sort: admission
+        # order within each group), so blocks go to the more urgent requests first.
+        for request in sorted(self.running, key=lambda r: (
+                r.priority, r.num_tokens - r.num_computed_tokens > 1)):
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -185,12 +211,17 @@ class Scheduler:
         return budget
 
     def _pick_victim(self, out: SchedulerOutput, request: Request) -> Request:
-        """The latest-admitted running request not yet scheduled this step (else ``request``)."""
+        """Of the running requests not yet scheduled this step, the one of the highest
+        priority value, the latest admitted among equals; ``request`` itself when none
+        is left or its own priority value is higher still."""
         scheduled = set(map(id, out.requests))
-        for candidate in reversed(self.running):
-            if candidate is not request and id(candidate) not in scheduled:
-                return candidate
-        return request
+        victim = request
+        for candidate in reversed(self.running):  # NOTE: latest admitted first
+            if candidate is request or id(candidate) in scheduled:
+                continue
+            if victim is request or candidate.priority > victim.priority:
+                victim = candidate
+        return request if request.priority > victim.priority else victim
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv.free(request)
@@ -199,7 +230,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         out.preempted.append(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:

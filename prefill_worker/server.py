@@ -40,7 +40,8 @@ class PrefillWorkerServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             result = await self.service.prefill(
                 request.request_id, list(request.prompt_token_ids), params,
                 request.cache_salt if request.HasField("cache_salt") else None,
-                kv_consumer(request.decode_worker_id, request.decode_kv_address))
+                kv_consumer(request.decode_worker_id, request.decode_kv_address),
+                request.priority)
         except Exception as exc:  # noqa: BLE001 - mapped to a status
             await context.abort(grpc_error_code(exc), str(exc))
         response = prefill_pb2.PrefillResponse(

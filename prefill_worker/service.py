@@ -87,9 +87,10 @@ class PrefillService:
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, cache_salt: str | None = None,
-                      consumer: str | None = None) -> PrefillResult:
+                      consumer: str | None = None, priority: int = 0) -> PrefillResult:
         """Compute the prompt's KV and first token; the KV stays pinned under a lease that
         only ``consumer`` (``kv_consumer(...)``; None: any decode worker) may take.
+        ``priority`` (vLLM's): lower is scheduled first.
         Cancelled at any point, the request is aborted and its lease (if made) released.
 
         Raises:
@@ -100,7 +101,8 @@ class PrefillService:
         try:
             async for output in self.engine.generate(request_id, prompt_token_ids, params,
                                                      cache_salt, remote_decode=True,
-                                                     kv_consumer=consumer):
+                                                     kv_consumer=consumer,
+                                                     priority=priority):
                 last = output
                 prompt_logprobs = output.prompt_logprobs or prompt_logprobs
         except BaseException:

@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto import common_pb2 as pdserve_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/decode.proto\x12\npdserve.v1\x1a\x1apdserve/proto/common.proto\"\xbe\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x18\n\x10resume_token_ids\x18\x08 \x03(\x05\x42\x11\n\x0f_first_token_idB\r\n\x0b_cache_salt\"\x9d\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x18\n\x0bstop_reason\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x1e\n\x16num_transferred_blocks\x18\x06 \x01(\x05\x12\x1d\n\x15num_transferred_bytes\x18\x07 \x01(\x03\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprobB\x0e\n\x0c_stop_reason\"h\n\x14\x44\x65\x63odeSessionRequest\x12+\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequestH\x00\x12\x1b\n\x11\x63\x61ncel_request_id\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"\x82\x01\n\x13\x44\x65\x63odeSessionUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x08response\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.DecodeResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_details\x18\x04 \x01(\t\"I\n\x15\x44\x65\x63odeSessionResponse\x12\x30\n\x07updates\x18\x01 \x03(\x0b\x32\x1f.pdserve.v1.DecodeSessionUpdate\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xaa\x02\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12X\n\rDecodeSession\x12 .pdserve.v1.DecodeSessionRequest\x1a!.pdserve.v1.DecodeSessionResponse(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/decode.proto\x12\npdserve.v1\x1a\x1apdserve/proto/common.proto\"\xd0\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x18\n\x10resume_token_ids\x18\x08 \x03(\x05\x12\x10\n\x08priority\x18\t \x01(\x05\x42\x11\n\x0f_first_token_idB\r\n\x0b_cache_salt\"\x9d\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x18\n\x0bstop_reason\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x1e\n\x16num_transferred_blocks\x18\x06 \x01(\x05\x12\x1d\n\x15num_transferred_bytes\x18\x07 \x01(\x03\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprobB\x0e\n\x0c_stop_reason\"h\n\x14\x44\x65\x63odeSessionRequest\x12+\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequestH\x00\x12\x1b\n\x11\x63\x61ncel_request_id\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"\x82\x01\n\x13\x44\x65\x63odeSessionUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x08response\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.DecodeResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_details\x18\x04 \x01(\t\"I\n\x15\x44\x65\x63odeSessionResponse\x12\x30\n\x07updates\x18\x01 \x03(\x0b\x32\x1f.pdserve.v1.DecodeSessionUpdate\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xaa\x02\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12X\n\rDecodeSession\x12 .pdserve.v1.DecodeSessionRequest\x1a!.pdserve.v1.DecodeSessionResponse(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -23,19 +23,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.proto.decode_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=71
-  _globals['_DECODEREQUEST']._serialized_end=389
-  _globals['_DECODERESPONSE']._serialized_start=392
-  _globals['_DECODERESPONSE']._serialized_end=677
-  _globals['_DECODESESSIONREQUEST']._serialized_start=679
-  _globals['_DECODESESSIONREQUEST']._serialized_end=783
-  _globals['_DECODESESSIONUPDATE']._serialized_start=786
-  _globals['_DECODESESSIONUPDATE']._serialized_end=916
-  _globals['_DECODESESSIONRESPONSE']._serialized_start=918
-  _globals['_DECODESESSIONRESPONSE']._serialized_end=991
-  _globals['_ABORTREQUEST']._serialized_start=993
-  _globals['_ABORTREQUEST']._serialized_end=1027
-  _globals['_ABORTRESPONSE']._serialized_start=1029
-  _globals['_ABORTRESPONSE']._serialized_end=1061
-  _globals['_DECODEWORKER']._serialized_start=1064
-  _globals['_DECODEWORKER']._serialized_end=1362
+  _globals['_DECODEREQUEST']._serialized_end=407
+  _globals['_DECODERESPONSE']._serialized_start=410
+  _globals['_DECODERESPONSE']._serialized_end=695
+  _globals['_DECODESESSIONREQUEST']._serialized_start=697
+  _globals['_DECODESESSIONREQUEST']._serialized_end=801
+  _globals['_DECODESESSIONUPDATE']._serialized_start=804
+  _globals['_DECODESESSIONUPDATE']._serialized_end=934
+  _globals['_DECODESESSIONRESPONSE']._serialized_start=936
+  _globals['_DECODESESSIONRESPONSE']._serialized_end=1009
+  _globals['_ABORTREQUEST']._serialized_start=1011
+  _globals['_ABORTREQUEST']._serialized_end=1045
+  _globals['_ABORTRESPONSE']._serialized_start=1047
+  _globals['_ABORTRESPONSE']._serialized_end=1079
+  _globals['_DECODEWORKER']._serialized_start=1082
+  _globals['_DECODEWORKER']._serialized_end=1380
 # @@protoc_insertion_point(module_scope)

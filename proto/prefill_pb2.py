@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto import common_pb2 as pdserve_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/prefill.proto\x12\npdserve.v1\x1a\x1apdserve/proto/common.proto\"\xd0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x19\n\x11\x64\x65\x63ode_kv_address\x18\x06 \x01(\tB\r\n\x0b_cache_salt\"\x92\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x18\n\x0bstop_reason\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\'\n\tkv_handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprobB\x0e\n\x0c_stop_reason\"\x95\x01\n\rSendKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x19\n\x11\x64\x65\x63ode_kv_address\x18\x03 \x01(\t\x12\x15\n\rblock_indices\x18\x04 \x03(\x05\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x11\n\tkv_ticket\x18\x06 \x01(\t\"H\n\x0eSendKVResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"Y\n\x0eGrantKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x19\n\x11\x64\x65\x63ode_kv_address\x18\x03 \x01(\t\"\"\n\x0fGrantKVResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xdd\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12?\n\x06SendKV\x12\x19.pdserve.v1.SendKVRequest\x1a\x1a.pdserve.v1.SendKVResponse\x12\x42\n\x07GrantKV\x12\x1a.pdserve.v1.GrantKVRequest\x1a\x1b.pdserve.v1.GrantKVResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/prefill.proto\x12\npdserve.v1\x1a\x1apdserve/proto/common.proto\"\xe2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x19\n\x11\x64\x65\x63ode_kv_address\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\r\n\x0b_cache_salt\"\x92\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x18\n\x0bstop_reason\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\'\n\tkv_handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprobB\x0e\n\x0c_stop_reason\"\x95\x01\n\rSendKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x19\n\x11\x64\x65\x63ode_kv_address\x18\x03 \x01(\t\x12\x15\n\rblock_indices\x18\x04 \x03(\x05\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x11\n\tkv_ticket\x18\x06 \x01(\t\"H\n\x0eSendKVResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"Y\n\x0eGrantKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x19\n\x11\x64\x65\x63ode_kv_address\x18\x03 \x01(\t\"\"\n\x0fGrantKVResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xdd\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12?\n\x06SendKV\x12\x19.pdserve.v1.SendKVRequest\x1a\x1a.pdserve.v1.SendKVResponse\x12\x42\n\x07GrantKV\x12\x1a.pdserve.v1.GrantKVRequest\x1a\x1b.pdserve.v1.GrantKVResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -23,21 +23,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.proto.prefill_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=72
-  _globals['_PREFILLREQUEST']._serialized_end=280
-  _globals['_PREFILLRESPONSE']._serialized_start=283
-  _globals['_PREFILLRESPONSE']._serialized_end=557
-  _globals['_SENDKVREQUEST']._serialized_start=560
-  _globals['_SENDKVREQUEST']._serialized_end=709
-  _globals['_SENDKVRESPONSE']._serialized_start=711
-  _globals['_SENDKVRESPONSE']._serialized_end=783
-  _globals['_GRANTKVREQUEST']._serialized_start=785
-  _globals['_GRANTKVREQUEST']._serialized_end=874
-  _globals['_GRANTKVRESPONSE']._serialized_start=876
-  _globals['_GRANTKVRESPONSE']._serialized_end=910
-  _globals['_RELEASEREQUEST']._serialized_start=912
-  _globals['_RELEASEREQUEST']._serialized_end=948
-  _globals['_RELEASERESPONSE']._serialized_start=950
-  _globals['_RELEASERESPONSE']._serialized_end=985
-  _globals['_PREFILLWORKER']._serialized_start=988
-  _globals['_PREFILLWORKER']._serialized_end=1337
+  _globals['_PREFILLREQUEST']._serialized_end=298
+  _globals['_PREFILLRESPONSE']._serialized_start=301
+  _globals['_PREFILLRESPONSE']._serialized_end=575
+  _globals['_SENDKVREQUEST']._serialized_start=578
+  _globals['_SENDKVREQUEST']._serialized_end=727
+  _globals['_SENDKVRESPONSE']._serialized_start=729
+  _globals['_SENDKVRESPONSE']._serialized_end=801
+  _globals['_GRANTKVREQUEST']._serialized_start=803
+  _globals['_GRANTKVREQUEST']._serialized_end=892
+  _globals['_GRANTKVRESPONSE']._serialized_start=894
+  _globals['_GRANTKVRESPONSE']._serialized_end=928
+  _globals['_RELEASEREQUEST']._serialized_start=930
+  _globals['_RELEASEREQUEST']._serialized_end=966
+  _globals['_RELEASERESPONSE']._serialized_start=968
+  _globals['_RELEASERESPONSE']._serialized_end=1003
+  _globals['_PREFILLWORKER']._serialized_start=1006
+  _globals['_PREFILLWORKER']._serialized_end=1355
 # @@protoc_insertion_point(module_scope)

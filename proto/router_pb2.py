@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto import common_pb2 as pdserve_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/router.proto\x12\npdserve.v1\x1a\x1apdserve/proto/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\x17\n\ncache_salt\x18\t \x01(\tH\x02\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\r\n\x0b_cache_salt\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\xdf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"(\n\x12RouterAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x13RouterAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"_\n\x14RouterHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x1b\n\x13num_prefill_workers\x18\x02 \x01(\x05\x12\x1a\n\x12num_decode_workers\x18\x03 \x01(\x05\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x32\xaf\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.v1.RouterAbortRequest\x1a\x1f.pdserve.v1.RouterAbortResponse\x12\x45\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a .pdserve.v1.RouterHealthResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/router.proto\x12\npdserve.v1\x1a\x1apdserve/proto/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\x17\n\ncache_salt\x18\t \x01(\tH\x02\x88\x01\x01\x12\x10\n\x08priority\x18\n \x01(\x05\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\r\n\x0b_cache_salt\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\xdf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"(\n\x12RouterAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x13RouterAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"_\n\x14RouterHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x1b\n\x13num_prefill_workers\x18\x02 \x01(\x05\x12\x1a\n\x12num_decode_workers\x18\x03 \x01(\x05\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x32\xaf\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.v1.RouterAbortRequest\x1a\x1f.pdserve.v1.RouterAbortResponse\x12\x45\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a .pdserve.v1.RouterHealthResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -25,21 +25,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=70
   _globals['_TOKENIDS']._serialized_end=93
   _globals['_GENERATEREQUEST']._serialized_start=96
-  _globals['_GENERATEREQUEST']._serialized_end=418
-  _globals['_USAGE']._serialized_start=420
-  _globals['_USAGE']._serialized_end=522
-  _globals['_GENERATERESPONSE']._serialized_start=525
-  _globals['_GENERATERESPONSE']._serialized_end=748
-  _globals['_ROUTERABORTREQUEST']._serialized_start=750
-  _globals['_ROUTERABORTREQUEST']._serialized_end=790
-  _globals['_ROUTERABORTRESPONSE']._serialized_start=792
-  _globals['_ROUTERABORTRESPONSE']._serialized_end=830
-  _globals['_ROUTERHEALTHRESPONSE']._serialized_start=832
-  _globals['_ROUTERHEALTHRESPONSE']._serialized_end=927
-  _globals['_LISTMODELSREQUEST']._serialized_start=929
-  _globals['_LISTMODELSREQUEST']._serialized_end=948
-  _globals['_LISTMODELSRESPONSE']._serialized_start=950
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1009
-  _globals['_ROUTER']._serialized_start=1012
-  _globals['_ROUTER']._serialized_end=1315
+  _globals['_GENERATEREQUEST']._serialized_end=436
+  _globals['_USAGE']._serialized_start=438
+  _globals['_USAGE']._serialized_end=540
+  _globals['_GENERATERESPONSE']._serialized_start=543
+  _globals['_GENERATERESPONSE']._serialized_end=766
+  _globals['_ROUTERABORTREQUEST']._serialized_start=768
+  _globals['_ROUTERABORTREQUEST']._serialized_end=808
+  _globals['_ROUTERABORTRESPONSE']._serialized_start=810
+  _globals['_ROUTERABORTRESPONSE']._serialized_end=848
+  _globals['_ROUTERHEALTHRESPONSE']._serialized_start=850
+  _globals['_ROUTERHEALTHRESPONSE']._serialized_end=945
+  _globals['_LISTMODELSREQUEST']._serialized_start=947
+  _globals['_LISTMODELSREQUEST']._serialized_end=966
+  _globals['_LISTMODELSRESPONSE']._serialized_start=968
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1027
+  _globals['_ROUTER']._serialized_start=1030
+  _globals['_ROUTER']._serialized_end=1333
 # @@protoc_insertion_point(module_scope)

@@ -120,7 +120,7 @@ class WorkerCalls:
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                 sampling_params=sampling_params_to_proto(request.params),
                 decode_worker_id=decode.worker_id, decode_kv_address=decode.record.kv_address,
-                **salt)
+                priority=request.priority, **salt)
             # NOTE: no deadline: a long prefill is not a failure while the worker is alive
             reply = await self.pool.watched(worker, worker.stub.Prefill(
                 message, metadata=self.pool.credentials(worker, "Prefill", message)))
@@ -162,7 +162,8 @@ class WorkerCalls:
             params = replace(params, prompt_logprobs=None)
         message = decode_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=request.prompt_token_ids,
-            sampling_params=sampling_params_to_proto(params), **salt)
+            sampling_params=sampling_params_to_proto(params), priority=request.priority,
+            **salt)
         if with_kv:
             kv.num_handle_attempts += 1
             message.first_token_id = kv.reply.first_token_id

@@ -37,6 +37,7 @@ DEFAULT_PUBLIC_ENDPOINTS = ("/health", "/ready", "/metrics")  # served without a
 ADMIN_PATHS = ("/admin", "/metrics/targets")
 DISAGGREGATION_MODES = ("auto", "always")
 PREFILL_ROUTING_POLICIES = ("prefix-aware", "round-robin")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # vLLM's (router/tool_parsers.py)
 # argparse groups of the generated flags: title -> description
 GROUPS = {
@@ -308,6 +309,9 @@ class RouterConfig:
     at least ``local_prefill_threshold`` tokens to the prefill pool while it has a
     worker. ``prefill_routing``: ``"prefix-aware"`` (``routing.choose_prefill_worker``)
     or ``"round-robin"`` (each prefill to the next worker in turn, a baseline).
+    ``scheduling_policy`` (vLLM's): ``"fcfs"`` refuses a request's ``priority`` other
+    than 0; ``"priority"`` sends it to the workers, whose schedulers serve lower values
+    first (``engine/scheduler.py``).
 
     Admission control (503 + ``Retry-After`` before any work; migrations bypass it, as
     they are requests already accepted): ``max_waiting_requests`` admitted requests
@@ -381,6 +385,12 @@ class RouterConfig:
         "prefix-aware: the prefill worker with the lowest uncached blocks + load (the "
         "Redis prefix index); round-robin: the next one in turn (a baseline to compare "
         "with)", choices=PREFILL_ROUTING_POLICIES)
+    scheduling_policy: str = setting(
+        "fcfs", "--scheduling-policy",
+        "fcfs: first come, first served, and a request's priority other than 0 is refused "
+        "(400); priority: a request's priority (vLLM's field, lower first, default 0) "
+        "orders the workers' queues and picks which running request is preempted",
+        choices=SCHEDULING_POLICIES)
     overlap_weight: float = internal(1.0)
     registry_interval_s: float = internal(1.0)
     # NOTE: a call silent for stall_interval_s has its worker asked for Health, and only

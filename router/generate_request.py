@@ -11,7 +11,8 @@ from pdserve.engine.sampling_params import SamplingParams
 @dataclass(slots=True)
 class GenerateRequest:
     """One sequence to generate: token ids, engine parameters, and the router's own
-    options (stop strings, detokenization, ``cache_salt``)."""
+    options (stop strings, detokenization, ``cache_salt``, ``priority``: vLLM's, lower
+    scheduled first by the workers)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -20,3 +21,4 @@ class GenerateRequest:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    priority: int = 0

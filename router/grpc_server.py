@@ -271,7 +271,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
         Raises:
             RequestError: naming the field (``text``, ``token_ids``, ``stop``,
-                ``cache_salt``, ``stop_token_ids``, ``max_tokens``, another sampling
+                ``cache_salt``, ``priority``, ``stop_token_ids``, ``max_tokens``, another sampling
                 parameter: 400; the rules are the HTTP API's, ``protocol/validation.py``).
         """
         prompt = self._prompt(request, router)
@@ -284,9 +284,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         params.max_tokens = fit_max_tokens(len(prompt), params.max_tokens,
                                            router.max_model_len, api="grpc")
         check_prompt_logprobs(len(prompt), params.prompt_logprobs, "prompt_logprobs")
+        priority = check_field("priority", router.check_priority, request.priority)
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return GenerateRequest(request_id, prompt, params, stop,
-                               request.include_stop_str_in_output, skip, cache_salt)
+                               request.include_stop_str_in_output, skip, cache_salt, priority)
 
     def _prompt(self, request, router: ModelService) -> list[int]:
         """The prompt's token ids: ``text`` tokenized, or ``token_ids`` in the vocabulary."""

@@ -41,6 +41,7 @@ from pdserve.router.protocol import (
 )
 from pdserve.router.protocol.requests import REQUEST_ID_PATTERN
 from pdserve.router.protocol.validation import (
+    check_field,
     check_request_prompt_logprobs,
     checked_sampling_params,
 )
@@ -245,6 +246,7 @@ async def _serve(router: ModelService, request: CompletionRequest | ChatCompleti
         tools is not None and tools.needs_special_tokens)
     prompt_logprob_entries = 0
     bad_words = bad_word_sequences(router.tokenizer, request.bad_words or ())
+    priority = check_field("priority", router.check_priority, request.priority)
     for prompt in prompts:
         params = to_sampling_params(request, max_model_len=router.max_model_len,
                                     prompt_len=len(prompt), defaults=router.generation_defaults)
@@ -263,7 +265,7 @@ async def _serve(router: ModelService, request: CompletionRequest | ChatCompleti
                 f"{base_id}-{len(sequences)}", prompt, seq_params,
                 request.stop_strings(),
                 request.include_stop_str_in_output, skip_special_tokens,
-                request.cache_salt))
+                request.cache_salt, priority))
     check_request_prompt_logprobs(prompt_logprob_entries)
     router.check_available(len(sequences))
     merged = _Merged([router.generate(s) for s in sequences])

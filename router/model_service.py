@@ -170,6 +170,18 @@ class ModelService:
     def _uses_prefill(self) -> bool:
         return self.config.local_prefill_threshold < self.max_model_len
 
+    def check_priority(self, priority: int) -> int:
+        """``priority`` if this router's ``scheduling_policy`` takes it (vLLM's rule: any
+        int32 under ``priority``, 0 only under ``fcfs``).
+
+        Raises:
+            ValueError: a priority other than 0 under ``fcfs``.
+        """
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"{priority} is refused: the router schedules first come, first "
+                             "served (start it with --scheduling-policy priority)")
+        return priority
+
     def check_available(self, num_sequences: int = 1) -> None:
         """Admit a request of ``num_sequences`` sequences, before any work is done for it.
 

@@ -52,6 +52,22 @@ def test_aborts_in_prefill_and_decode_free_every_block(llm):
     assert engine.is_idle_and_clean()
 
 
+def test_priority_orders_the_queue_and_leaves_the_outputs_alone(llm):
+    engine = llm.engine
+    for name, priority in [("a", 2), ("b", -1), ("c", 2), ("d", 0)]:
+        engine.add_request(name, [5, 6, 7], GREEDY, priority=priority)
+    assert [r.request_id for r in engine.scheduler.waiting] == ["b", "d", "a", "c"]
+    for name in "abcd":
+        engine.abort_request(name)
+    prompts = random_prompts([9, 17, 5], seed=4)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    ranked = llm.generate(prompts, GREEDY, priority=[3, -2, 0])
+    assert [o.outputs[0].token_ids for o in ranked] == plain
+    with pytest.raises(ValueError, match="2 priority values for 3 prompts"):
+        llm.generate(prompts, GREEDY, priority=[0, 1])
+    assert engine.is_idle_and_clean()
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     prompts = random_prompts([5, 30, 9], seed=3)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=16,

@@ -1,4 +1,5 @@
-"""Scheduler: token budget, max_num_seqs, decodes first, preemption, abort accounting."""
+"""Scheduler: token budget, max_num_seqs, decodes first, preemption, abort accounting,
+priority order."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 
 
-def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int = 8) -> Request:
+def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int = 8,
+                 priority: int = 0) -> Request:
     prompt = [hash((request_id, i)) % 1000 for i in range(num_prompt_tokens)]
     return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), frozenset(),
-                   max_tokens)
+                   max_tokens, priority=priority)
 
 
 def make_scheduler(num_blocks=32, block_size=4, **config) -> Scheduler:
@@ -80,6 +82,51 @@ def test_preemption_recomputes_latest_request():
         run_step(scheduler)
     assert b.output_token_ids == [7, 7, 7, 7]
     assert scheduler.kv.pool.num_free_blocks == 4
+
+
+def test_priority_orders_the_queue_arrival_breaking_ties():
+    scheduler = make_scheduler(max_num_seqs=1)
+    for name, priority in [("a", 1), ("b", 0), ("c", 2), ("d", 0), ("e", 1), ("f", -5)]:
+        scheduler.add_request(make_request(name, 3, max_tokens=1, priority=priority))
+    assert [r.request_id for r in scheduler.waiting] == ["f", "b", "d", "a", "e", "c"]
+    finished = []
+    while scheduler.num_unfinished:
+        out = run_step(scheduler)
+        finished += [r.request_id for r in out.requests if r.request_id not in scheduler.requests]
+    assert finished == ["f", "b", "d", "a", "e", "c"]
+
+
+def test_the_more_urgent_running_request_gets_blocks_first():
+    # 4 blocks of 4 tokens. "urgent" (priority -1) is admitted after "low" (priority 1)
+    # and scheduled before it, so when both need a third block, low preempts itself
+    # (first come, first served would have scheduled low first and preempted urgent), and
+    # it is requeued before the waiting request of its own priority.
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=64)
+    scheduler.add_request(make_request("low", 7, max_tokens=4, priority=1))
+    run_step(scheduler)
+    scheduler.add_request(make_request("urgent", 7, max_tokens=4, priority=-1))
+    run_step(scheduler)  # low decodes token 8 (block 2 full), urgent prefills 2 blocks
+    scheduler.add_request(make_request("later", 3, max_tokens=1, priority=1))
+    out = run_step(scheduler)  # urgent first: token 8; low needs a 3rd block: itself
+    assert [r.request_id for r in out.preempted] == ["low"]
+    assert [r.request_id for r in scheduler.waiting] == ["low", "later"]
+    assert scheduler.requests["urgent"].status == RequestStatus.RUNNING
+    out = run_step(scheduler)  # urgent needs a 3rd block: nothing of lower priority runs
+    assert scheduled(out) == {"urgent": 1} and not out.preempted
+    while scheduler.num_unfinished:
+        run_step(scheduler)
+    assert scheduler.kv.pool.num_free_blocks == 4
+
+
+def test_the_victim_is_the_running_request_of_the_highest_priority_value():
+    scheduler = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
+    for name, priority in [("mid", 0), ("low", 3), ("high", -2)]:
+        scheduler.add_request(make_request(name, 7, max_tokens=4, priority=priority))
+    run_step(scheduler)  # 2 blocks each
+    run_step(scheduler)  # token 8 each: block 2 full
+    out = run_step(scheduler)  # high, mid need a 3rd block: low goes (admitted second)
+    assert [r.request_id for r in out.preempted] == ["low"]
+    assert set(scheduled(out)) == {"high", "mid"}
 
 
 def test_abort_frees_blocks_in_prefill_and_decode():

@@ -200,7 +200,8 @@ class _SamplingFields(BaseModel):
                                                     max_length=MAX_ALLOWED_TOKEN_IDS)
     # vLLM's: words the output must not contain (engine.tokenizer.bad_word_sequences)
     bad_words: list[Text] | None = Field(None, max_length=MAX_BAD_WORDS // 2)
-    # vLLM's; 0 only, as vLLM's default first-come-first-served scheduler takes
+    # vLLM's: lower is served first; other than 0 only under --scheduling-policy priority
+    # (ModelService.check_priority)
     priority: Int32 = 0
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
@@ -218,15 +219,6 @@ class _SamplingFields(BaseModel):
     guided_grammar: Text | None = None
 
     _structured_output: StructuredOutputSpec | None = PrivateAttr(None)
-
-    @field_validator("priority")
-    @classmethod
-    def _check_priority(cls, value: Any) -> Any:
-        if value != 0:
-            raise ValueError("priority other than 0 is not supported: requests are "
-                             "scheduled first come, first served (as vLLM's default "
-                             "scheduling policy, which refuses it too)")
-        return value
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
