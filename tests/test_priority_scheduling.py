@@ -5,7 +5,8 @@ each request's ``priority`` to the workers, whose schedulers serve lower values 
 
 One in-process cluster for the module (the demo model, a real Redis, real gRPC between
 router and workers, the router behind a real HTTP port), its decode worker running one
-sequence at a time, so that requests queue there."""
+sequence at a time, so that requests queue there. The last test drives the decode worker's
+own KV-pull allocation (``DecodeService._allocate``) against its real engine."""
 
 from __future__ import annotations
 
@@ -124,4 +125,61 @@ def test_grpc_takes_priority_and_a_fcfs_router_refuses_it(cluster):
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "priority" in refused.value.details()
     assert "--scheduling-policy priority" in refused.value.details()
+    cluster.wait_all_blocks_free()
+
+
+def test_a_decode_worker_allocates_for_the_more_urgent_kv_pull_first(cluster):
+    """Two requests whose KV is to be pulled wait for blocks on the real decode worker
+    (its blocks held by requests admitted directly into its engine): when blocks for one
+    of them come free, the later, more urgent one (-1) takes them while the earlier one
+    (priority 5) keeps waiting; it gets its blocks once those are free again."""
+    from pdserve.engine import SamplingParams
+
+    service, loop = cluster.decode.service, cluster.loop
+    engine = service.engine
+
+    def call(coro, timeout_s: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
+
+    def prompt(seed: int, length: int) -> list[int]:
+        return [5 + (seed * 7919 + i * 104729) % 200 for i in range(length)]
+
+    def admit(request_id: str, tokens: list[int]):
+        return call(engine.call(lambda e: e.add_kv_transfer_request(
+            request_id, tokens, 1, SamplingParams(max_tokens=4))))
+
+    def drop(request_id: str) -> None:
+        call(engine.call(lambda e: e.finish_kv_transfer(request_id, False)))
+
+    total = engine.engine.num_blocks  # 64 blocks of 16 tokens
+    holders = [f"holder-{i}" for i in range(4)]
+    for i, name in enumerate(holders):  # 240 tokens each (prompt + first token): 15 blocks
+        assert admit(name, prompt(100 + i, 239)) is not None
+    assert engine.engine.num_free_blocks() == total - 60
+
+    async def race():
+        later = asyncio.create_task(service._allocate(
+            "later", prompt(1, 200), SamplingParams(max_tokens=4), None, 1, None, 5))
+        while "later" not in service._allocating:
+            await asyncio.sleep(0.005)
+        urgent = asyncio.create_task(service._allocate(
+            "urgent", prompt(2, 200), SamplingParams(max_tokens=4), None, 1, None, -1))
+        while "urgent" not in service._allocating:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)  # both have tried and wait: 13 blocks each, 4 free
+        await engine.call(lambda e: e.finish_kv_transfer(holders[0], False))  # 19 free
+        done, _ = await asyncio.wait([later, urgent], timeout=10,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        first = [t is urgent for t in done]
+        await asyncio.sleep(0.1)  # the other keeps waiting: 6 blocks are left
+        still_waiting = not later.done()
+        await engine.call(lambda e: e.finish_kv_transfer("urgent", False))
+        await asyncio.wait_for(later, 10)
+        return first, still_waiting
+
+    first, still_waiting = call(race(), 60)
+    assert first == [True] and still_waiting
+    for name in ["later", *holders[1:]]:
+        drop(name)
+    assert not service._allocating
     cluster.wait_all_blocks_free()
