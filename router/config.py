@@ -39,6 +39,7 @@ DISAGGREGATION_MODES = ("auto", "always")
 PREFILL_ROUTING_POLICIES = ("prefix-aware", "round-robin")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # vLLM's (router/tool_parsers.py)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's (router/reasoning.py)
 # argparse groups of the generated flags: title -> description
 GROUPS = {
     "router timeouts": (
@@ -332,6 +333,8 @@ class RouterConfig:
     the background Health poll that routing reads; ``control_timeout_s`` bounds each
     ``GrantKV``, ``Abort`` and ``Release``, and the wait for those still under way at
     ``stop()``.
+    ``reasoning_parser`` (``router/reasoning.py``) splits a chat reply's reasoning from
+    its content, as vLLM's flag of that name does.
     ``tool_call_parser`` (``router/tool_parsers.py``) reads tool calls out of the model's
     text; ``enable_auto_tool_choice`` lets requests leave the choice to the model
     (``tool_choice: auto``), as vLLM's flags of those names do.
@@ -457,6 +460,11 @@ class RouterConfig:
         None, "--tool-call-parser",
         "how the model writes tool calls: hermes (Hermes, Qwen), llama3_json (Llama "
         "3.1-3.3), mistral", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = setting(
+        None, "--reasoning-parser",
+        "split a reasoning model's chat replies into message.reasoning (the <think> "
+        "block) and content: deepseek_r1 (DeepSeek-R1, its distills, QwQ), qwen3 (Qwen3, "
+        "Qwen3-Thinking)", choices=REASONING_PARSERS)
     auth: ClusterAuth | None = field(default=None, repr=False,
                                      metadata={"source": "--cluster-secret-file"})
 
@@ -481,6 +489,12 @@ class RouterConfig:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser={self.tool_call_parser!r} must be one of "
                              f"{TOOL_CALL_PARSERS}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} must be one of "
+                             f"{REASONING_PARSERS}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be one of "
+                             f"{SCHEDULING_POLICIES}")
         from pdserve.kernels.kv_quant import canonical_kv_cache_dtype  # NOTE: loads torch
 
         canonical_kv_cache_dtype(self.kv_cache_dtype)  # NOTE: raises for an unknown name

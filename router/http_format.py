@@ -31,6 +31,7 @@ from pdserve.router.protocol import (
     completion_stream_choice,
     completion_stream_chunk,
 )
+from pdserve.router.reasoning import PROMPT_TAIL_TOKENS, ReasoningStream, split_reasoning
 from pdserve.router.tool_calling import ToolCalling
 
 
@@ -191,8 +192,11 @@ class CompletionFormatter(Formatter):
 
 
 class ChatFormatter(Formatter):
-    """``chat.completion`` responses and ``chat.completion.chunk`` stream chunks; with
-    ``tools``, each choice's text is read for tool calls (``ToolCalling``)."""
+    """``chat.completion`` responses and ``chat.completion.chunk`` stream chunks; under
+    ``--reasoning-parser`` each choice's reasoning block is split off its content
+    (``router/reasoning.py``; not for a request whose output a grammar writes: structured
+    output, ``tool_choice`` required or named); with ``tools``, the content is read for
+    tool calls (``ToolCalling``)."""
 
     def __init__(self, router: ModelService, request: ChatCompletionRequest, response_id: str,
                  prompts: list[list[int]], tools: ToolCalling | None = None,
@@ -202,6 +206,13 @@ class ChatFormatter(Formatter):
         self.replies = replies
         self._streams = [tools.stream() if tools else None for _ in self.texts]
         self._has_calls = [False] * len(self.texts)
+        constrained = request.structured_output_spec() is not None or (
+            tools is not None and tools.spec is not None)
+        self._parser = None if constrained else router.config.reasoning_parser
+        self._prompt_tail = router.tokenizer.decode(
+            prompts[0][-PROMPT_TAIL_TOKENS:]) if self._parser else ""
+        self._reasoning = [ReasoningStream(self._parser, self._prompt_tail) if self._parser
+                           else None for _ in self.texts]
 
     def add(self, index: int, chunk: GenerationChunk) -> None:
         """Record ``chunk`` of choice ``index``; a finished plain-text reply's token ids
@@ -235,11 +246,15 @@ class ChatFormatter(Formatter):
         """Record ``chunk`` of choice ``index``; its ``ChatCompletionStreamResponse`` dict."""
         self.add(index, chunk)
         logprobs = self._logprobs(chunk.logprobs)
-        content, calls = chunk.text, []
+        content, calls, reasoning = chunk.text, [], None
+        final = chunk.finish_reason is not None
+        if (split := self._reasoning[index]) is not None:
+            reasoning, content = split.feed(content, final)
+            reasoning = reasoning if reasoning and self.request.include_reasoning else None
         stream = self._streams[index]
         if stream is not None:
             first = len(stream.calls)
-            content, new = stream.feed(chunk.text, final=chunk.finish_reason is not None)
+            content, new = stream.feed(content, final=final)
             calls = [(first + i, call_id, c.name, c.arguments)
                      for i, (call_id, c) in enumerate(new)]
             self._has_calls[index] |= bool(stream.calls)
@@ -247,21 +262,27 @@ class ChatFormatter(Formatter):
             index, content, finish_reason=self._finish_reason(index, chunk.finish_reason),
             stop_reason=chunk.stop_reason,
             logprobs=None if logprobs is None else logprobs.model_dump(), tool_calls=calls,
-            token_ids=self.ids(chunk.token_ids))], self.running_usage())
+            token_ids=self.ids(chunk.token_ids), reasoning=reasoning)], self.running_usage())
 
     def _stream_response(self, choices: list[dict], usage: dict | None = None,
                          prompt_token_ids: list[int] | None = None) -> dict:
         return chat_stream_chunk(self.response_id, self.model, choices, usage, prompt_token_ids)
 
     def _message(self, index: int) -> ChatResponseMessage:
-        text, echoed = self.texts[index], self.request.echoed()
+        text, echoed, reasoning = self.texts[index], self.request.echoed(), None
+        if self._parser:
+            reasoning, text = split_reasoning(self._parser, text, self._prompt_tail)
+        empty = "" if reasoning is None else None  # vLLM's: no content after the block
+        if not self.request.include_reasoning:
+            reasoning = None
         if self.tools is None:
-            return ChatResponseMessage(content=echoed + text)
+            return ChatResponseMessage(content=(echoed + text) or empty, reasoning=reasoning)
         stream = self.tools.stream()
         content, calls = stream.feed(text, final=True)
         self._has_calls[index] = bool(calls)
         content = echoed + content
-        return ChatResponseMessage(content=content or (None if calls else ""), tool_calls=[
+        return ChatResponseMessage(content=content or (None if calls else empty),
+                                   reasoning=reasoning, tool_calls=[
             ChatToolCall(id=call_id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
             for call_id, c in calls])
 

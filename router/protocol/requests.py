@@ -454,6 +454,8 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateInputs):
     add_special_tokens: bool = False
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: false leaves the reasoning out (--reasoning-parser still splits it off)
+    include_reasoning: bool = True
 
     @field_validator("add_special_tokens")
     @classmethod

@@ -140,10 +140,12 @@ class ChatChoiceLogProbs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The assistant's message in a full chat answer; ``tool_calls`` when it called tools."""
+    """The assistant's message in a full chat answer; ``tool_calls`` when it called tools,
+    ``reasoning`` (vLLM's) the reply's reasoning block under ``--reasoning-parser``."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning: str | None = _if_asked()
     tool_calls: list[ChatToolCall] = Field(default_factory=list)
 
 
@@ -254,12 +256,16 @@ def chat_stream_choice(index: int, content: str | None, role: str | None = None,
                        finish_reason: str | None = None, stop_reason: int | str | None = None,
                        logprobs: dict | None = None,
                        tool_calls: list[tuple[int, str, str, str]] = (),
-                       token_ids: list[int] | None = None) -> dict:
+                       token_ids: list[int] | None = None, reasoning: str | None = None
+                       ) -> dict:
     """A ``ChatCompletionStreamChoice`` as a dict: its ``delta`` holds ``role`` and
-    ``content`` (``logprobs`` a ``ChatChoiceLogProbs.model_dump()``), and ``tool_calls``
+    ``content`` (``logprobs`` a ``ChatChoiceLogProbs.model_dump()``), ``reasoning`` where
+    given (vLLM's: what the chunk adds to the reasoning block), and ``tool_calls``
     given as ``(index, id, name, arguments)``, each sent as OpenAI streams a call: an entry
     with the id, the name and empty arguments, then one with the arguments."""
     delta: dict[str, Any] = {"role": role, "content": content}
+    if reasoning is not None:
+        delta["reasoning"] = reasoning
     if tool_calls:
         delta["tool_calls"] = [entry for i, call_id, name, arguments in tool_calls for entry in (
             {"index": i, "id": call_id, "type": "function",
