@@ -38,7 +38,7 @@ ADMIN_PATHS = ("/admin", "/metrics/targets")
 DISAGGREGATION_MODES = ("auto", "always")
 PREFILL_ROUTING_POLICIES = ("prefix-aware", "round-robin")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # vLLM's (router/tool_parsers.py)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")  # vLLM's (tool_parsers.py)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's (router/reasoning.py)
 # argparse groups of the generated flags: title -> description
 GROUPS = {
@@ -459,7 +459,8 @@ class RouterConfig:
     tool_call_parser: str | None = setting(
         None, "--tool-call-parser",
         "how the model writes tool calls: hermes (Hermes, Qwen), llama3_json (Llama "
-        "3.1-3.3), mistral", choices=TOOL_CALL_PARSERS)
+        "3.1-3.3), mistral, pythonic (Llama 3.2 and 4's Python lists of calls)",
+        choices=TOOL_CALL_PARSERS)
     reasoning_parser: str | None = setting(
         None, "--reasoning-parser",
         "split a reasoning model's chat replies into message.reasoning (the <think> "

@@ -7,7 +7,13 @@ calls, whole or while it streams. Chosen with vLLM's ``--tool-call-parser NAME``
   "parameters": {...}}`` (or ``"arguments"``), optionally after ``<|python_tag|>``,
   several calls joined by ``;``;
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON list ``[{"name": N, "arguments": {...}}]``
-  (tokenizers before v11) or ``N[ARGS]{...}`` per call (v11 and later).
+  (tokenizers before v11) or ``N[ARGS]{...}`` per call (v11 and later);
+- ``pythonic`` (Llama 3.2's and Llama 4's): the reply is a Python list of calls with
+  keyword arguments, ``[get_weather(city="Paris"), get_time()]``, optionally between
+  ``<|python_start|>`` and ``<|python_end|>``; the values are Python literals, read
+  with ``ast.literal_eval`` (never evaluated). A streamed reply that opens a list is held
+  back whole and its calls come with its last chunk: Python's parser reads the list once,
+  not once per chunk (a long list, or a deeply nested one, stays linear).
 
 Every parser is a pure function of the text so far, ``parse(text, final)``, and its
 answers only grow as the text grows (the content of a shorter text is a prefix of a longer
@@ -19,6 +25,7 @@ content; with at least one call, malformed blocks and text after the calls are d
 
 from __future__ import annotations
 
+import ast
 import json
 import secrets
 from dataclasses import dataclass, field
@@ -174,8 +181,62 @@ class MistralToolParser(ToolParser):
         return ParseResult(head.rstrip(), good)
 
 
+def _python_call(node: ast.expr) -> ParsedToolCall | None:
+    """``name(key=literal, ...)`` as a call; None for anything else (positional arguments,
+    a value that is not a literal, a name that is not a plain identifier)."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        return None
+    args = {}
+    for keyword in node.keywords:
+        if keyword.arg is None:  # **kwargs
+            return None
+        try:
+            args[keyword.arg] = ast.literal_eval(keyword.value)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None
+    try:
+        return ParsedToolCall(node.func.id, json.dumps(args, ensure_ascii=False))
+    except (TypeError, ValueError):  # a set, bytes or complex number: not JSON
+        return None
+
+
+def _python_calls(source: str) -> list[ParsedToolCall | None] | None:
+    """The elements of the Python list ``source`` as calls (None where one is not a
+    call); None when ``source`` is not a list."""
+    try:
+        tree = ast.parse(source, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List):
+        return None
+    return [_python_call(e) for e in tree.body.elts]
+
+
+class PythonicToolParser(ToolParser):
+    name = "pythonic"
+    needs_special_tokens = False  # the tags are optional: the list alone is the calls
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def parse(self, text: str, final: bool) -> ParseResult:
+        body = text.lstrip()
+        if body.startswith(self.START):
+            body = body[len(self.START):].lstrip()
+        elif not body.startswith("["):
+            if not final and (not body or self.START.startswith(body)):
+                return ParseResult("")  # may still become a call
+            return ParseResult(text if final else text.rstrip())
+        if not final:  # NOTE: one parse of the whole list at the end, not one per chunk
+            return ParseResult("")
+        calls = tuple(c for c in _python_calls(body.split(self.END, 1)[0].rstrip()) or ()
+                      if c is not None)
+        if not calls:
+            return ParseResult(text)  # no call after all: the model answered in text
+        return ParseResult("", calls)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                        PythonicToolParser)}
 
 
 def tool_call_id() -> str:

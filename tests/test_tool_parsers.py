@@ -39,6 +39,23 @@ CASES = [
     ("mistral", ('Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "c"}'
      '[TOOL_CALLS]get_time[ARGS]{"tz": "Europe/Paris"}'), "Sure.", [WEATHER, TIME]),
     ("mistral", "[TOOL plain", "[TOOL plain", []),
+    ("pythonic", '[get_weather(city="Paris", unit=\'c\'), get_time(tz="Europe/Paris")]', "",
+     [WEATHER, TIME]),
+    ("pythonic", ('<|python_start|>[get_weather(city="Paris", unit="c")]<|python_end|>'),
+     "", [WEATHER]),
+    ("pythonic", "[no_args(), get_time(tz='Europe/Paris')]", "",
+     [ParsedToolCall("no_args", "{}"), TIME]),
+    ("pythonic", ('[f(x={"a": [1, 2.5, None, True]}, s="a ) ] \\" quote")]'), "",
+     [ParsedToolCall("f", json.dumps({"x": {"a": [1, 2.5, None, True]},
+                                      "s": 'a ) ] " quote'}))]),
+    ("pythonic", '[get_weather(city="Paris", unit="c"), broken(',
+     '[get_weather(city="Paris", unit="c"), broken(', []),
+    ("pythonic", "[f(x=" + "[" * 5000 + "]" * 5000 + ")]",
+     "[f(x=" + "[" * 5000 + "]" * 5000 + ")]", []),
+    ("pythonic", "[get_weather(\"Paris\"), os.system(cmd='x'), f(y=__import__('os'))]",
+     "[get_weather(\"Paris\"), os.system(cmd='x'), f(y=__import__('os'))]", []),
+    ("pythonic", "[1, 2, 3]", "[1, 2, 3]", []),
+    ("pythonic", "The weather is fine.", "The weather is fine.", []),
 ]
 
 
