@@ -39,9 +39,11 @@ from pdserve.engine.demo_model import ensure_demo_model, read_demo_corpus
 from pdserve.engine.generation_config import GenerationDefaults
 from pdserve.engine.request import Logprob
 from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.router.config import RouterConfig
 from pdserve.router.detokenizer import IncrementalDetokenizer
 from pdserve.router.http import build_app
 from pdserve.router.http_format import ChatFormatter, CompletionFormatter
+from pdserve.router.model_service import ModelService
 from pdserve.router.output import GenerationChunk, SequenceOutput
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, sse_event
 
@@ -73,7 +75,8 @@ def bench_detokenize(tokenizer, token_ids: list[int]) -> dict[str, float]:
 
 
 def bench_format(tokenizer, token_ids: list[int]) -> dict[str, float]:
-    router = SimpleNamespace(served_model_name="demo", tokenizer=tokenizer)
+    router = SimpleNamespace(served_model_name="demo", tokenizer=tokenizer,
+                             config=RouterConfig("demo", "redis://127.0.0.1:1"))
     texts = [tokenizer.decode([t]) for t in token_ids]
     top = True  # 5 alternatives: the corpus's next 5 tokens, as varied as a real model's
     cases = {
@@ -117,7 +120,7 @@ class StandInRouter:
         self.served_model_names = ("demo",)
         self.generation_defaults = GenerationDefaults()
         self.max_model_len = 1 << 20
-        self.config = SimpleNamespace(model="demo", retry_after_s=1)
+        self.config = RouterConfig("demo", "redis://127.0.0.1:1")  # the defaults
 
     async def start(self) -> None:
         pass
@@ -127,6 +130,8 @@ class StandInRouter:
 
     def check_available(self, num_sequences: int) -> None:
         pass
+
+    check_priority = ModelService.check_priority  # the router's own rule, on its config
 
     def validation_context(self) -> dict:
         return {"vocab_size": self.vocab_size}

@@ -16,6 +16,7 @@ from pdserve.cluster.wire import sampling_params_from_proto, sampling_params_to_
 from pdserve.engine.demo_model import train_demo_tokenizer
 from pdserve.engine.request import Logprob
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.config import RouterConfig
 from pdserve.router.http_format import ChatFormatter, CompletionFormatter
 from pdserve.router.http_guard import MAX_JSON_DEPTH, parse_json
 from pdserve.router.limits import INT32_MAX, MAX_NUM_SEQUENCES, SEED_LIMIT, choice_seed
@@ -404,7 +405,8 @@ def assert_event_is_model(event: bytes, model: BaseModel) -> None:
 
 def make_formatter(tokenizer, cls, body: dict, num_prompts: int = 1,
                    echo: list[str] | None = None):
-    router = SimpleNamespace(served_model_name="demo", tokenizer=tokenizer)
+    router = SimpleNamespace(served_model_name="demo", tokenizer=tokenizer,
+                             config=RouterConfig("demo", "redis://127.0.0.1:1"))
     request_cls = CompletionRequest if cls is CompletionFormatter else ChatCompletionRequest
     request = request_cls.model_validate({**body, "stream": True})
     args = (router, request, "cmpl-42", [[1, 2, 3]] * num_prompts)
