@@ -95,8 +95,6 @@ def test_chat_validation_names_the_field(body, param):
 
 
 # ---- issue 12: bodies that made the router answer 500 ---------------------------------
-
-
 @pytest.mark.parametrize("body, param", [
     ({"top_k": 2**31}, "top_k"),
     ({"top_k": -2}, "top_k"),
